@@ -1,0 +1,620 @@
+"""What the hardware can do: a cluster description, collective costs and meshes.
+
+A :class:`ClusterSpec` holds per-device compute throughput, per-mesh-axis link
+bandwidth and latency, and per-device memory. The cost model prices
+collectives with Alpa's alpha-beta model (Zheng et al., OSDI 2022, §4.1), on one
+mesh axis of ``n`` devices moving a buffer of ``B`` bytes::
+
+    all-gather      α + β·(n−1)/n·B          B = the gathered (result) buffer
+    reduce-scatter  α + β·(n−1)/n·B          B = the unscattered (input) buffer
+    all-reduce      α + 2β·(n−1)/n·B         B = the buffer
+    all-to-all      α + β·(n−1)/n²·B·p       B = n × the per-device buffer
+    permute         α + β·B                  B = the per-device buffer
+
+with ``β = 1/bandwidth`` and ``p = ALL_TO_ALL_PENALTY``. Every cost is 0 when
+``n == 1``.
+
+Numbers come from a preset (:func:`cluster_preset`), from your own
+``ClusterSpec(...)``, or from measuring the devices at hand
+(:func:`profile_cluster`). Nothing here touches a device at import time.
+
+Example:
+    >>> spec = cluster_preset("h100-2node-ib").for_mesh((2, 8))
+    >>> spec.all_reduce_cost(2**30, axis=1, n=8) < spec.all_reduce_cost(2**30, axis=0, n=2)
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from autoshard.errors import MeshError
+
+__all__ = [
+    "ALL_TO_ALL_PENALTY",
+    "PRESETS",
+    "ClusterSpec",
+    "cluster_preset",
+    "ensure_auto_mesh",
+    "make_mesh",
+    "profile_cluster",
+]
+
+# An all-to-all sends n−1 small messages per device instead of streaming one
+# large ring, and on NVSwitch and InfiniBand it reaches roughly two thirds of
+# the bus bandwidth of a ring all-reduce of the same size (NCCL's own
+# benchmarks). Alpa uses a factor n/2 with a differently defined B; a constant
+# keeps the formula's (n−1)/n² volume term honest for every n.
+ALL_TO_ALL_PENALTY = 1.5
+
+_KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def _normalize_kind(kind: str) -> str:
+    k = kind.replace("_", "-").lower().removesuffix("-start")
+    if k == "permute" or k == "ppermute":
+        k = "collective-permute"
+    if k not in _KINDS:
+        raise ValueError(f"unknown collective kind {kind!r}; expected one of {', '.join(_KINDS)}")
+    return k
+
+
+def _as_positive(field: str, value: Any) -> float | tuple[float, ...]:
+    """Checks that ``value`` is a positive number or a non-empty tuple of them."""
+    if isinstance(value, (list, tuple, np.ndarray)):
+        out = tuple(float(v) for v in value)
+        if not out:
+            raise ValueError(f"ClusterSpec.{field} is an empty sequence; give a number or one per mesh axis")
+        for i, v in enumerate(out):
+            if not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"ClusterSpec.{field}[{i}] must be a positive finite number, got {v!r}")
+        return out
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"ClusterSpec.{field} must be a number, got {value!r}") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise ValueError(f"ClusterSpec.{field} must be a positive finite number, got {value!r}")
+    return v
+
+
+def _mesh_shape(mesh_or_shape: Any) -> tuple[int, ...]:
+    if hasattr(mesh_or_shape, "axis_sizes"):
+        return tuple(int(s) for s in mesh_or_shape.axis_sizes)
+    if hasattr(mesh_or_shape, "devices") and hasattr(mesh_or_shape.devices, "shape"):
+        return tuple(int(s) for s in mesh_or_shape.devices.shape)
+    if isinstance(mesh_or_shape, int):
+        return (mesh_or_shape,)
+    return tuple(int(s) for s in mesh_or_shape)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    """Per-device compute, per-axis links and per-device memory of a cluster.
+
+    Attributes:
+      flops: achievable matmul throughput of one device, in flop/s.
+      bandwidth: link bandwidth in bytes/s per mesh axis, as a tuple in mesh-axis
+        order, or one number for every axis.
+      latency: the fixed cost α of one collective in seconds, per mesh axis or one
+        number for every axis.
+      memory: device memory in bytes.
+      host_bandwidth: device <-> host copy bandwidth in bytes/s.
+      name: a label, kept through :meth:`for_mesh` and JSON.
+
+    Example:
+        >>> spec = ClusterSpec(flops=1e12, bandwidth=1e10, latency=1e-5, memory=2**32)
+        >>> spec.for_mesh((2, 4)).bandwidth
+        (10000000000.0, 10000000000.0)
+    """
+
+    flops: float
+    bandwidth: float | tuple[float, ...]
+    latency: float | tuple[float, ...]
+    memory: float
+    host_bandwidth: float = 25e9
+    name: str = "custom"
+
+    def __post_init__(self):
+        for field in ("flops", "memory", "host_bandwidth"):
+            value = getattr(self, field)
+            if isinstance(value, (list, tuple)):
+                raise ValueError(f"ClusterSpec.{field} must be a single number, got {value!r}")
+            object.__setattr__(self, field, _as_positive(field, value))
+        object.__setattr__(self, "bandwidth", _as_positive("bandwidth", self.bandwidth))
+        object.__setattr__(self, "latency", _as_positive("latency", self.latency))
+        if not isinstance(self.name, str):
+            raise ValueError(f"ClusterSpec.name must be a string, got {self.name!r}")
+        bw, lat = self.bandwidth, self.latency
+        if isinstance(bw, tuple) and isinstance(lat, tuple) and len(bw) != len(lat):
+            raise ValueError(
+                f"ClusterSpec.bandwidth has {len(bw)} mesh axes but ClusterSpec.latency has {len(lat)}"
+            )
+
+    # -- per-axis numbers ---------------------------------------------------------
+
+    @property
+    def ndim(self) -> int | None:
+        """The number of mesh axes the per-axis numbers describe, or None if scalar."""
+        for v in (self.bandwidth, self.latency):
+            if isinstance(v, tuple):
+                return len(v)
+        return None
+
+    def for_mesh(self, mesh_or_shape: Any) -> ClusterSpec:
+        """Returns this spec with one bandwidth and latency per mesh axis.
+
+        Args:
+          mesh_or_shape: a ``jax.sharding.Mesh`` or a mesh shape like ``(2, 4)``.
+
+        Raises:
+          MeshError: a per-axis tuple has a different length than the mesh.
+        """
+        shape = _mesh_shape(mesh_or_shape)
+        nd = len(shape)
+        out = {}
+        for field in ("bandwidth", "latency"):
+            v = getattr(self, field)
+            if isinstance(v, tuple):
+                if len(v) != nd:
+                    raise MeshError(
+                        f"ClusterSpec {self.name!r} gives {field} for {len(v)} mesh axes {v}, but the mesh "
+                        f"has {nd} axes (shape {shape}). Give one {field} per mesh axis, e.g. "
+                        f"dataclasses.replace(spec, {field}=({', '.join(['...'] * nd)})), or a single number."
+                    )
+                out[field] = v
+            else:
+                out[field] = (v,) * nd
+        return dataclasses.replace(self, **out)
+
+    def _axis_value(self, field: str, axis: int) -> float:
+        v = getattr(self, field)
+        if not isinstance(v, tuple):
+            return v
+        if not -len(v) <= axis < len(v):
+            raise MeshError(f"ClusterSpec {self.name!r} has {field} for {len(v)} mesh axes; axis {axis} is out of range")
+        return v[axis]
+
+    def axis_bandwidth(self, axis: int) -> float:
+        """Bandwidth in bytes/s of mesh axis ``axis``."""
+        return self._axis_value("bandwidth", axis)
+
+    def axis_latency(self, axis: int) -> float:
+        """Latency α in seconds of one collective on mesh axis ``axis``."""
+        return self._axis_value("latency", axis)
+
+    # -- alpha-beta costs on one axis (Alpa §4.1) -----------------------------------
+
+    def all_gather_cost(self, nbytes: float, axis: int, n: int) -> float:
+        """α + β·(n−1)/n·B seconds; ``nbytes`` is the gathered buffer."""
+        if n <= 1:
+            return 0.0
+        return self.axis_latency(axis) + (n - 1) / n * nbytes / self.axis_bandwidth(axis)
+
+    def reduce_scatter_cost(self, nbytes: float, axis: int, n: int) -> float:
+        """α + β·(n−1)/n·B seconds; ``nbytes`` is the buffer before scattering."""
+        return self.all_gather_cost(nbytes, axis, n)
+
+    def all_reduce_cost(self, nbytes: float, axis: int, n: int) -> float:
+        """α + 2β·(n−1)/n·B seconds; ``nbytes`` is the reduced buffer."""
+        if n <= 1:
+            return 0.0
+        return self.axis_latency(axis) + 2 * (n - 1) / n * nbytes / self.axis_bandwidth(axis)
+
+    def all_to_all_cost(self, nbytes: float, axis: int, n: int) -> float:
+        """α + β·(n−1)/n²·B·ALL_TO_ALL_PENALTY; ``nbytes`` is n × the per-device buffer."""
+        if n <= 1:
+            return 0.0
+        return self.axis_latency(axis) + (
+            (n - 1) / n**2 * nbytes * ALL_TO_ALL_PENALTY / self.axis_bandwidth(axis)
+        )
+
+    def permute_cost(self, nbytes: float, axis: int, n: int = 2) -> float:
+        """α + β·B seconds: every device sends and receives its ``nbytes`` buffer once."""
+        if n <= 1:
+            return 0.0
+        return self.axis_latency(axis) + nbytes / self.axis_bandwidth(axis)
+
+    def collective_cost(
+        self, kind: str, nbytes: float, axes: int | Sequence[int], sizes: int | Sequence[int]
+    ) -> float:
+        """Seconds for one collective over one or several mesh axes at once.
+
+        Over several axes, all-gather, reduce-scatter and all-reduce are priced
+        hierarchically, the way NCCL and XLA run them across nodes: the axes are
+        taken fastest first, and axis ``k`` moves ``B_k = B / (n_0···n_{k−1})``
+        bytes, so slow links carry the least data. An all-reduce is a
+        reduce-scatter and an all-gather on every axis but the last, which
+        all-reduces (``2α_k`` on inner axes, ``α`` on the last). All-to-all and
+        permute are priced as one group of ``n_0···n_m`` devices on the slowest
+        axis, with its latency.
+
+        Args:
+          kind: ``"all-gather"``, ``"all-reduce"``, ``"reduce-scatter"``,
+            ``"all-to-all"`` or ``"collective-permute"`` (``_`` also accepted).
+          nbytes: ``B`` as defined in the module docstring, for the whole group.
+          axes: mesh-axis indices.
+          sizes: the number of devices along each of ``axes``.
+        """
+        kind = _normalize_kind(kind)
+        axes = (axes,) if isinstance(axes, (int, np.integer)) else tuple(axes)
+        sizes = (sizes,) if isinstance(sizes, (int, np.integer)) else tuple(sizes)
+        if len(axes) != len(sizes):
+            raise ValueError(f"{len(axes)} axes {axes} but {len(sizes)} sizes {sizes}")
+        pairs = [(a, int(s)) for a, s in zip(axes, sizes, strict=True) if s > 1]
+        if not pairs:
+            return 0.0
+        if kind in ("all-to-all", "collective-permute") or len(pairs) == 1:
+            n = math.prod(s for _, s in pairs)
+            slow = min(pairs, key=lambda p: self.axis_bandwidth(p[0]))[0]
+            alpha = max(self.axis_latency(a) for a, _ in pairs)
+            one = {
+                "all-gather": self.all_gather_cost,
+                "reduce-scatter": self.reduce_scatter_cost,
+                "all-reduce": self.all_reduce_cost,
+                "all-to-all": self.all_to_all_cost,
+                "collective-permute": self.permute_cost,
+            }[kind]
+            return one(nbytes, slow, n) - self.axis_latency(slow) + alpha
+        pairs.sort(key=lambda p: -self.axis_bandwidth(p[0]))
+        total, chunk = 0.0, float(nbytes)
+        for k, (a, n) in enumerate(pairs):
+            last = k == len(pairs) - 1
+            if kind == "all-reduce":
+                alpha = self.axis_latency(a) * (1 if last else 2)
+                total += alpha + 2 * (n - 1) / n * chunk / self.axis_bandwidth(a)
+            else:
+                total += self.all_gather_cost(chunk, a, n)
+            chunk /= n
+        return total
+
+    # -- serialization ---------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict; tuples become lists."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for k in ("bandwidth", "latency"):
+            if isinstance(d[k], tuple):
+                d[k] = list(d[k])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ClusterSpec:
+        """Inverse of :meth:`to_dict`; unknown keys raise ValueError."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        extra = set(d) - names
+        if extra:
+            raise ValueError(f"unknown ClusterSpec fields {sorted(extra)}; expected {sorted(names)}")
+        return cls(**d)
+
+    def to_json(self) -> str:
+        """Serializes to a JSON string."""
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> ClusterSpec:
+        """Parses :meth:`to_json` output."""
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes :meth:`to_json` to ``path``."""
+        with open(path, "w") as f:
+            f.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> ClusterSpec:
+        """Reads a spec written by :meth:`save`."""
+        with open(path) as f:
+            return cls.from_json(f.read())
+
+
+# ---------------------------------------------------------------------------------
+# Presets. ``flops`` is achievable dense bf16 matmul throughput, about 70% of the
+# data-sheet peak (large cuBLAS GEMMs reach 65–75%); ``bandwidth`` is the peak
+# unidirectional link bandwidth per device (NCCL rings reach 80–90% of it for
+# large messages); ``latency`` is a typical small-message collective time.
+
+_GiB = 2**30
+_MATMUL_EFFICIENCY = 0.7
+
+PRESETS: dict[str, ClusterSpec] = {
+    # 8×H100 SXM in one node: 989 TFLOP/s dense bf16; NVLink 4 at 900 GB/s
+    # bidirectional = 450 GB/s per direction; PCIe Gen5 x16 to the host.
+    "h100-nvlink": ClusterSpec(
+        flops=989e12 * _MATMUL_EFFICIENCY,
+        bandwidth=450e9,
+        latency=5e-6,
+        memory=80 * _GiB,
+        host_bandwidth=50e9,
+        name="h100-nvlink",
+    ),
+    # 8×H200: the H100's compute and NVLink, 141 GB of HBM3e (about 140 GiB
+    # visible to CUDA).
+    "h200-nvlink": ClusterSpec(
+        flops=989e12 * _MATMUL_EFFICIENCY,
+        bandwidth=450e9,
+        latency=5e-6,
+        memory=140 * _GiB,
+        host_bandwidth=50e9,
+        name="h200-nvlink",
+    ),
+    # 8×A100 SXM 80GB: 312 TFLOP/s bf16; NVLink 3 at 600 GB/s bidirectional.
+    "a100": ClusterSpec(
+        flops=312e12 * _MATMUL_EFFICIENCY,
+        bandwidth=300e9,
+        latency=8e-6,
+        memory=80 * _GiB,
+        host_bandwidth=25e9,
+        name="a100",
+    ),
+    # TPU v5e: 197 TFLOP/s bf16; 1,600 Gb/s of ICI per chip over four links of a
+    # 2-D torus, so a ring along one axis uses two links: about 100 GB/s.
+    "tpu-v5e": ClusterSpec(
+        flops=197e12 * _MATMUL_EFFICIENCY,
+        bandwidth=100e9,
+        latency=3e-6,
+        memory=16 * _GiB,
+        host_bandwidth=25e9,
+        name="tpu-v5e",
+    ),
+    # The simulated CPU devices of the tests (--xla_force_host_platform_device_count).
+    "cpu-sim": ClusterSpec(
+        flops=1e11,
+        bandwidth=1e10,
+        latency=1e-5,
+        memory=4 * _GiB,
+        host_bandwidth=1e10,
+        name="cpu-sim",
+    ),
+    # Two 8×H100 nodes joined by one 400 Gb/s InfiniBand NIC per GPU (50 GB/s).
+    # For a 2-D mesh (2, 8) whose first axis spans the nodes.
+    "h100-2node-ib": ClusterSpec(
+        flops=989e12 * _MATMUL_EFFICIENCY,
+        bandwidth=(50e9, 450e9),
+        latency=(1e-5, 5e-6),
+        memory=80 * _GiB,
+        host_bandwidth=50e9,
+        name="h100-2node-ib",
+    ),
+}
+
+
+def cluster_preset(name: str) -> ClusterSpec:
+    """Returns the named preset (see ``PRESETS``).
+
+    Example:
+        >>> cluster_preset("a100").memory == 80 * 2**30
+        True
+    """
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown cluster preset {name!r}; choose one of {sorted(PRESETS)}") from None
+
+
+# ---------------------------------------------------------------------------------
+# Meshes.
+
+
+def make_mesh(shape: Sequence[int], names: Sequence[str], *, devices: Sequence[Any] | None = None):
+    """Builds a ``jax.sharding.Mesh`` whose axes are all ``AxisType.Auto``.
+
+    autoshard pins its plan with ``with_sharding_constraint``, which Explicit axes
+    (the default of ``jax.make_mesh``) refuse.
+
+    Args:
+      shape: devices along each axis, e.g. ``(2, 4)``.
+      names: one unique name per axis, e.g. ``("data", "model")``.
+      devices: the devices to lay out, all of them used; default ``jax.devices()``.
+
+    Raises:
+      MeshError: the shape does not use exactly the given devices, or the names
+        are not unique or not one per axis.
+
+    Example:
+        >>> mesh = make_mesh((2, 4), ("data", "model"))  # doctest: +SKIP
+    """
+    import jax
+
+    shape = tuple(int(s) for s in shape)
+    names = (names,) if isinstance(names, str) else tuple(names)
+    problems = []
+    if len(names) != len(shape):
+        problems.append(f"{len(shape)} axes in shape {shape} but {len(names)} names {names}")
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        problems.append(f"axis names must be unique, {dup} repeat")
+    if any(s < 1 for s in shape):
+        problems.append(f"every axis needs at least one device, got shape {shape}")
+    devs = list(jax.devices() if devices is None else devices)
+    if math.prod(shape) != len(devs):
+        problems.append(
+            f"shape {shape} holds {math.prod(shape)} devices but {len(devs)} devices were given"
+            + (" (all of jax.devices())" if devices is None else "")
+            + "; pass devices=jax.devices()[:n] to use a subset"
+        )
+    if problems:
+        raise MeshError("cannot build mesh: " + "; ".join(problems))
+    axis_types = (jax.sharding.AxisType.Auto,) * len(shape)
+    return jax.make_mesh(shape, names, axis_types=axis_types, devices=devs)
+
+
+def ensure_auto_mesh(mesh):
+    """Returns ``mesh`` if every axis is ``AxisType.Auto``, else raises MeshError.
+
+    Raises:
+      MeshError: some axis is Explicit or Manual; the message shows the fix.
+    """
+    import jax
+
+    types = tuple(getattr(mesh, "axis_types", ()) or ())
+    names = tuple(mesh.axis_names)
+    bad = [(n, t) for n, t in zip(names, types, strict=False) if t != jax.sharding.AxisType.Auto]
+    if bad:
+        shape = _mesh_shape(mesh)
+        listing = ", ".join(f"{n!r}: {getattr(t, 'name', t)}" for n, t in bad)
+        raise MeshError(
+            f"autoshard needs a mesh whose axes are all AxisType.Auto; this mesh has {listing}. "
+            "jax.make_mesh(...) makes Explicit axes by default, and under Explicit or Manual axes "
+            "with_sharding_constraint cannot pin autoshard's plan. Build the mesh with\n"
+            f"    autoshard.make_mesh({shape}, {names})\n"
+            "or pass axis_types=(jax.sharding.AxisType.Auto,) * ndim to jax.make_mesh."
+        )
+    return mesh
+
+
+# ---------------------------------------------------------------------------------
+# Profiling.
+
+
+def _best_time(fn, args, repeats: int) -> float:
+    import jax
+
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _fit_alpha_beta(volumes: Sequence[float], times: Sequence[float]) -> tuple[float, float]:
+    """Least-squares fit of t = α + β·v, kept positive."""
+    v = np.asarray(volumes, dtype=np.float64)
+    t = np.asarray(times, dtype=np.float64)
+    a = np.stack([np.ones_like(v), v], axis=1)
+    (alpha, beta), *_ = np.linalg.lstsq(a, t, rcond=None)
+    if beta <= 0:  # noise swamped the size dependence: bound β by the largest transfer
+        i = int(np.argmax(v))
+        beta = t[i] / v[i]
+        alpha = float(np.min(t)) / 2
+    alpha = max(float(alpha), 1e-9)
+    return alpha, float(beta)
+
+
+def _device_memory(device) -> float:
+    stats = None
+    try:
+        stats = device.memory_stats()
+    except Exception:  # some backends raise instead of returning None
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return float(stats["bytes_limit"])
+    try:
+        import jax
+
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return float(total) / max(1, jax.local_device_count())
+    except (ValueError, OSError, AttributeError):
+        return float(PRESETS["cpu-sim"].memory)
+
+
+def profile_cluster(
+    mesh,
+    *,
+    sizes: Sequence[int] = (2**12, 2**16, 2**19),
+    matmul_size: int = 512,
+    repeats: int = 5,
+    name: str = "profiled",
+) -> ClusterSpec:
+    """Measures the devices of ``mesh`` and returns a fitted ClusterSpec.
+
+    Compute: the best time of a jitted ``matmul_size``² float32 matmul on one
+    device. Links: for every mesh axis of size > 1, all-reduce and all-gather of
+    buffers of ``sizes`` bytes over that axis (``jax.shard_map`` with ``psum`` /
+    ``all_gather``), fitted by least squares to ``t = α + β·v``, where ``v`` is
+    the volume factor of the alpha-beta model (``2(n−1)/n·B`` and ``(n−1)/n·B``).
+    Axes of size 1 get the best fitted axis's numbers. Memory comes from
+    ``device.memory_stats()["bytes_limit"]``, else host RAM divided by the local
+    device count. Host bandwidth is timed with ``device_put``.
+
+    The times include dispatch overhead, which lands in α. On 8 simulated CPU
+    devices the default sizes take about a second.
+
+    Args:
+      mesh: a ``jax.sharding.Mesh``.
+      sizes: buffer sizes in bytes, at least two distinct ones.
+      matmul_size: side of the square matmul.
+      repeats: timed runs per measurement; the best is kept.
+      name: the returned spec's name.
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    if len(set(sizes)) < 2:
+        raise ValueError(f"profile_cluster needs at least two distinct sizes to fit α and β, got {sizes}")
+    device = mesh.devices.flat[0]
+
+    # Compute.
+    k = int(matmul_size)
+    x = jax.device_put(jnp.ones((k, k), jnp.float32), device)
+    matmul = jax.jit(lambda a: a @ a)
+    flops = 2.0 * k**3 / _best_time(matmul, (x,), repeats)
+
+    # Links, one axis at a time.
+    shape = _mesh_shape(mesh)
+    names = tuple(mesh.axis_names)
+    fitted: dict[int, tuple[float, float]] = {}
+    for i, (axis, n) in enumerate(zip(names, shape, strict=True)):
+        if n == 1:
+            continue
+        volumes, times = [], []
+        for nbytes in sorted(set(int(s) for s in sizes)):
+            elems = max(1, nbytes // 4)
+            # Every device holds `elems` floats; the leading dimension carries the
+            # shards along `axis`, so each device's block is the B-byte buffer.
+            buf = jax.device_put(
+                jnp.ones((n * elems,), jnp.float32), NamedSharding(mesh, P(axis))
+            )
+            b = 4.0 * elems
+            reduce = jax.jit(
+                jax.shard_map(
+                    lambda v, axis=axis: jax.lax.psum(v, axis), mesh=mesh, in_specs=P(axis), out_specs=P(axis)
+                )
+            )
+            gather = jax.jit(
+                jax.shard_map(
+                    lambda v, axis=axis: jax.lax.all_gather(v, axis, tiled=True),
+                    mesh=mesh,
+                    in_specs=P(axis),
+                    out_specs=P(),
+                    check_vma=False,
+                )
+            )
+            volumes.append(2 * (n - 1) / n * b)
+            times.append(_best_time(reduce, (buf,), repeats))
+            volumes.append((n - 1) / n * (n * b))  # all-gather's B is the gathered buffer
+            times.append(_best_time(gather, (buf,), repeats))
+        fitted[i] = _fit_alpha_beta(volumes, times)
+
+    if fitted:
+        best = min(fitted.values(), key=lambda ab: ab[1])
+    else:
+        best = (PRESETS["cpu-sim"].latency, 1.0 / PRESETS["cpu-sim"].bandwidth)
+    alphas = tuple(fitted.get(i, best)[0] for i in range(len(shape)))
+    bandwidths = tuple(1.0 / fitted.get(i, best)[1] for i in range(len(shape)))
+
+    # Host link.
+    host = np.ones((max(sizes) // 4,), np.float32)
+    t_put = _best_time(lambda h: jax.device_put(h, device), (host,), repeats)
+    host_bandwidth = host.nbytes / max(t_put, 1e-9)
+
+    return ClusterSpec(
+        flops=flops,
+        bandwidth=bandwidths,
+        latency=alphas,
+        memory=_device_memory(device),
+        host_bandwidth=host_bandwidth,
+        name=name,
+    )

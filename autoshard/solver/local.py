@@ -1,0 +1,150 @@
+"""Fast first solutions and local improvement on the reduced core.
+
+The core is kept as adjacency lists of edge matrices. A move changes one node's
+strategy; its cost change is read off the node's "local cost vector" (node cost
+plus the edge columns selected by the neighbours' strategies). Memory rows are
+tracked incrementally so that a move is only taken when every row it touches
+stays under capacity (or, while repairing, when it lowers the overflow).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from autoshard.solver.memory import MemoryRows
+from autoshard.solver.reduce import Reduction
+
+
+class CoreState:
+    """A mutable core choice with incremental cost and memory bookkeeping."""
+
+    def __init__(self, red: Reduction, rows: MemoryRows | None, choice: np.ndarray):
+        n = red.num_core
+        self.red = red
+        self.rows = rows
+        self.adj: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
+        for (u, v), m in zip(red.edges, red.edge_costs, strict=True):
+            self.adj[u].append((int(v), m))
+            self.adj[v].append((int(u), m.T))
+        self.choice = np.array(choice, dtype=np.int64)
+        has_rows = rows is not None and rows.num_rows > 0
+        self.mem_nodes = np.zeros(n, dtype=bool)
+        if has_rows:
+            for k in range(n):
+                self.mem_nodes[k] = rows.node_rows[k].size > 0
+            self.cap = rows.cap.copy()
+            self.usage = rows.usage(red.node_memory, self.choice)
+        else:
+            self.cap = np.zeros(0)
+            self.usage = np.zeros(0)
+
+    def local_cost(self, k: int) -> np.ndarray:
+        """Cost of each strategy of core node ``k`` given its neighbours."""
+        vec = self.red.node_costs[k].copy()
+        for n, m in self.adj[k]:
+            vec += m[:, self.choice[n]]
+        return vec
+
+    def total_cost(self) -> float:
+        red, ch = self.red, self.choice
+        total = sum(float(c[ch[k]]) for k, c in enumerate(red.node_costs))
+        total += sum(float(m[ch[u], ch[v]]) for (u, v), m in zip(red.edges, red.edge_costs, strict=True))
+        return total
+
+    def overflow(self) -> float:
+        return float(np.maximum(self.usage - self.cap, 0).sum())
+
+    def move(self, k: int, s: int) -> None:
+        old = self.choice[k]
+        if old == s:
+            return
+        if self.mem_nodes[k]:
+            m = self.red.node_memory[k]
+            self.usage[self.rows.node_rows[k]] += m[s] - m[old]
+        self.choice[k] = s
+
+    def fits(self, k: int) -> np.ndarray:
+        """Bool mask of the strategies of ``k`` that keep all its rows under capacity."""
+        if not self.mem_nodes[k]:
+            return np.ones(self.red.node_costs[k].size, dtype=bool)
+        m = self.red.node_memory[k]
+        r = self.rows.node_rows[k]
+        slack = self.cap[r] - (self.usage[r] - m[self.choice[k]])  # room for node k
+        tol = 1e-9 * max(1.0, abs(self.rows.limit))
+        return m <= slack.min() + tol
+
+    def sweep(self, order: np.ndarray, deadline: float) -> float:
+        """One pass of best-improving single-node moves; returns the total gain."""
+        gain = 0.0
+        for k in order:
+            vec = self.local_cost(k)
+            ok = self.fits(k)
+            vec[~ok] = np.inf
+            cur = vec[self.choice[k]] if ok[self.choice[k]] else np.inf
+            s = int(np.argmin(vec))
+            if vec[s] < cur and (cur == np.inf or vec[s] < cur - 1e-12 * (1 + abs(cur))):
+                gain += cur - vec[s]
+                self.move(k, s)
+            if time.perf_counter() > deadline:
+                break
+        return gain
+
+    def improve(self, deadline: float, rng: np.random.Generator) -> None:
+        """Sweep until no move improves or the deadline passes."""
+        n = self.red.num_core
+        while time.perf_counter() < deadline:
+            if self.sweep(rng.permutation(n), deadline) <= 0:
+                break
+
+    def repair(self, deadline: float) -> bool:
+        """Lower memory overflow by cheapest-per-byte moves; True once feasible."""
+        red = self.red
+        tol = 1e-9 * max(1.0, abs(self.rows.limit)) if self.rows is not None else 0.0
+        while time.perf_counter() < deadline:
+            over = self.usage - self.cap
+            r = int(np.argmax(over)) if over.size else -1
+            if r < 0 or over[r] <= tol:
+                return True
+            best = None
+            for k in self.rows.nodes[r]:
+                m = red.node_memory[k]
+                cur = self.choice[k]
+                saved = m[cur] - m
+                if not (saved > 0).any():
+                    continue
+                vec = self.local_cost(k)
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    delta = np.nan_to_num(vec - vec[cur], nan=np.inf)
+                    score = np.where(saved > 0, np.maximum(delta, 0) / np.minimum(saved, over[r]), np.inf)
+                s = int(np.argmin(score))
+                if np.isfinite(score[s]) and (best is None or score[s] < best[0]):
+                    best = (score[s], k, s)
+            if best is None:
+                return False
+            self.move(best[1], best[2])
+        return False
+
+
+def min_memory_choice(red: Reduction) -> np.ndarray:
+    """Per core node, the cheapest strategy among those of least usage."""
+    out = np.zeros(red.num_core, dtype=np.int64)
+    for k, (c, m) in enumerate(zip(red.node_costs, red.node_memory, strict=True)):
+        if m is None:
+            out[k] = int(np.argmin(c))
+        else:
+            lo = np.flatnonzero(m == m.min())
+            out[k] = int(lo[np.argmin(c[lo])])
+    return out
+
+
+def greedy(red: Reduction, rows: MemoryRows | None, deadline: float, seed: int = 0) -> CoreState:
+    """A quick feasible-if-possible core choice: cheapest nodes, repair, improve."""
+    rng = np.random.default_rng(seed)
+    state = CoreState(red, rows, np.array([int(np.argmin(c)) for c in red.node_costs], dtype=np.int64))
+    state.improve(deadline, rng)
+    if state.usage.size and state.overflow() > 0 and not state.repair(deadline):
+        state = CoreState(red, rows, min_memory_choice(red))
+    state.improve(deadline, rng)
+    return state

@@ -1,0 +1,198 @@
+"""The strategy-selection MILP on a reduced core, solved with HiGHS.
+
+Variables are ``x[i, s]`` (binary, node ``i`` takes strategy ``s``) and, per edge,
+continuous ``e[g, h] >= 0`` over *groups* of identical rows ``g`` and identical
+columns ``h`` of the edge matrix. Resharding matrices repeat rows and columns a
+lot, so this is far smaller than one variable per matrix entry. The marginal
+constraints
+
+    sum_h e[g, h] = sum_{s in g} x[u, s]      sum_g e[g, h] = sum_{t in h} x[v, t]
+
+force ``e`` to the single chosen cell once ``x`` is integral. Infinite cells get
+no variable, which forbids the pair. A window of free nodes can be solved with
+the others fixed (large-neighbourhood search).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import scipy.optimize
+import scipy.sparse
+
+from autoshard.solver.memory import MemoryRows
+from autoshard.solver.reduce import Reduction
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MilpResult:
+    """What one MILP solve found.
+
+    Attributes:
+      choice: full core-local choice (fixed nodes keep theirs), or ``None``.
+      status: HiGHS's status: "optimal", "time_limit", "infeasible", "other".
+      objective: objective value of ``choice`` as the MILP sees it.
+      bound: the dual bound (a lower bound on the window's optimum), or ``nan``.
+    """
+
+    choice: np.ndarray | None
+    status: str
+    objective: float
+    bound: float
+
+
+def group_matrix(m: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Group identical rows and columns: ``m[s, t] == r[rows[s], cols[t]]``."""
+    _, rows = np.unique(m, axis=0, return_inverse=True)
+    _, cols = np.unique(m, axis=1, return_inverse=True)
+    rows, cols = rows.reshape(-1), cols.reshape(-1)
+    r = np.empty((rows.max() + 1, cols.max() + 1))
+    r[rows[:, None], cols[None, :]] = m
+    return r, rows, cols
+
+
+def solve_milp(
+    red: Reduction,
+    rows: MemoryRows | None,
+    *,
+    time_limit: float,
+    free: np.ndarray | None = None,
+    choice: np.ndarray | None = None,
+    objective: str = "cost",
+    groups: list | None = None,
+    rel_gap: float = 1e-9,
+    verbose: bool = False,
+) -> MilpResult:
+    """Solve the core MILP, or a window of it.
+
+    Args:
+      red: the reduced problem.
+      rows: memory rows, or ``None`` without a memory limit.
+      time_limit: seconds for HiGHS.
+      free: bool mask of core nodes to optimise (default: all); the others keep
+        ``choice``.
+      choice: the current core-local choice (needed when ``free`` is given).
+      objective: "cost" minimises the cost; "peak" minimises the peak usage.
+      groups: cached :func:`group_matrix` results per core edge.
+      rel_gap: relative MIP gap at which HiGHS stops.
+      verbose: print HiGHS's log.
+    """
+    n = red.num_core
+    if free is None:
+        free = np.ones(n, dtype=bool)
+    sizes = np.array([c.size for c in red.node_costs], dtype=np.int64)
+    fidx = np.flatnonzero(free)
+    off = np.full(n, -1, dtype=np.int64)
+    off[fidx] = np.concatenate([[0], np.cumsum(sizes[fidx])[:-1]]) if fidx.size else []
+    nx = int(sizes[fidx].sum())
+    c_parts = [red.node_costs[k] for k in fidx]
+    c = np.concatenate(c_parts) if c_parts else np.zeros(0)
+    const = 0.0
+    if choice is not None:
+        const = sum(float(red.node_costs[k][choice[k]]) for k in np.flatnonzero(~free))
+
+    rr, cc, vv = [], [], []  # equality rows (= 0 unless noted)
+    eq_rhs = []
+    nrow = 0
+    # assignment rows
+    rr.append(np.repeat(np.arange(fidx.size), sizes[fidx]))
+    cc.append(np.arange(nx))
+    vv.append(np.ones(nx))
+    eq_rhs.append(np.ones(fidx.size))
+    nrow = fidx.size
+    ecost = []
+    nvar = nx
+    for k, ((u, v), m) in enumerate(zip(red.edges, red.edge_costs, strict=True)):
+        fu, fv = free[u], free[v]
+        if not fu and not fv:
+            const += float(m[choice[u], choice[v]])
+            continue
+        if fu and not fv:
+            c[off[u] : off[u] + sizes[u]] += m[:, choice[v]]
+            continue
+        if fv and not fu:
+            c[off[v] : off[v] + sizes[v]] += m[choice[u], :]
+            continue
+        r, gr, gc = groups[k] if groups is not None else group_matrix(m)
+        ng, nh = r.shape
+        gi, hi = np.nonzero(np.isfinite(r))
+        ne = gi.size
+        evars = nvar + np.arange(ne)
+        ecost.append(r[gi, hi])
+        nvar += ne
+        # row-group constraints: sum_h e[g,h] - sum_{s in g} x[u,s] = 0
+        rr += [nrow + gi, nrow + gr]
+        cc += [evars, off[u] + np.arange(sizes[u])]
+        vv += [np.ones(ne), -np.ones(sizes[u])]
+        nrow += ng
+        rr += [nrow + hi, nrow + gc]
+        cc += [evars, off[v] + np.arange(sizes[v])]
+        vv += [np.ones(ne), -np.ones(sizes[v])]
+        nrow += nh
+        eq_rhs.append(np.zeros(ng + nh))
+    c = np.concatenate([c, *ecost]) if ecost else c
+    peak = objective == "peak"
+    zvar = nvar
+    if peak:
+        nvar += 1
+        c = np.zeros(nvar)
+        c[zvar] = 1.0
+    a_eq = scipy.sparse.csr_matrix(
+        (np.concatenate(vv), (np.concatenate(rr), np.concatenate(cc))), shape=(nrow, nvar)
+    )
+    b_eq = np.concatenate(eq_rhs)
+    constraints = [scipy.optimize.LinearConstraint(a_eq, b_eq, b_eq)]
+
+    if rows is not None and rows.num_rows:
+        mr, mc, mv, ub = [], [], [], []
+        nm = 0
+        for r, nodes in enumerate(rows.nodes):
+            fixed_use = rows.base[r] if peak else -rows.cap[r]
+            fnodes = []
+            for k in nodes:
+                if free[k]:
+                    fnodes.append(k)
+                else:
+                    fixed_use += red.node_memory[k][choice[k]]
+            if not fnodes and not peak:
+                if fixed_use > 1e-9 * max(1.0, abs(rows.limit)):
+                    return MilpResult(None, "infeasible", np.inf, np.nan)
+                continue
+            for k in fnodes:
+                mc.append(off[k] + np.arange(sizes[k]))
+                mv.append(red.node_memory[k])
+                mr.append(np.full(sizes[k], nm))
+            if peak:
+                mc.append(np.array([zvar]))
+                mv.append(np.array([-1.0]))
+                mr.append(np.array([nm]))
+            ub.append(-fixed_use)
+            nm += 1
+        if nm:
+            a_mem = scipy.sparse.csr_matrix(
+                (np.concatenate(mv), (np.concatenate(mr), np.concatenate(mc))), shape=(nm, nvar)
+            )
+            constraints.append(scipy.optimize.LinearConstraint(a_mem, -np.inf, np.array(ub)))
+
+    integrality = np.zeros(nvar)
+    integrality[:nx] = 1
+    ub_var = np.ones(nvar)
+    if peak:
+        ub_var[zvar] = np.inf
+    res = scipy.optimize.milp(
+        c,
+        integrality=integrality,
+        bounds=scipy.optimize.Bounds(np.zeros(nvar), ub_var),
+        constraints=constraints,
+        options={"time_limit": max(float(time_limit), 1e-3), "disp": verbose, "mip_rel_gap": rel_gap},
+    )
+    status = {0: "optimal", 1: "time_limit", 2: "infeasible"}.get(res.status, "other")
+    bound = float(getattr(res, "mip_dual_bound", np.nan) or np.nan)
+    if res.x is None:
+        return MilpResult(None, status, np.inf, bound)
+    out = np.zeros(n, dtype=np.int64) if choice is None else np.array(choice, dtype=np.int64)
+    for k in fidx:
+        out[k] = int(np.argmax(res.x[off[k] : off[k] + sizes[k]]))
+    obj = float(res.fun) if peak else float(res.fun) + const
+    return MilpResult(out, status, obj, bound + (0.0 if peak else const))

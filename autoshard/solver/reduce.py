@@ -1,0 +1,315 @@
+"""Exact reductions of a :class:`ShardingProblem` to a smaller core.
+
+Every reduction keeps at least one optimal solution, and each is recorded so that
+a choice for the core can be expanded back to a choice for the original problem:
+
+* forbidden strategies (infinite node cost, or incompatible with every strategy of
+  a neighbour) are dropped;
+* dominated strategies are dropped: ``t`` dominates ``s`` when its node cost, its
+  memory usage and every row of every incident edge matrix are no larger;
+* parallel edges are summed, and an edge matrix that is a sum ``a[s] + b[t]`` is
+  folded into the two node costs;
+* a node with a single strategy is fixed and folded into its neighbours;
+* a node whose memory usage does not depend on its strategy ("memory-free") of
+  degree 0, 1 or 2 is eliminated by dynamic programming (leaf and series
+  elimination), leaving an argmin table to undo it.
+
+Constant memory usages move into a per-node ``base`` usage that later shrinks the
+memory capacity at the time points where the node is live.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+import numpy as np
+
+from autoshard.errors import InfeasibleError
+from autoshard.solver.problem import ShardingProblem
+
+# Largest u*v*w table built by a series elimination, and largest S*S*columns
+# comparison done by the dominance check; beyond these the node is left alone.
+_SERIES_CELLS = 4_000_000
+_DOMINANCE_CELLS = 20_000_000
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reduction:
+    """A reduced core problem plus what is needed to expand its solutions.
+
+    Attributes:
+      core_nodes: original index of each core node.
+      alive: per core node, the original strategy index of each core strategy.
+      node_costs: per core node, costs of its core strategies.
+      edges: int64 ``(E, 2)`` core-local endpoints, ``u < v``.
+      edge_costs: per core edge, the ``(S_u, S_v)`` matrix.
+      node_memory: per core node, usages of its core strategies, or ``None`` when
+        the node's usage does not depend on its strategy (it then sits in
+        ``base_usage``).
+      base_usage: per original node, usage already committed (constant usages).
+      records: elimination records, undone in reverse order by :meth:`expand`.
+      stats: counts of each reduction applied.
+    """
+
+    core_nodes: np.ndarray
+    alive: tuple[np.ndarray, ...]
+    node_costs: tuple[np.ndarray, ...]
+    edges: np.ndarray
+    edge_costs: tuple[np.ndarray, ...]
+    node_memory: tuple[np.ndarray | None, ...]
+    base_usage: np.ndarray
+    records: tuple
+    stats: dict
+
+    @property
+    def num_core(self) -> int:
+        return len(self.core_nodes)
+
+    def expand(self, core_choice, num_nodes: int) -> np.ndarray:
+        """Map a core-local choice to an original-index choice for every node."""
+        choice = np.full(num_nodes, -1, dtype=np.int64)
+        for k, i in enumerate(self.core_nodes):
+            choice[i] = self.alive[k][core_choice[k]]
+        for rec in reversed(self.records):
+            kind = rec[0]
+            if kind == "fix":
+                choice[rec[1]] = rec[2]
+            elif kind == "leaf":
+                _, u, v, alive_v, table = rec
+                choice[u] = table[np.searchsorted(alive_v, choice[v])]
+            else:
+                _, u, v, w, alive_v, alive_w, table = rec
+                choice[u] = table[np.searchsorted(alive_v, choice[v]), np.searchsorted(alive_w, choice[w])]
+        return choice
+
+
+def reduce_problem(problem: ShardingProblem, *, with_memory: bool) -> Reduction:
+    """Apply the exact reductions to a fixpoint.
+
+    Args:
+      problem: the problem to reduce.
+      with_memory: whether the memory limit is active; when it is, only nodes
+        whose usage is strategy-independent are eliminated.
+
+    Raises:
+      InfeasibleError: a node is left without any allowed strategy.
+    """
+    return _Reducer(problem, with_memory).run()
+
+
+class _Reducer:
+    def __init__(self, problem: ShardingProblem, with_memory: bool):
+        n = problem.num_nodes
+        self.problem = problem
+        self.alive = [np.arange(c.size) for c in problem.node_costs]
+        self.cost = [c.copy() for c in problem.node_costs]
+        self.adj: list[dict[int, np.ndarray]] = [{} for _ in range(n)]
+        self.removed = np.zeros(n, dtype=bool)
+        self.base = np.zeros(n)
+        self.records: list = []
+        self.stats = dict.fromkeys(("pruned", "dominated", "folded_edges", "fixed", "leaf", "series"), 0)
+        self.mem: list[np.ndarray | None] = [None] * n
+        if with_memory:
+            live = problem.intervals[:, 1] > problem.intervals[:, 0]
+            for i in range(n):
+                if live[i]:
+                    self.mem[i] = problem.node_memory[i].copy()
+        for (u, v), m in zip(problem.edges, problem.edge_costs, strict=True):
+            u, v = int(u), int(v)
+            if u == v:
+                self.cost[u] = self.cost[u] + np.diag(m)
+            else:
+                self._add_edge(u, v, m)
+
+    # -- graph edits -------------------------------------------------------
+    def _add_edge(self, u: int, v: int, m: np.ndarray) -> None:
+        if v in self.adj[u]:
+            m = self.adj[u][v] + m
+            self.stats["folded_edges"] += 1
+        self.adj[u][v] = m
+        self.adj[v][u] = m.T
+
+    def _drop_edge(self, u: int, v: int) -> None:
+        del self.adj[u][v]
+        del self.adj[v][u]
+
+    def _restrict(self, i: int, keep: np.ndarray) -> bool:
+        """Keep only strategies ``keep`` (bool mask) of node ``i``; True if any dropped."""
+        if keep.all():
+            return False
+        if not keep.any():
+            self._raise_empty(i)
+        idx = np.flatnonzero(keep)
+        self.alive[i] = self.alive[i][idx]
+        self.cost[i] = self.cost[i][idx]
+        if self.mem[i] is not None:
+            self.mem[i] = self.mem[i][idx]
+        for n, m in self.adj[i].items():
+            m = m[idx]
+            self.adj[i][n] = m
+            self.adj[n][i] = m.T
+        return True
+
+    def _raise_empty(self, i: int) -> None:
+        name = self.problem.name(i)
+        if not np.isfinite(self.problem.node_costs[i]).any():
+            raise InfeasibleError(
+                f"node {name}: all {self.problem.node_costs[i].size} strategies have infinite cost; "
+                "give the node at least one finite-cost strategy"
+            )
+        raise InfeasibleError(
+            f"node {name}: every finite-cost strategy is forbidden (infinite edge cost) by the "
+            f"strategies left to its neighbours; check the infinite entries of the edges at node {name}"
+        )
+
+    # -- reductions --------------------------------------------------------
+    def _prune(self, i: int) -> bool:
+        keep = np.isfinite(self.cost[i])
+        for m in self.adj[i].values():
+            keep &= np.isfinite(m).any(axis=1)
+        changed = self._restrict(i, keep)
+        self.stats["pruned"] += int(changed) and int((~keep).sum())
+        return changed
+
+    def _fold_additive(self, i: int) -> bool:
+        """Fold edge matrices of the form ``a[s] + b[t]`` into node costs."""
+        changed = False
+        for n in list(self.adj[i]):
+            m = self.adj[i][n]
+            if not np.isfinite(m).all():
+                continue
+            a = m[:, 0]
+            b = m[0, :] - m[0, 0]
+            if np.allclose(m, a[:, None] + b[None, :], rtol=0, atol=1e-9 * (1 + np.abs(m).max())):
+                self.cost[i] = self.cost[i] + a
+                self.cost[n] = self.cost[n] + b
+                self._drop_edge(i, n)
+                self.stats["folded_edges"] += 1
+                changed = True
+        return changed
+
+    def _dominate(self, i: int) -> bool:
+        s = self.cost[i].size
+        if s < 2:
+            return False
+        cols = [self.cost[i][:, None]]
+        if self.mem[i] is not None:
+            cols.append(self.mem[i][:, None])
+        cols.extend(self.adj[i].values())
+        f = np.hstack(cols)
+        if s * s * f.shape[1] > _DOMINANCE_CELLS:
+            return False
+        le = (f[:, None, :] <= f[None, :, :]).all(axis=-1)  # le[t, s]: t no worse than s
+        eq = le & le.T
+        order = np.arange(s)
+        dom = le & (~eq | (order[:, None] < order[None, :]))
+        np.fill_diagonal(dom, False)
+        keep = ~dom.any(axis=0)
+        changed = self._restrict(i, keep)
+        self.stats["dominated"] += int((~keep).sum()) if changed else 0
+        return changed
+
+    def _memory_free(self, i: int) -> bool:
+        m = self.mem[i]
+        if m is None:
+            return True
+        if np.all(m == m[0]):
+            self.base[i] = m[0]
+            self.mem[i] = None
+            return True
+        return False
+
+    def _eliminate(self, i: int) -> list[int] | None:
+        """Try to eliminate node ``i``; return its former neighbours if done."""
+        nbrs = list(self.adj[i])
+        if self.cost[i].size == 1:
+            if self.mem[i] is not None:
+                self.base[i] = self.mem[i][0]
+                self.mem[i] = None
+            for n in nbrs:
+                self.cost[n] = self.cost[n] + self.adj[n][i][:, 0]
+                self._drop_edge(i, n)
+            self.records.append(("fix", i, int(self.alive[i][0])))
+            self.stats["fixed"] += 1
+        elif not self._memory_free(i):
+            return None
+        elif not nbrs:
+            self.records.append(("fix", i, int(self.alive[i][np.argmin(self.cost[i])])))
+            self.stats["fixed"] += 1
+        elif len(nbrs) == 1:
+            (v,) = nbrs
+            t = self.cost[i][:, None] + self.adj[i][v]  # (S_i, S_v)
+            best = np.argmin(t, axis=0)
+            self.cost[v] = self.cost[v] + t[best, np.arange(t.shape[1])]
+            self.records.append(("leaf", i, v, self.alive[v].copy(), self.alive[i][best]))
+            self._drop_edge(i, v)
+            self.stats["leaf"] += 1
+        elif len(nbrs) == 2:
+            v, w = nbrs
+            if v > w:
+                v, w = w, v
+            su, sv, sw = self.cost[i].size, self.cost[v].size, self.cost[w].size
+            if su * sv * sw > _SERIES_CELLS:
+                return None
+            t = self.cost[i][:, None, None] + self.adj[i][v][:, :, None] + self.adj[i][w][:, None, :]
+            best = np.argmin(t, axis=0)  # (S_v, S_w)
+            m = np.take_along_axis(t, best[None], axis=0)[0]
+            self.records.append(("series", i, v, w, self.alive[v].copy(), self.alive[w].copy(), self.alive[i][best]))
+            self._drop_edge(i, v)
+            self._drop_edge(i, w)
+            self._add_edge(v, w, m)
+            self.stats["series"] += 1
+        else:
+            return None
+        self.removed[i] = True
+        return nbrs
+
+    def run(self) -> Reduction:
+        n = len(self.cost)
+        queue = deque(range(n))
+        queued = np.ones(n, dtype=bool)
+
+        def push(nodes):
+            for x in nodes:
+                if not queued[x] and not self.removed[x]:
+                    queued[x] = True
+                    queue.append(x)
+
+        while queue:
+            i = queue.popleft()
+            queued[i] = False
+            if self.removed[i]:
+                continue
+            changed = self._prune(i)
+            changed |= self._fold_additive(i)
+            changed |= self._dominate(i)
+            nbrs = list(self.adj[i])
+            done = self._eliminate(i)
+            if done is not None:
+                push(done)
+            elif changed:
+                push(nbrs)
+        return self._result()
+
+    def _result(self) -> Reduction:
+        core = np.flatnonzero(~self.removed)
+        local = np.full(len(self.cost), -1, dtype=np.int64)
+        local[core] = np.arange(len(core))
+        edges, mats = [], []
+        for i in core:
+            for n, m in self.adj[i].items():
+                if i < n:
+                    edges.append((local[i], local[n]))
+                    mats.append(m)
+        return Reduction(
+            core_nodes=core,
+            alive=tuple(self.alive[i] for i in core),
+            node_costs=tuple(self.cost[i] for i in core),
+            edges=np.asarray(edges, dtype=np.int64).reshape(-1, 2),
+            edge_costs=tuple(mats),
+            node_memory=tuple(self.mem[i] for i in core),
+            base_usage=self.base,
+            records=tuple(self.records),
+            stats=dict(self.stats),
+        )

@@ -1,0 +1,174 @@
+"""``solve``: the one entry point shared by the planner and the command-line solver.
+
+Pipeline: exact reductions (:mod:`reduce`) -> memory rows on compressed time points
+(:mod:`memory`) -> a fast greedy first solution (:mod:`local`) -> the grouped MILP
+(:mod:`milp`) with the remaining time -> expand the core choice back through the
+reductions and recompute cost and peak memory on the original problem.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from autoshard.errors import InfeasibleError
+from autoshard.solver.local import greedy
+from autoshard.solver.memory import MemoryRows, memory_rows
+from autoshard.solver.milp import solve_milp
+from autoshard.solver.problem import ShardingProblem, ShardingSolution
+from autoshard.solver.reduce import Reduction, reduce_problem
+
+
+def solve(
+    problem: ShardingProblem,
+    *,
+    time_limit: float = 10.0,
+    seed: int = 0,
+    verbose: bool = False,
+) -> ShardingSolution:
+    """Pick one strategy per node at least total cost under the memory limit.
+
+    Args:
+      problem: the problem.
+      time_limit: wall-clock budget in seconds; 0 asks for an immediate
+        best-effort answer (reductions plus a greedy pass).
+      seed: seeds the randomised parts; the result is deterministic for a given
+        seed whenever the budget is not the binding stop.
+      verbose: print progress lines.
+
+    Returns:
+      The best solution found. ``feasible`` is False only when no feasible choice
+      was found in time (none is proven impossible).
+
+    Raises:
+      InfeasibleError: a node has no finite-cost strategy, the infinite edge
+        costs forbid every assignment, or the memory limit is below the smallest
+        achievable peak usage (given as ``smallest_memory``).
+
+    Example:
+      >>> import numpy as np
+      >>> p = ShardingProblem(node_costs=(np.array([1.0, 2.0]), np.array([3.0, 0.0])),
+      ...                     edges=np.array([[0, 1]]),
+      ...                     edge_costs=(np.array([[0.0, 5.0], [0.0, 0.0]]),))
+      >>> sol = solve(p)
+      >>> sol.choice.tolist(), sol.cost
+      ([1, 1], 2.0)
+    """
+    start = time.perf_counter()
+    deadline = start + max(float(time_limit), 0.0)
+    log = _logger(verbose, start)
+    n = problem.num_nodes
+    if n == 0:
+        return ShardingSolution(np.zeros(0, dtype=np.int64), 0.0, 0.0, True, True, 0.0, {})
+    with_memory = (
+        problem.memory_limit is not None and problem.node_memory is not None and problem.intervals is not None
+    )
+    red = reduce_problem(problem, with_memory=with_memory)
+    rows = None
+    if with_memory and red.num_core:
+        nonneg = all((m >= 0).all() for m in problem.node_memory)
+        rows = memory_rows(
+            problem.intervals, problem.memory_limit, red.core_nodes, red.node_memory, red.base_usage, nonneg
+        )
+    stats = dict(red.stats, core_nodes=red.num_core, core_edges=len(red.edges))
+    if rows is not None:
+        stats.update(memory_points=rows.num_points, memory_rows=rows.num_rows)
+    log(f"reduced {n} nodes / {problem.num_edges} edges to a core of {red.num_core} / {len(red.edges)}")
+
+    core_choice, optimal = _solve_core(problem, red, rows, deadline, seed, log, stats)
+    choice = red.expand(core_choice, n)
+    cost = problem.cost(choice)
+    peak = problem.peak_memory(choice)
+    feasible = problem.is_feasible(choice)
+    if with_memory and not feasible and red.num_core == 0 and np.isfinite(cost):
+        # Every usage left is strategy-independent, so this peak is the least one.
+        raise _memory_error(problem, peak, exact=True)
+    log(f"cost {cost:.6g}, peak memory {peak:.6g}, feasible {feasible}, optimal {optimal and feasible}")
+    return ShardingSolution(
+        choice=choice,
+        cost=cost,
+        peak_memory=peak,
+        feasible=feasible,
+        optimal=bool(optimal and feasible),
+        seconds=time.perf_counter() - start,
+        stats=stats,
+    )
+
+
+def _solve_core(
+    problem: ShardingProblem,
+    red: Reduction,
+    rows: MemoryRows | None,
+    deadline: float,
+    seed: int,
+    log,
+    stats: dict,
+) -> tuple[np.ndarray, bool]:
+    if red.num_core == 0:
+        return np.zeros(0, dtype=np.int64), True
+    now = time.perf_counter()
+    state = greedy(red, rows, now + 0.1 * max(deadline - now, 0.0), seed)
+    best = state.choice.copy()
+    best_cost = state.total_cost()
+    best_ok = state.overflow() <= 0 and np.isfinite(best_cost)
+    log(f"greedy: cost {best_cost:.6g}, feasible {best_ok}")
+    remaining = deadline - time.perf_counter()
+    if remaining <= 0:
+        return best, False
+    res = solve_milp(red, rows, time_limit=remaining)
+    stats.update(milp_status=res.status, milp_bound=res.bound)
+    log(f"milp: {res.status}, objective {res.objective:.6g}, bound {res.bound:.6g}")
+    if res.status == "infeasible":
+        _raise_infeasible(problem, red, deadline)
+    if res.choice is not None and (not best_ok or res.objective <= best_cost):
+        return res.choice, res.status == "optimal"
+    return best, False
+
+
+def _raise_infeasible(problem: ShardingProblem, red: Reduction, deadline: float) -> None:
+    """The core MILP has no solution: say whether edges or memory are to blame."""
+    rows = None
+    if problem.memory_limit is not None and problem.node_memory is not None and problem.intervals is not None:
+        nonneg = all((m >= 0).all() for m in problem.node_memory)
+        rows = memory_rows(
+            problem.intervals,
+            problem.memory_limit,
+            red.core_nodes,
+            red.node_memory,
+            red.base_usage,
+            nonneg,
+            keep_all=True,
+        )
+    if rows is None:
+        raise InfeasibleError(
+            "no assignment avoids every infinite edge cost; the forbidden strategy pairs "
+            "(infinite edge entries) leave no consistent choice"
+        )
+    res = solve_milp(red, rows, time_limit=max(deadline - time.perf_counter(), 1.0), objective="peak")
+    if res.choice is None:
+        raise InfeasibleError(
+            "no assignment avoids every infinite edge cost; the forbidden strategy pairs "
+            "(infinite edge entries) leave no consistent choice"
+        )
+    core = res.choice
+    choice = red.expand(core, problem.num_nodes)
+    smallest = problem.peak_memory(choice)
+    raise _memory_error(problem, smallest, exact=res.status == "optimal")
+
+
+def _memory_error(problem: ShardingProblem, smallest: float, *, exact: bool) -> InfeasibleError:
+    what = "the smallest" if exact else "the smallest found"
+    return InfeasibleError(
+        f"memory limit {problem.memory_limit:.6g} is below {what} peak usage {smallest:.6g} of any "
+        f"assignment; raise the limit to at least {smallest:.6g}, or add strategies that use less memory",
+        smallest_memory=smallest,
+    )
+
+
+def _logger(verbose: bool, start: float):
+    def log(msg: str) -> None:
+        if verbose:
+            print(f"[{time.perf_counter() - start:7.2f}s] {msg}", flush=True)
+
+    return log

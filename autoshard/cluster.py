@@ -413,7 +413,8 @@ def make_mesh(shape: Sequence[int], names: Sequence[str], *, devices: Sequence[A
     Args:
       shape: devices along each axis, e.g. ``(2, 4)``.
       names: one unique name per axis, e.g. ``("data", "model")``.
-      devices: the devices to lay out, all of them used; default ``jax.devices()``.
+      devices: the devices to lay out, all of them used; default the first
+        ``prod(shape)`` of ``jax.devices()``.
 
     Raises:
       MeshError: the shape does not use exactly the given devices, or the names
@@ -435,11 +436,12 @@ def make_mesh(shape: Sequence[int], names: Sequence[str], *, devices: Sequence[A
     if any(s < 1 for s in shape):
         problems.append(f"every axis needs at least one device, got shape {shape}")
     devs = list(jax.devices() if devices is None else devices)
+    if devices is None and math.prod(shape) < len(devs):
+        devs = devs[: math.prod(shape)]
     if math.prod(shape) != len(devs):
         problems.append(
             f"shape {shape} holds {math.prod(shape)} devices but {len(devs)} devices were given"
             + (" (all of jax.devices())" if devices is None else "")
-            + "; pass devices=jax.devices()[:n] to use a subset"
         )
     if problems:
         raise MeshError("cannot build mesh: " + "; ".join(problems))

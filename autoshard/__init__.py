@@ -1,0 +1,51 @@
+"""autoshard: automatic intra-operator sharding of JAX train steps.
+
+Importing autoshard is cheap: the submodules (and jax) load on first use.
+
+Example:
+  >>> import autoshard
+  >>> mesh = autoshard.make_mesh((2, 4), ("data", "model"))    # doctest: +SKIP
+  >>> step = autoshard.parallelize(train_step, mesh=mesh)        # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "parallelize": "autoshard.api",
+    "Parallelized": "autoshard.api",
+    "Plan": "autoshard.plan",
+    "PlanCost": "autoshard.plan",
+    "PlanCheck": "autoshard.plan",
+    "ClusterSpec": "autoshard.cluster",
+    "cluster_preset": "autoshard.cluster",
+    "profile_cluster": "autoshard.cluster",
+    "make_mesh": "autoshard.cluster",
+    "ShardingSpec": "autoshard.spec",
+    "register_strategy": "autoshard.strategies",
+    "AutoshardWarning": "autoshard.planner",
+    "AutoshardError": "autoshard.errors",
+    "InputError": "autoshard.errors",
+    "MeshError": "autoshard.errors",
+    "InfeasibleError": "autoshard.errors",
+    "PlanError": "autoshard.errors",
+    "ProblemFormatError": "autoshard.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'autoshard' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

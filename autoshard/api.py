@@ -1,0 +1,401 @@
+"""``parallelize``: the user-facing decorator, its cache, and ``plan``/``lower``."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import re
+import time
+
+
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from autoshard.errors import InfeasibleError, InputError, MeshError, PlanError
+from autoshard.spec import MeshInfo, ShardingSpec
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}
+
+
+def parse_bytes(value) -> float | None:
+    """``16e9``, ``"16GB"`` or ``"16 GiB"`` -> bytes; None stays None."""
+    if value is None or isinstance(value, (int, float)):
+        return None if value is None else float(value)
+    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise InputError(f"memory_budget={value!r} is not a size; write bytes (16e9) or a string like '16GB'")
+    return float(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+def _default_cluster(mesh):
+    from autoshard.cluster import cluster_preset
+
+    platform = mesh.devices.flat[0].platform
+    return cluster_preset({"cpu": "cpu-sim", "tpu": "tpu-v5e"}.get(platform, "h100-nvlink"))
+
+
+def _check_leaf(path: str, leaf, argnum: int):
+    if isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct, np.generic, int, float, bool, complex)):
+        return
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return
+    raise InputError(
+        f"argument {argnum} has a leaf at {path or '<root>'} of type {type(leaf).__name__}, which is not an "
+        "array. autoshard traces every leaf of a dynamic argument.\n"
+        f"Fix: pass arrays only, or mark the argument static: parallelize(..., static_argnums=({argnum},))."
+    )
+
+
+def _abstract(leaf):
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+    if isinstance(leaf, (int, float, bool, complex)):
+        return jax.ShapeDtypeStruct((), jax.dtypes.canonicalize_dtype(type(leaf)), weak_type=True)
+    return jax.ShapeDtypeStruct(np.shape(leaf), jax.dtypes.canonicalize_dtype(leaf.dtype))
+
+
+def _ties(dyn_args, out_shape) -> dict[int, int]:
+    """Output leaves that are the next version of an input leaf (same subtree, shapes and dtypes)."""
+    in_leaves_offset, offset = [], 0
+    for a in dyn_args:
+        n = len(jax.tree_util.tree_leaves(a))
+        in_leaves_offset.append((offset, jax.tree_util.tree_structure(a), jax.tree_util.tree_leaves(a)))
+        offset += n
+    candidates = [((), out_shape)]
+    if isinstance(out_shape, (tuple, list)):
+        candidates += [((j,), o) for j, o in enumerate(out_shape)]
+    out_paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
+    ties = {}
+    for prefix, sub in candidates:
+        tree = jax.tree_util.tree_structure(sub)
+        leaves = jax.tree_util.tree_leaves(sub)
+        if not leaves:
+            continue
+        for start, in_tree, in_leaves in in_leaves_offset:
+            if tree != in_tree:
+                continue
+            if any(tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype
+                   for a, b in zip(leaves, in_leaves, strict=True)):
+                continue
+            first = next(k for k, p in enumerate(out_paths) if tuple(
+                getattr(x, "idx", getattr(x, "key", None)) for x in p[:len(prefix)]) == prefix)
+            for j in range(len(leaves)):
+                ties.setdefault(first + j, start + j)
+            break
+    return ties
+
+
+def _factorizations(n: int):
+    return [(a, n // a) for a in range(1, n + 1) if n % a == 0]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Compiled:
+    plan: Any
+    jitted: Any
+    in_shardings: tuple
+    out_tree: Any
+
+
+class Parallelized:
+    """A step function that plans, shards and runs itself. Made by :func:`parallelize`."""
+
+    def __init__(self, fun, *, mesh=None, cluster=None, memory_budget=None, static_argnums=(),
+                 donate_argnums=(), plan=None, hints=None, solver_time_limit=10.0):
+        self.fun = fun
+        self.mesh = mesh
+        self.cluster = cluster
+        self.memory_budget = parse_bytes(memory_budget)
+        self.static_argnums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+        self.donate_argnums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+        self.saved_plan = plan
+        self.hints = dict(hints or {})
+        self.solver_time_limit = solver_time_limit
+        self._cache: dict = {}
+        functools.update_wrapper(self, fun)
+        if mesh is not None:
+            from autoshard.cluster import ensure_auto_mesh
+
+            ensure_auto_mesh(mesh)
+
+    # ---- argument handling -------------------------------------------------------------------------
+    def _split(self, args):
+        n = len(args)
+        for i in self.static_argnums:
+            if not -n <= i < n:
+                raise InputError(
+                    f"static_argnums={self.static_argnums} names argument {i}, but {self.fun.__name__} was "
+                    f"called with {n} positional arguments. Fix: pass static_argnums within range(0, {n})."
+                )
+        static = {i % n for i in self.static_argnums}
+        dyn = tuple(a for i, a in enumerate(args) if i not in static)
+        stat = tuple((i, args[i]) for i in sorted(static))
+        dyn_index = [i for i in range(n) if i not in static]
+        for i in self.donate_argnums:
+            if i % n in static:
+                raise InputError(f"argument {i} is both static and donated; donate only array arguments")
+        return dyn, stat, dyn_index
+
+    def _key(self, dyn, stat):
+        leaves, tree = jax.tree_util.tree_flatten(dyn)
+        for j, (path, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(dyn)[0]):
+            argnum = path[0].idx if path else j
+            _check_leaf(jax.tree_util.keystr(path[1:]), leaf, argnum)
+        try:
+            hash(stat)
+        except TypeError as e:
+            raise InputError(f"static arguments must be hashable: {e}") from None
+        return (tree, tuple((np.shape(x), str(_abstract(x).dtype)) for x in leaves), stat)
+
+    def _bound(self, stat, n_args, dyn_index):
+        def bound(*dyn):
+            args = [None] * n_args
+            for i, v in stat:
+                args[i] = v
+            for i, v in zip(dyn_index, dyn, strict=True):
+                args[i] = v
+            return self.fun(*args)
+
+        return bound
+
+    # ---- planning ----------------------------------------------------------------------------------
+    def _get(self, args) -> _Compiled:
+        dyn, stat, dyn_index = self._split(args)
+        key = self._key(dyn, stat)
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._cache[key] = self._build(dyn, stat, dyn_index, len(args))
+        return entry
+
+    def _build(self, dyn, stat, dyn_index, n_args) -> _Compiled:
+        from autoshard.capture import capture_graph
+        from autoshard.lower import make_flat_function
+
+        timings = {}
+        t0 = time.perf_counter()
+        abstract = jax.tree_util.tree_map(_abstract, dyn)
+        fun = self._bound(stat, n_args, dyn_index)
+        program = capture_graph(fun, abstract)
+        timings["capture"] = time.perf_counter() - t0
+        donated = set()
+        offset = 0
+        for pos, a in enumerate(dyn):
+            n = len(jax.tree_util.tree_leaves(a))
+            if dyn_index[pos] in {d % n_args for d in self.donate_argnums}:
+                donated.update(range(offset, offset + n))
+            offset += n
+        out_shape = jax.tree_util.tree_unflatten(program.out_tree, [program.avals[v] if isinstance(v, int) else
+                                                                    jax.ShapeDtypeStruct(np.shape(v.value),
+                                                                                         np.asarray(v.value).dtype)
+                                                                    for v in program.graph.outvars])
+        ties = _ties(abstract, out_shape)
+        if self.saved_plan is not None:
+            plan = self._apply_saved(program)
+        else:
+            plan = plan_program(program, mesh=self.mesh, cluster=self.cluster, memory_budget=self.memory_budget,
+                                hints=self.hints, donated=donated, ties=ties, time_limit=self.solver_time_limit,
+                                timings=timings)
+        plan = dataclasses.replace(plan, in_tree=jax.tree_util.tree_structure(abstract),
+                                   out_tree=program.out_tree)
+        flat = make_flat_function(program, plan.value_specs, plan.operand_specs, plan.mesh, plan.out_specs)
+        info = plan.mesh_info
+        in_sh = tuple(NamedSharding(plan.mesh, s.to_partition_spec(info)) for s in plan.in_specs)
+        out_sh = tuple(NamedSharding(plan.mesh, s.to_partition_spec(info)) for s in plan.out_specs)
+        jitted = jax.jit(flat, in_shardings=in_sh, out_shardings=list(out_sh), donate_argnums=tuple(sorted(donated)))
+        return _Compiled(plan, jitted, in_sh, program.out_tree)
+
+    def _apply_saved(self, program):
+        saved = self.saved_plan
+        if saved.fingerprint != program.fingerprint():
+            raise PlanError(
+                "the saved plan was made for a different program (fingerprint "
+                f"{saved.fingerprint} != {program.fingerprint()}): the function or the argument shapes changed. "
+                "Fix: re-plan with parallelize(...) without plan=, and save the new plan."
+            )
+        if self.mesh is not None and MeshInfo.from_mesh(self.mesh) != saved.mesh_info:
+            raise PlanError("the saved plan's mesh differs from parallelize(mesh=...)")
+        return saved
+
+    # ---- public --------------------------------------------------------------------------------------
+    def plan(self, *args):
+        """Plan without running. Arguments may be ``jax.ShapeDtypeStruct``s.
+
+        Returns:
+          The :class:`~autoshard.Plan` for these argument shapes (cached).
+        """
+        return self._get(args).plan
+
+    def lower(self, *args):
+        """``jax.stages.Lowered`` of the sharded step; ``.compile()`` gives the XLA executable."""
+        entry = self._get(args)
+        dyn, _, _ = self._split(args)
+        flat = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+                for a, s in zip(jax.tree_util.tree_leaves(jax.tree_util.tree_map(_abstract, dyn)),
+                                entry.in_shardings, strict=True)]
+        return entry.jitted.lower(*flat)
+
+    def __call__(self, *args):
+        entry = self._get(args)
+        dyn, _, _ = self._split(args)
+        leaves = jax.tree_util.tree_leaves(dyn)
+        placed = []
+        for x, s in zip(leaves, entry.in_shardings, strict=True):
+            if isinstance(x, jax.ShapeDtypeStruct):
+                raise InputError("cannot run on jax.ShapeDtypeStruct arguments; use .plan() or .lower() instead")
+            if not (isinstance(x, jax.Array) and x.sharding == s):
+                x = jax.device_put(x, s)
+            placed.append(x)
+        outs = entry.jitted(*placed)
+        return jax.tree_util.tree_unflatten(entry.out_tree, outs)
+
+
+def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static_argnums=(), donate_argnums=(),
+                plan=None, hints=None, solver_time_limit=10.0):
+    """Plan and run a single-device step function sharded over a device mesh.
+
+    Works bare (``@parallelize``) and with arguments (``@parallelize(mesh=...)``).
+
+    Args:
+      fun: the step, e.g. ``train_step(state, batch) -> (state, metrics)``.
+      mesh: a ``jax.sharding.Mesh`` with Auto axes (see :func:`autoshard.make_mesh`). None: all devices,
+        and the planner picks the 2-D shape among the factorizations of the device count.
+      cluster: an :class:`autoshard.ClusterSpec`; None picks a preset for the devices' platform.
+      memory_budget: bytes per device (or a string like ``"16GB"``); None: no limit.
+      static_argnums, donate_argnums: as in ``jax.jit``.
+      plan: a saved :class:`autoshard.Plan` to apply without solving.
+      hints: ``{pytree-path regex: PartitionSpec}`` pinning matching argument leaves.
+      solver_time_limit: seconds the solver may spend.
+
+    Example:
+      >>> import autoshard, jax.numpy as jnp
+      >>> @autoshard.parallelize
+      ... def step(w, x):
+      ...     return jnp.tanh(x @ w).sum()
+      >>> float(step(jnp.ones((8, 8)), jnp.ones((16, 8)))) > 0
+      True
+    """
+    kw = dict(mesh=mesh, cluster=cluster, memory_budget=memory_budget, static_argnums=static_argnums,
+              donate_argnums=donate_argnums, plan=plan, hints=hints, solver_time_limit=solver_time_limit)
+    if fun is None:
+        return lambda f: Parallelized(f, **kw)
+    return Parallelized(fun, **kw)
+
+
+def _pinned_from_hints(program, hints, info: MeshInfo) -> dict[int, ShardingSpec]:
+    pinned, problems = {}, []
+    for pattern, pspec in hints.items():
+        if not isinstance(pspec, PartitionSpec):
+            problems.append(f"hint {pattern!r}: expected a PartitionSpec, got {pspec!r}")
+            continue
+        rx = re.compile(pattern)
+        for i, path in enumerate(program.in_paths):
+            if not rx.search(path):
+                continue
+            shape = tuple(program.avals[program.graph.invars[i]].shape)
+            try:
+                spec = ShardingSpec.from_partition_spec(pspec, len(shape), info)
+            except ValueError as e:
+                problems.append(f"{path}: {e}")
+                continue
+            for d, (n, axes) in enumerate(zip(shape, spec.dims, strict=True)):
+                k = info.axes_size(axes)
+                if n % k:
+                    names = "*".join(info.names[a] for a in axes)
+                    problems.append(
+                        f"{path} has shape {shape}; dimension {d} (size {n}) is pinned to mesh axes {names} of size "
+                        f"{k}, which does not divide it. Fix: pin a dividing axis, or pad the dimension to a "
+                        f"multiple of {k}.")
+            pinned[i] = spec
+    if problems:
+        raise MeshError("cannot honour the sharding hints:\n  " + "\n  ".join(problems))
+    return pinned
+
+
+def plan_program(program, *, mesh=None, cluster=None, memory_budget=None, hints=None, donated=(), ties=None,
+                 time_limit=10.0, timings=None):
+    """Plan a captured program. With ``mesh=None``, try every 2-D factorization of all devices."""
+    from autoshard.cluster import make_mesh
+
+    timings = {} if timings is None else timings
+    if mesh is None:
+        n = len(jax.devices())
+        best = None
+        for shape in _factorizations(n):
+            m = make_mesh(shape, ("data", "model"))
+            p = _plan_on_mesh(program, m, cluster, memory_budget, hints, donated, ties, time_limit, dict(timings))
+            if best is None or p.cost.objective < best.cost.objective:
+                best = p
+        return best
+    return _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings)
+
+
+def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings):
+    from autoshard.cost import CostModel
+    from autoshard.plan import Plan, PlanCost
+    from autoshard.planner import build_problem, decode, enumerate_strategies, merge_followers, warn_unsupported
+    from autoshard.solver import solve
+
+    info = MeshInfo.from_mesh(mesh)
+    cluster = _default_cluster(mesh) if cluster is None else cluster
+    platform = mesh.devices.flat[0].platform
+    cost = CostModel.create(info, cluster, platform=platform)
+    pinned = _pinned_from_hints(program, hints or {}, info)
+    t = time.perf_counter()
+    sgraph = enumerate_strategies(program, cost, pinned=pinned, donated=donated, tie_outputs=ties)
+    warn_unsupported(sgraph.unsupported)
+    timings["strategies"] = time.perf_counter() - t
+    t = time.perf_counter()
+    merged = merge_followers(sgraph, cost, program.avals)
+    built = build_problem(merged, program, cost, memory_limit=memory_budget, donated_inputs=donated)
+    timings["problem"] = time.perf_counter() - t
+    t = time.perf_counter()
+    try:
+        sol = solve(built.problem, time_limit=time_limit)
+    except InfeasibleError as e:
+        if e.smallest_memory is not None and memory_budget is not None:
+            raise InfeasibleError(
+                f"no plan fits memory_budget={memory_budget:.4g} bytes per device on mesh "
+                f"{dict(zip(info.names, info.shape, strict=True))}; the smallest peak the solver found is "
+                f"{e.smallest_memory:.4g} bytes. Fix: raise memory_budget to at least {e.smallest_memory:.4g}, "
+                "or use more devices.", smallest_memory=e.smallest_memory) from None
+        raise
+    timings["solve"] = time.perf_counter() - t
+    dec = decode(built, sol.choice, program, cost)
+    in_specs = tuple(dec.value_specs[v] for v in program.graph.invars)
+    out_specs = []
+    node_of_input = sgraph.input_nodes
+    for j, v in enumerate(program.graph.outvars):
+        if j in sgraph.output_ties:
+            out_specs.append(dec.node_strategy[sgraph.output_ties[j]].out_specs[0])
+        elif isinstance(v, int):
+            out_specs.append(dec.value_specs[v])
+        else:
+            out_specs.append(ShardingSpec(((),) * np.ndim(v.value)))
+    del node_of_input
+    comm_bytes = sum(c.bytes * k for c, k in dec.collectives)
+    pcost = PlanCost(dec.compute_seconds, dec.comm_seconds, comm_bytes, built.problem.peak_memory(sol.choice),
+                     float(sol.cost))
+    stats = {"timings": dict(timings), "nodes": built.problem.num_nodes, "edges": built.problem.num_edges,
+             "graph_nodes": len(sgraph.nodes), "eqns": program.num_eqns, "solver": dict(sol.stats),
+             "optimal": sol.optimal}
+    return Plan(
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=tuple(out_specs),
+        in_paths=program.in_paths,
+        out_paths=program.out_paths,
+        in_avals=tuple((tuple(program.avals[v].shape), str(program.avals[v].dtype)) for v in program.graph.invars),
+        cost=pcost,
+        collectives=dec.collectives,
+        value_specs=dec.value_specs,
+        operand_specs=dec.operand_specs,
+        fingerprint=program.fingerprint(),
+        stats=stats,
+        warnings=sgraph.unsupported,
+    )
+
+

@@ -1,0 +1,270 @@
+"""Capture: trace a step function into a flat, immutable op graph.
+
+``capture_graph`` traces with ``jax.make_jaxpr`` (abstract arguments are fine) and
+walks the jaxpr. Nested ``jit``, ``custom_jvp_call``, ``custom_vjp_call`` and
+``remat2`` are inlined: the planner sees their bodies as ordinary ops. ``scan`` is
+kept as one structured op whose body is a nested :class:`OpGraph`, so the planner
+solves the body once. ``while``, ``cond`` and anything else with a sub-jaxpr
+stay opaque ops, re-bound as they are at lowering.
+
+Every value in a captured program has a global integer id; ``CapturedProgram.avals``
+maps ids to their abstract values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.extend.core as jex_core
+import numpy as np
+
+INLINED = {
+    # primitive name -> the param that holds the body
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+    "remat2": "jaxpr",
+    "checkpoint": "jaxpr",
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class Const:
+    """A literal or closed-over constant operand."""
+
+    value: Any
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(np.shape(self.value))
+
+
+Operand = int | Const
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class Op:
+    """One primitive application.
+
+    Attributes:
+      index: position in the program's global op list (``CapturedProgram.ops``).
+      primitive: the jax primitive.
+      params: its params, as in the jaxpr.
+      inputs: value ids, or :class:`Const` for literals and constants.
+      outputs: value ids.
+      ctx: the eqn's context (entered when re-binding).
+      source_info: the eqn's source info, for messages.
+      body: for ``scan``, the loop body as a nested graph; else None.
+      trips: how many times the op runs per step (product of enclosing scan lengths).
+    """
+
+    index: int
+    primitive: Any
+    params: dict
+    inputs: tuple[Operand, ...]
+    outputs: tuple[int, ...]
+    ctx: Any
+    source_info: Any
+    body: OpGraph | None = None
+    trips: int = 1
+
+    @property
+    def name(self) -> str:
+        return self.primitive.name
+
+    def source(self) -> str:
+        """``file:line`` of the user code that made this op, when known."""
+        return source_location(self.source_info)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class OpGraph:
+    """A straight-line graph: inputs, ops in program order, outputs."""
+
+    invars: tuple[int, ...]
+    ops: tuple[Op, ...]
+    outvars: tuple[Operand, ...]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CapturedProgram:
+    """A traced step function.
+
+    Attributes:
+      graph: the top-level graph; its invars are the flattened arguments.
+      avals: abstract value (``ShapedArray``) per value id.
+      ops: every op, nested ones included, by ``Op.index``.
+      in_tree, out_tree: pytree structures of the (dynamic) arguments and outputs.
+      in_paths, out_paths: readable pytree paths of each flat leaf.
+      consts: value id -> constant array, for closed-over constants.
+      producer: value id -> (op index, output position); absent for inputs.
+      scan_of_body_invar: body invar id -> (scan op index, position in the body's invars).
+    """
+
+    graph: OpGraph
+    avals: tuple
+    ops: tuple[Op, ...]
+    in_tree: Any
+    out_tree: Any
+    in_paths: tuple[str, ...]
+    out_paths: tuple[str, ...]
+    consts: dict
+    producer: dict
+    uses: dict
+
+    @property
+    def num_eqns(self) -> int:
+        return len(self.ops)
+
+    def fingerprint(self) -> str:
+        """A short hash of the op sequence and shapes, to match saved plans."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for op in self.ops:
+            h.update(op.name.encode())
+            for v in op.outputs:
+                a = self.avals[v]
+                h.update(f"{getattr(a, 'shape', ())}{getattr(a, 'dtype', '')}".encode())
+        for v in self.graph.invars:
+            h.update(str(self.avals[v]).encode())
+        return h.hexdigest()[:16]
+
+
+class _Builder:
+    def __init__(self):
+        self.avals: list = []
+        self.ops: list[Op] = []
+        self.consts: dict[int, Any] = {}
+
+    def new_value(self, aval) -> int:
+        self.avals.append(aval)
+        return len(self.avals) - 1
+
+    def graph(self, jaxpr, consts, trips: int) -> OpGraph:
+        env: dict = {}
+        invars = []
+        for v in jaxpr.invars:
+            vid = self.new_value(v.aval)
+            env[v] = vid
+            invars.append(vid)
+        for v, c in zip(jaxpr.constvars, consts, strict=True):
+            env[v] = self._const(v.aval, c)
+        ops: list[Op] = []
+        self._eqns(jaxpr.eqns, env, ops, trips)
+        outvars = tuple(self._read(env, v) for v in jaxpr.outvars)
+        return OpGraph(tuple(invars), tuple(ops), outvars)
+
+    def _const(self, aval, value) -> Operand:
+        if np.ndim(value) == 0 or not hasattr(value, "shape"):
+            return Const(value)
+        vid = self.new_value(aval)
+        self.consts[vid] = value
+        return vid
+
+    @staticmethod
+    def _read(env, v) -> Operand:
+        if isinstance(v, jex_core.Literal):
+            return Const(v.val)
+        return env[v]
+
+    def _eqns(self, eqns, env, ops: list[Op], trips: int):
+        for eqn in eqns:
+            name = eqn.primitive.name
+            inputs = tuple(self._read(env, v) for v in eqn.invars)
+            if name in INLINED and INLINED[name] in eqn.params:
+                inner = eqn.params[INLINED[name]]
+                inner_jaxpr = getattr(inner, "jaxpr", inner)
+                inner_consts = getattr(inner, "consts", ())
+                sub_env: dict = {}
+                for v, c in zip(inner_jaxpr.constvars, inner_consts, strict=True):
+                    sub_env[v] = self._const(v.aval, c)
+                # custom_vjp_call passes its consts first; the call jaxpr takes them all as invars.
+                for v, x in zip(inner_jaxpr.invars, inputs, strict=True):
+                    sub_env[v] = x
+                self._eqns(inner_jaxpr.eqns, sub_env, ops, trips)
+                for v, inner_out in zip(eqn.outvars, inner_jaxpr.outvars, strict=True):
+                    env[v] = self._read(sub_env, inner_out)
+                continue
+            body = None
+            if name == "scan":
+                closed = eqn.params["jaxpr"]
+                body = self.graph(closed.jaxpr, closed.consts, trips * int(eqn.params["length"]))
+            outputs = []
+            for v in eqn.outvars:
+                vid = self.new_value(v.aval)
+                outputs.append(vid)
+                if not isinstance(v, jex_core.DropVar):
+                    env[v] = vid
+            op = Op(
+                index=len(self.ops),
+                primitive=eqn.primitive,
+                params=dict(eqn.params),
+                inputs=inputs,
+                outputs=tuple(outputs),
+                ctx=eqn.ctx,
+                source_info=eqn.source_info,
+                body=body,
+                trips=trips,
+            )
+            self.ops.append(op)
+            ops.append(op)
+
+
+def capture_graph(fun, args, *, in_paths=None) -> CapturedProgram:
+    """Trace ``fun(*args)`` (arrays or ``ShapeDtypeStruct``s) into a :class:`CapturedProgram`."""
+    flat_args, in_tree = jax.tree_util.tree_flatten(args)
+    if in_paths is None:
+        in_paths = tuple(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0])
+
+    def flat_fun(*flat):
+        return fun(*jax.tree_util.tree_unflatten(in_tree, flat))
+
+    closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*flat_args)
+    out_leaves_paths = jax.tree_util.tree_flatten_with_path(out_shape)[0]
+    out_tree = jax.tree_util.tree_structure(out_shape)
+    b = _Builder()
+    graph = b.graph(closed.jaxpr, closed.consts, 1)
+    producer, uses = {}, {}
+    for op in b.ops:
+        for k, v in enumerate(op.outputs):
+            producer[v] = (op.index, k)
+        for k, x in enumerate(op.inputs):
+            if isinstance(x, int):
+                uses.setdefault(x, []).append((op.index, k))
+    return CapturedProgram(
+        graph=graph,
+        avals=tuple(b.avals),
+        ops=tuple(b.ops),
+        in_tree=in_tree,
+        out_tree=out_tree,
+        in_paths=tuple(in_paths),
+        out_paths=tuple(jax.tree_util.keystr(p) for p, _ in out_leaves_paths),
+        consts=b.consts,
+        producer=producer,
+        uses=uses,
+    )
+
+
+_LIBRARY_MARKERS = ("/jax/", "/jaxlib/", "/flax/", "/optax/", "/autoshard/", "/site-packages/", "<frozen")
+
+
+def source_location(source_info) -> str:
+    """The innermost user frame of an eqn's traceback, as ``file:line``."""
+    tb = getattr(source_info, "traceback", None)
+    if tb is None:
+        return "<unknown>"
+    try:
+        frames = tb.frames
+    except Exception:  # pragma: no cover - traceback objects differ across jaxlib versions
+        return "<unknown>"
+    for f in frames:
+        if not any(m in f.file_name for m in _LIBRARY_MARKERS):
+            return f"{f.file_name}:{f.line_num}"
+    return f"{frames[0].file_name}:{frames[0].line_num}" if frames else "<unknown>"

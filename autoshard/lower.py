@@ -1,0 +1,113 @@
+"""Lower a plan: re-evaluate the captured program with every layout pinned.
+
+The program runs under ``jax.jit`` with the plan's input and output shardings.
+Every op is re-bound as in the jaxpr; each output is pinned with
+``with_sharding_constraint`` to the layout the plan chose, and an operand whose
+required layout differs from its producer's is resharded right before the op.
+A ``scan`` is re-issued with ``lax.scan`` over a body evaluated the same way, so
+the constraints sit inside the loop body.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import NamedSharding
+
+from autoshard.capture import CapturedProgram, Const, OpGraph
+from autoshard.spec import MeshInfo, ShardingSpec
+
+
+def _constrainable(x) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended) and x.ndim > 0
+
+
+class _Evaluator:
+    def __init__(self, program: CapturedProgram, value_specs, operand_specs, mesh, info: MeshInfo):
+        self.program = program
+        self.value_specs = value_specs
+        self.operand_specs = operand_specs
+        self.mesh = mesh
+        self.info = info
+        self._shardings: dict[ShardingSpec, NamedSharding] = {}
+
+    def sharding(self, spec: ShardingSpec) -> NamedSharding:
+        s = self._shardings.get(spec)
+        if s is None:
+            s = self._shardings[spec] = NamedSharding(self.mesh, spec.to_partition_spec(self.info))
+        return s
+
+    def constrain(self, x, spec: ShardingSpec | None):
+        if spec is None or not _constrainable(x):
+            return x
+        return jax.lax.with_sharding_constraint(x, self.sharding(spec))
+
+    def run(self, graph: OpGraph, env: dict):
+        for op in graph.ops:
+            invals = []
+            for i, x in enumerate(op.inputs):
+                val = x.value if isinstance(x, Const) else env[x]
+                spec = self.operand_specs.get((op.index, i))
+                invals.append(self.constrain(val, spec) if spec is not None else val)
+            if op.body is not None and op.name == "scan":
+                outs = self.run_scan(op, invals)
+            else:
+                with op.ctx.manager:
+                    outs = op.primitive.bind(*invals, **op.primitive.get_bind_params(op.params))
+                if not op.primitive.multiple_results:
+                    outs = (outs,)
+            for v, o in zip(op.outputs, outs, strict=True):
+                env[v] = self.constrain(o, self.value_specs.get(v))
+        return [x.value if isinstance(x, Const) else env[x] for x in graph.outvars]
+
+    def run_scan(self, op, invals):
+        p = op.params
+        n_consts, n_carry = p["num_consts"], p["num_carry"]
+        body = op.body
+        consts, init, xs = invals[:n_consts], invals[n_consts:n_consts + n_carry], invals[n_consts + n_carry:]
+        b_consts = body.invars[:n_consts]
+        b_carry = body.invars[n_consts:n_consts + n_carry]
+        b_xs = body.invars[n_consts + n_carry:]
+        y_specs = [self.value_specs.get(v) for v in op.outputs[n_carry:]]
+        y_specs = [None if s is None else ShardingSpec(s.dims[1:]) for s in y_specs]
+
+        def step(carry, x):
+            env = {}
+            for v, val in zip(b_consts, consts, strict=True):
+                env[v] = self.constrain(val, self.value_specs.get(v))
+            for v, val in zip(b_carry, carry, strict=True):
+                env[v] = self.constrain(val, self.value_specs.get(v))
+            for v, val in zip(b_xs, x, strict=True):
+                env[v] = self.constrain(val, self.value_specs.get(v))
+            outs = self.run(body, env)
+            new_carry = [self.constrain(o, self.value_specs.get(v)) for o, v in zip(outs[:n_carry], b_carry,
+                                                                                  strict=True)]
+            ys = [self.constrain(o, s) for o, s in zip(outs[n_carry:], y_specs, strict=True)]
+            return new_carry, ys
+
+        init = [self.constrain(val, self.value_specs.get(v)) for val, v in zip(init, b_carry, strict=True)]
+        carry, ys = jax.lax.scan(step, init, list(xs), length=p["length"], reverse=p["reverse"],
+                                 unroll=p.get("unroll", 1))
+        return [*carry, *ys]
+
+
+def make_flat_function(program: CapturedProgram, value_specs, operand_specs, mesh, out_specs=None):
+    """The step as a function of flat arguments, with every layout pinned.
+
+    ``out_specs`` (one per flat output, or None) reshards outputs whose planned
+    layout differs from their producer's (outputs tied to an input's layout)."""
+    info = MeshInfo.from_mesh(mesh)
+    ev = _Evaluator(program, value_specs, operand_specs, mesh, info)
+
+    def flat_fun(*flat_args):
+        env = {}
+        for v, x in zip(program.graph.invars, flat_args, strict=True):
+            env[v] = ev.constrain(x, value_specs.get(v))
+        for v, c in program.consts.items():
+            env[v] = ev.constrain(c, value_specs.get(v))
+        outs = ev.run(program.graph, env)
+        if out_specs is not None:
+            outs = [ev.constrain(o, s) for o, s in zip(outs, out_specs, strict=True)]
+        return outs
+
+    return flat_fun

@@ -1,0 +1,269 @@
+"""The result of planning: a frozen :class:`Plan` with shardings, costs and a report."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+import numpy as np
+
+from autoshard.cost import Collective
+from autoshard.errors import PlanError
+from autoshard.spec import MeshInfo, ShardingSpec
+
+_KIND_ORDER = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlanCost:
+    """Predicted per-device cost of one step.
+
+    Attributes:
+      compute_seconds: flops over the cluster's flop/s.
+      communication_seconds: alpha-beta time of every collective and reshard.
+      communication_bytes: the bytes those collectives move per device (Alpa's B).
+      peak_memory_bytes: the predicted peak of live values per device.
+      objective: what the solver minimised (compute + communication seconds).
+    """
+
+    compute_seconds: float
+    communication_seconds: float
+    communication_bytes: float
+    peak_memory_bytes: float
+    objective: float
+
+    @property
+    def total_seconds(self) -> float:
+        return self.compute_seconds + self.communication_seconds
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlanCheck:
+    """Predicted against compiled communication, per collective kind (bytes per device per step)."""
+
+    predicted: dict
+    compiled: dict
+
+    @property
+    def predicted_bytes(self) -> float:
+        return float(sum(self.predicted.values()))
+
+    @property
+    def compiled_bytes(self) -> float:
+        return float(sum(self.compiled.values()))
+
+    @property
+    def ratio(self) -> float:
+        """compiled / predicted bytes (1.0 is perfect; inf when nothing was predicted)."""
+        if self.predicted_bytes == 0:
+            return 1.0 if self.compiled_bytes == 0 else math.inf
+        return self.compiled_bytes / self.predicted_bytes
+
+    def __str__(self) -> str:
+        kinds = sorted(set(self.predicted) | set(self.compiled))
+        lines = [f"{'collective':<16}{'predicted':>14}{'compiled':>14}"]
+        for k in kinds:
+            lines.append(f"{k:<16}{_fmt_bytes(self.predicted.get(k, 0)):>14}{_fmt_bytes(self.compiled.get(k, 0)):>14}")
+        lines.append(f"{'total':<16}{_fmt_bytes(self.predicted_bytes):>14}{_fmt_bytes(self.compiled_bytes):>14}"
+                     f"   ratio {self.ratio:.3f}")
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+    """A sharding plan for one step function and one set of argument shapes.
+
+    Attributes:
+      mesh: the ``jax.sharding.Mesh`` the plan runs on.
+      in_specs, out_specs: one :class:`ShardingSpec` per flat argument / output leaf.
+      in_paths, out_paths: readable pytree paths of those leaves.
+      in_avals: ``(shape, dtype)`` per flat argument.
+      cost: the predicted :class:`PlanCost`.
+      collectives: predicted ``(Collective, times per step)`` pairs.
+      value_specs, operand_specs: the layout of every value, for lowering.
+      fingerprint: identifies the captured program the plan belongs to.
+      stats: timings per pass and solver diagnostics.
+      warnings: primitives that ran replicated for lack of a rule.
+    """
+
+    mesh: Any
+    in_specs: tuple[ShardingSpec, ...]
+    out_specs: tuple[ShardingSpec, ...]
+    in_paths: tuple[str, ...]
+    out_paths: tuple[str, ...]
+    in_avals: tuple[tuple[tuple[int, ...], str], ...]
+    cost: PlanCost
+    collectives: tuple[tuple[Collective, int], ...]
+    value_specs: dict
+    operand_specs: dict
+    fingerprint: str
+    stats: dict = dataclasses.field(default_factory=dict)
+    warnings: tuple[str, ...] = ()
+    in_tree: Any = None
+    out_tree: Any = None
+
+    @property
+    def mesh_info(self) -> MeshInfo:
+        return MeshInfo.from_mesh(self.mesh)
+
+    def _named(self, specs):
+        from jax.sharding import NamedSharding
+
+        info = self.mesh_info
+        return [NamedSharding(self.mesh, s.to_partition_spec(info)) for s in specs]
+
+    @property
+    def in_shardings(self):
+        """``NamedSharding``s mirroring the (dynamic) arguments."""
+        import jax
+
+        flat = self._named(self.in_specs)
+        return flat if self.in_tree is None else jax.tree_util.tree_unflatten(self.in_tree, flat)
+
+    @property
+    def out_shardings(self):
+        """``NamedSharding``s mirroring the outputs."""
+        import jax
+
+        flat = self._named(self.out_specs)
+        return flat if self.out_tree is None else jax.tree_util.tree_unflatten(self.out_tree, flat)
+
+    def predicted_bytes_by_kind(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for c, times in self.collectives:
+            out[c.kind] = out.get(c.kind, 0.0) + c.bytes * times
+        return out
+
+    def verify(self, compiled) -> PlanCheck:
+        """Compare predicted communication with what XLA compiled.
+
+        Bytes follow Alpa's convention on both sides: the all-reduced buffer, the
+        gathered result, the buffer before a reduce-scatter, the all-to-all buffer.
+        On CPU, XLA emits reduce-scatters as all-reduces; the CPU cost model
+        predicts them so.
+        """
+        from autoshard.hlo import collective_stats
+
+        stats = collective_stats(compiled)
+        got: dict[str, float] = {}
+        for c in stats.collectives:
+            nbytes = c.operand_bytes if c.kind == "reduce-scatter" and c.operand_bytes else c.bytes
+            got[c.kind] = got.get(c.kind, 0.0) + nbytes * c.multiplicity
+        return PlanCheck(self.predicted_bytes_by_kind(), got)
+
+    def parameter_table(self) -> list[tuple[str, tuple[int, ...], str, str, int]]:
+        """(path, shape, dtype, PartitionSpec, bytes per device) for every argument leaf."""
+        info = self.mesh_info
+        rows = []
+        for path, (shape, dtype), spec in zip(self.in_paths, self.in_avals, self.in_specs, strict=True):
+            nbytes = math.prod(spec.shard_shape(shape, info)) * np.dtype(dtype).itemsize if shape else \
+                np.dtype(dtype).itemsize
+            rows.append((path, tuple(shape), str(dtype), str(spec.to_partition_spec(info)), int(nbytes)))
+        return rows
+
+    def summary(self, max_rows: int = 40) -> str:
+        """A readable report: mesh, cost, every argument's spec, the costliest collectives."""
+        info = self.mesh_info
+        c = self.cost
+        lines = [
+            f"autoshard plan on mesh {dict(zip(info.names, info.shape, strict=True))}",
+            f"  predicted step: compute {c.compute_seconds * 1e3:.3f} ms + communication "
+            f"{c.communication_seconds * 1e3:.3f} ms ({_fmt_bytes(c.communication_bytes)}/device)",
+            f"  predicted peak memory: {_fmt_bytes(c.peak_memory_bytes)}/device",
+        ]
+        if self.stats.get("timings"):
+            t = self.stats["timings"]
+            lines.append("  planning: " + ", ".join(f"{k} {v:.2f}s" for k, v in t.items()))
+        rows = self.parameter_table()
+        lines.append(f"\n  {'argument':<50} {'shape':<18} {'spec':<28} {'bytes/dev':>10}")
+        for path, shape, _, spec, nbytes in rows[:max_rows]:
+            lines.append(f"  {path[:50]:<50} {str(shape):<18} {spec:<28} {_fmt_bytes(nbytes):>10}")
+        if len(rows) > max_rows:
+            lines.append(f"  ... and {len(rows) - max_rows} more")
+        agg: dict[tuple[str, tuple[str, ...]], list[float]] = {}
+        for col, times in self.collectives:
+            key = (col.kind, tuple(info.names[a] for a in col.axes))
+            e = agg.setdefault(key, [0, 0.0])
+            e[0] += times
+            e[1] += col.bytes * times
+        if agg:
+            lines.append(f"\n  {'collective':<16} {'axes':<16} {'count':>6} {'bytes/dev':>12}")
+            for (kind, axes), (n, b) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:10]:
+                lines.append(f"  {kind:<16} {','.join(axes):<16} {n:>6} {_fmt_bytes(b):>12}")
+        if self.warnings:
+            lines.append("\n  replicated for lack of a rule: " + ", ".join(self.warnings))
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        info = self.mesh_info
+        return (f"Plan(mesh={dict(zip(info.names, info.shape, strict=True))}, args={len(self.in_specs)}, "
+                f"step≈{self.cost.total_seconds * 1e3:.3f}ms, peak≈{_fmt_bytes(self.cost.peak_memory_bytes)})")
+
+    def to_json(self) -> str:
+        """Serialise everything needed to apply the plan again without solving."""
+        info = self.mesh_info
+        return json.dumps({
+            "format": "autoshard-plan/1",
+            "mesh": {"shape": list(info.shape), "names": list(info.names)},
+            "fingerprint": self.fingerprint,
+            "in_specs": [_spec_json(s) for s in self.in_specs],
+            "out_specs": [_spec_json(s) for s in self.out_specs],
+            "in_paths": list(self.in_paths),
+            "out_paths": list(self.out_paths),
+            "in_avals": [[list(s), d] for s, d in self.in_avals],
+            "cost": dataclasses.asdict(self.cost),
+            "collectives": [[c.kind, list(c.axes), c.bytes, t] for c, t in self.collectives],
+            "value_specs": [[v, _spec_json(s)] for v, s in sorted(self.value_specs.items())],
+            "operand_specs": [[k[0], k[1], _spec_json(s)] for k, s in sorted(self.operand_specs.items())],
+            "warnings": list(self.warnings),
+        })
+
+    @classmethod
+    def from_json(cls, text: str, mesh=None) -> Plan:
+        """Load a plan saved by :meth:`to_json`. ``mesh`` defaults to a new Auto mesh of the saved shape."""
+        try:
+            d = json.loads(text)
+            if d.get("format") != "autoshard-plan/1":
+                raise PlanError(f"not an autoshard plan (format {d.get('format')!r}); expected 'autoshard-plan/1'")
+            shape, names = tuple(d["mesh"]["shape"]), tuple(d["mesh"]["names"])
+            if mesh is None:
+                from autoshard.cluster import make_mesh
+
+                mesh = make_mesh(shape, names)
+            elif MeshInfo.from_mesh(mesh) != MeshInfo(shape, names):
+                raise PlanError(f"the plan was made for mesh {dict(zip(names, shape, strict=True))}, "
+                                f"not {dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))}")
+            return cls(
+                mesh=mesh,
+                in_specs=tuple(_spec_from(s) for s in d["in_specs"]),
+                out_specs=tuple(_spec_from(s) for s in d["out_specs"]),
+                in_paths=tuple(d["in_paths"]),
+                out_paths=tuple(d["out_paths"]),
+                in_avals=tuple((tuple(s), dt) for s, dt in d["in_avals"]),
+                cost=PlanCost(**d["cost"]),
+                collectives=tuple((Collective(k, tuple(a), b), t) for k, a, b, t in d["collectives"]),
+                value_specs={v: _spec_from(s) for v, s in d["value_specs"]},
+                operand_specs={(i, j): _spec_from(s) for i, j, s in d["operand_specs"]},
+                fingerprint=d["fingerprint"],
+                warnings=tuple(d.get("warnings", ())),
+            )
+        except KeyError as e:
+            raise PlanError(f"saved plan is missing field {e.args[0]!r}") from None
+
+
+def _spec_json(s: ShardingSpec):
+    return [list(d) for d in s.dims]
+
+
+def _spec_from(d) -> ShardingSpec:
+    return ShardingSpec(tuple(tuple(x) for x in d))
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"

@@ -1,0 +1,499 @@
+"""Build the strategy-selection problem from a captured program, and decode its solution.
+
+Passes, in order (see docs/ARCHITECTURE.md):
+
+1. ``enumerate_strategies``: one node per graph input and per op (scan bodies are
+   expanded once, their costs scaled by the trip count), each with its rule's
+   strategies, and one edge per use of a value.
+2. ``merge_followers``: ops registered with ``follows=True`` join the node of
+   their main operand's producer, taking for each of its strategies the one of
+   theirs that keeps the layout (Alpa's follower merging). The problem the
+   solver sees has only the leaders.
+3. ``build_problem``: node costs, edge resharding matrices, and per-device memory
+   over liveness intervals, as a :class:`~autoshard.solver.ShardingProblem`.
+4. ``decode``: the solver's choice back to a layout for every value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+
+import numpy as np
+
+from autoshard.capture import CapturedProgram, Const, Op
+from autoshard.cost import Collective, CostModel
+from autoshard.solver import ShardingProblem
+from autoshard.spec import ShardingSpec, candidate_specs, replicated
+from autoshard.strategies import RuleContext, Strategy, lookup_rule, replicated_strategy
+
+
+class AutoshardWarning(UserWarning):
+    """A planning decision the user should know about (e.g. an unsupported primitive)."""
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Node:
+    kind: str  # "input" | "op" | "scan_const" | "scan_carry" | "scan_x" | "scan_y"
+    strategies: list[Strategy]
+    outputs: tuple[int, ...]  # value ids, in out_specs order
+    trips: int = 1
+    op: Op | None = None
+    weak: bool = False  # a layout source we'd rather not follow (inputs, broadcasts, iota)
+    label: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Edge:
+    src: int  # producer node
+    src_pos: int  # position in the producer's out_specs
+    dst: int  # consumer node
+    dst_pos: int  # position in the consumer's in_specs; -1: the consumer's out_specs[0] (state ties)
+    value: int  # value id carried
+    scale: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StrategyGraph:
+    """Nodes with strategies, and the uses between them, before merging."""
+
+    nodes: tuple[_Node, ...]
+    edges: tuple[_Edge, ...]
+    producer: dict  # value id -> (node, out position)
+    input_nodes: tuple[int, ...]
+    output_ties: dict  # flat output index -> input node whose layout it must take
+    unsupported: tuple[str, ...]
+
+
+def _aval_shape(aval) -> tuple[int, ...]:
+    return tuple(int(d) for d in getattr(aval, "shape", ()))
+
+
+def _itemsize(aval) -> int:
+    dt = getattr(aval, "dtype", None)
+    try:
+        return np.dtype(dt).itemsize
+    except TypeError:  # extended dtypes (PRNG keys)
+        return 8
+
+
+def _params_key(params):
+    try:
+        key = tuple(sorted(params.items()))
+        hash(key)
+        return key
+    except TypeError:
+        return None
+
+
+def enumerate_strategies(program: CapturedProgram, cost: CostModel, *, pinned=None, donated=(),
+                         tie_outputs=None) -> StrategyGraph:
+    """Pass 1: nodes, strategies and edges for every input, op and scan body.
+
+    Args:
+      pinned: flat input index -> ShardingSpec the input must take.
+      tie_outputs: flat output index -> flat input index whose layout the output must keep.
+    """
+    mesh = cost.mesh
+    pinned = pinned or {}
+    nodes: list[_Node] = []
+    edges: list[_Edge] = []
+    producer: dict[int, tuple[int, int]] = {}
+    unsupported: dict[str, str] = {}
+    cache: dict = {}
+    avals = program.avals
+
+    def add_node(node: _Node) -> int:
+        nodes.append(node)
+        n = len(nodes) - 1
+        for k, v in enumerate(node.outputs):
+            producer[v] = (n, k)
+        return n
+
+    def spec_strategies(shape, specs=None):
+        specs = candidate_specs(shape, mesh) if specs is None else specs
+        return [Strategy(str(s), (), (s,)) for s in specs]
+
+    def use(value, dst, pos, scale):
+        if isinstance(value, Const) or value not in producer:
+            return
+        src, k = producer[value]
+        edges.append(_Edge(src, k, dst, pos, value, scale))
+
+    input_nodes = []
+    for i, v in enumerate(program.graph.invars):
+        shape = _aval_shape(avals[v])
+        strategies = spec_strategies(shape, [pinned[i]] if i in pinned else None)
+        input_nodes.append(add_node(_Node("input", strategies, (v,), weak=True, label=program.in_paths[i])))
+    for v in program.consts:
+        add_node(_Node("input", spec_strategies(_aval_shape(avals[v])), (v,), weak=True, label="<const>"))
+
+    def op_context(op: Op) -> RuleContext:
+        in_shapes = tuple(x.shape if isinstance(x, Const) else _aval_shape(avals[x]) for x in op.inputs)
+        in_dtypes = tuple(np.asarray(x.value).dtype if isinstance(x, Const) else getattr(avals[x], "dtype", None)
+                          for x in op.inputs)
+        return RuleContext(
+            mesh=mesh,
+            cost=cost,
+            in_shapes=in_shapes,
+            in_dtypes=in_dtypes,
+            out_shapes=tuple(_aval_shape(avals[v]) for v in op.outputs),
+            out_dtypes=tuple(getattr(avals[v], "dtype", None) for v in op.outputs),
+            const_inputs=tuple(isinstance(x, Const) for x in op.inputs),
+        )
+
+    def op_strategies(op: Op, ctx: RuleContext):
+        entry = lookup_rule(op.name)
+        if entry is None:
+            unsupported.setdefault(op.name, op.source())
+            flops = sum(math.prod(s) for s in ctx.out_shapes)
+            return [replicated_strategy(ctx, flops)], False
+        pkey = _params_key(op.params)
+        key = None if pkey is None else (op.name, ctx.in_shapes, ctx.out_shapes, ctx.const_inputs,
+                                          ctx.in_dtypes, ctx.out_dtypes, pkey)
+        if key is not None and key in cache:
+            return cache[key], entry.follows
+        strategies = entry.rule(op, ctx)
+        if not strategies:  # nothing divides evenly: fall back to replicated
+            strategies = [replicated_strategy(ctx, sum(math.prod(s) for s in ctx.out_shapes))]
+        if key is not None:
+            cache[key] = strategies
+        return strategies, entry.follows
+
+    follows: dict[int, bool] = {}
+
+    def visit(graph_ops, outer_trips):
+        for op in graph_ops:
+            if op.body is not None and op.name == "scan":
+                visit_scan(op)
+                continue
+            ctx = op_context(op)
+            strategies, is_follower = op_strategies(op, ctx)
+            weak = op.name in ("broadcast_in_dim", "iota")
+            n = add_node(_Node("op", strategies, op.outputs, trips=op.trips, op=op, weak=weak, label=op.name))
+            follows[n] = is_follower
+            for i, x in enumerate(op.inputs):
+                if strategies[0].in_specs[i] is not None:
+                    use(x, n, i, op.trips)
+
+    def visit_scan(op: Op):
+        body = op.body
+        p = op.params
+        n_consts, n_carry, length = p["num_consts"], p["num_carry"], int(p["length"])
+        inner_trips = op.trips * length
+        carry_nodes = []
+        for j, (b, x) in enumerate(zip(body.invars, op.inputs, strict=True)):
+            shape = _aval_shape(avals[b])
+            if j < n_consts:
+                n = add_node(_Node("scan_const", [Strategy(str(s), (s,), (s,)) for s in candidate_specs(shape, mesh)],
+                                   (b,), trips=op.trips, label="scan const"))
+                use(x, n, 0, op.trips)
+            elif j < n_consts + n_carry:
+                k = j - n_consts
+                outer_out = op.outputs[k]
+                n = add_node(_Node("scan_carry", [Strategy(str(s), (s, s), (s, s))
+                                                   for s in candidate_specs(shape, mesh)],
+                                   (b, outer_out), trips=op.trips, label="scan carry"))
+                use(x, n, 0, op.trips)
+                carry_nodes.append(n)
+            else:
+                outer = ShardingSpec
+                strategies = [Strategy(str(s), (outer(((),) + s.dims),), (s,)) for s in candidate_specs(shape, mesh)]
+                n = add_node(_Node("scan_x", strategies, (b,), trips=op.trips, label="scan xs"))
+                use(x, n, 0, op.trips)
+        visit(body.ops, inner_trips)
+        for k, n in enumerate(carry_nodes):
+            use(body.outvars[k], n, 1, inner_trips)
+        for j, y in enumerate(body.outvars[n_carry:]):
+            outer_v = op.outputs[n_carry + j]
+            shape = _aval_shape(avals[outer_v])[1:]
+            strategies = [Strategy(str(s), (s,), (ShardingSpec(((),) + s.dims),)) for s in candidate_specs(shape, mesh)]
+            n = add_node(_Node("scan_y", strategies, (outer_v,), trips=op.trips, label="scan ys"))
+            use(y, n, 0, inner_trips)
+
+    visit(program.graph.ops, 1)
+
+    ties = {}
+    for out_i, in_i in (tie_outputs or {}).items():
+        v = program.graph.outvars[out_i]
+        node = input_nodes[in_i]
+        ties[out_i] = node
+        if isinstance(v, int) and v in producer and producer[v][0] != node:
+            src, k = producer[v]
+            edges.append(_Edge(src, k, node, -1, v, 1))
+
+    for i, n in enumerate(nodes):
+        n.weak = n.weak or False
+        if follows.get(i):
+            n.kind = "follower"
+    return StrategyGraph(tuple(nodes), tuple(edges), producer, tuple(input_nodes), ties,
+                         tuple(f"{k} (at {v})" for k, v in unsupported.items()))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MergedGraph:
+    """Pass 2's result: each node's root and the map from root strategies to its own."""
+
+    graph: StrategyGraph
+    root: np.ndarray  # node -> root node
+    index_map: tuple[np.ndarray, ...]  # node -> int array over the root's strategies
+    roots: tuple[int, ...]
+
+
+def _edge_specs(graph: StrategyGraph, e: _Edge):
+    src = graph.nodes[e.src]
+    dst = graph.nodes[e.dst]
+    out_specs = [s.out_specs[e.src_pos] for s in src.strategies]
+    in_specs = [s.out_specs[0] if e.dst_pos < 0 else s.in_specs[e.dst_pos] for s in dst.strategies]
+    return out_specs, in_specs
+
+
+def merge_followers(graph: StrategyGraph, cost: CostModel, avals) -> MergedGraph:
+    """Pass 2: fold each follower into the node that produces its main operand."""
+    n = len(graph.nodes)
+    root = np.arange(n)
+    index_map: list[np.ndarray] = [np.arange(len(node.strategies)) for node in graph.nodes]
+    in_edges: dict[int, list[_Edge]] = {}
+    for e in graph.edges:
+        in_edges.setdefault(e.dst, []).append(e)
+    weak = [node.weak for node in graph.nodes]
+    for i, node in enumerate(graph.nodes):
+        if node.kind != "follower":
+            continue
+        cands = [e for e in in_edges.get(i, ()) if e.dst_pos >= 0]
+        if not cands:
+            continue
+        main = max(cands, key=lambda e: (math.prod(_aval_shape(avals[e.value])), not weak[root[e.src]], -e.dst_pos))
+        r = root[main.src]
+        weak[i] = weak[r]
+        src_specs = [graph.nodes[main.src].strategies[j].out_specs[main.src_pos] for j in index_map[main.src]]
+        by_in: dict[ShardingSpec, int] = {}
+        for b, s in enumerate(node.strategies):
+            spec = s.in_specs[main.dst_pos]
+            if spec not in by_in or s.cost < node.strategies[by_in[spec]].cost:
+                by_in[spec] = b
+        shape = _aval_shape(avals[main.value])
+        itemsize = _itemsize(avals[main.value])
+        chosen = np.empty(len(src_specs), dtype=np.int64)
+        memo: dict[ShardingSpec, int] = {}
+        for a, spec in enumerate(src_specs):
+            if spec in memo:
+                chosen[a] = memo[spec]
+                continue
+            b = by_in.get(spec)
+            if b is None:
+                b = min(range(len(node.strategies)), key=lambda b: node.strategies[b].cost
+                        + cost.reshard_time(shape, itemsize, spec, node.strategies[b].in_specs[main.dst_pos]))
+            memo[spec] = chosen[a] = b
+        root[i] = r
+        index_map[i] = chosen
+    return MergedGraph(graph, root, tuple(index_map), tuple(int(i) for i in range(n) if root[i] == i))
+
+
+def _value_bytes(aval, spec: ShardingSpec, mesh) -> float:
+    shape = _aval_shape(aval)
+    return float(math.prod(spec.shard_shape(shape, mesh)) * _itemsize(aval)) if shape else float(_itemsize(aval))
+
+
+def liveness(program: CapturedProgram, donated_inputs=()) -> dict[int, tuple[int, int]]:
+    """Half-open live interval of every value, over top-level op positions.
+
+    Inputs live from 0; non-donated inputs until the end (the caller keeps them).
+    Values inside a scan body live at the scan's position only."""
+    ops = program.graph.ops
+    end_t = len(ops) + 1
+    start, end = {}, {}
+    for i, v in enumerate(program.graph.invars):
+        start[v] = 0
+        end[v] = 1 if i in donated_inputs else end_t
+    for v in program.consts:
+        start[v], end[v] = 0, end_t
+
+    def mark_body(graph, t):
+        for op in graph.ops:
+            for v in op.outputs:
+                start[v], end[v] = t, t + 1
+            for x in op.inputs:
+                if isinstance(x, int):
+                    end[x] = max(end.get(x, t + 1), t + 1)
+            if op.body is not None:
+                mark_body(op.body, t)
+        for v in graph.invars:
+            start.setdefault(v, t)
+            end[v] = max(end.get(v, t + 1), t + 1)
+
+    for t, op in enumerate(ops, start=1):
+        for v in op.outputs:
+            start[v] = t
+            end.setdefault(v, t + 1)
+        for x in op.inputs:
+            if isinstance(x, int):
+                end[x] = max(end.get(x, t + 1), t + 1)
+        if op.body is not None:
+            mark_body(op.body, t)
+    for x in program.graph.outvars:
+        if isinstance(x, int):
+            end[x] = end_t
+    return {v: (start[v], end[v]) for v in start}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BuiltProblem:
+    """The solver's problem plus what is needed to decode its answer."""
+
+    problem: ShardingProblem
+    merged: MergedGraph
+    root_index: dict  # root node -> problem node index
+
+
+def build_problem(merged: MergedGraph, program: CapturedProgram, cost: CostModel, *,
+                  memory_limit=None, donated_inputs=()) -> BuiltProblem:
+    """Pass 3: node costs, edge matrices and memory, in root-strategy space."""
+    graph = merged.graph
+    mesh = cost.mesh
+    roots = merged.roots
+    root_index = {r: k for k, r in enumerate(roots)}
+    sizes = [len(graph.nodes[r].strategies) for r in roots]
+    node_costs = [np.zeros(s) for s in sizes]
+    for i, node in enumerate(graph.nodes):
+        r = root_index[int(merged.root[i])]
+        c = np.fromiter((node.strategies[j].cost for j in merged.index_map[i]), float, sizes[r])
+        node_costs[r] += c * node.trips
+    pair_costs: dict[tuple[int, int], np.ndarray] = {}
+    for e in graph.edges:
+        out_specs, in_specs = _edge_specs(graph, e)
+        ru, rv = root_index[int(merged.root[e.src])], root_index[int(merged.root[e.dst])]
+        rows = [out_specs[j] for j in merged.index_map[e.src]]
+        cols = [in_specs[j] for j in merged.index_map[e.dst]]
+        aval = program.avals[e.value]
+        shape, itemsize = _aval_shape(aval), _itemsize(aval)
+        if ru == rv:
+            node_costs[ru] += e.scale * np.array([cost.reshard_time(shape, itemsize, a, b)
+                                                  for a, b in zip(rows, cols, strict=True)])
+            continue
+        urow, row_idx = _unique(rows)
+        ucol, col_idx = _unique(cols)
+        small = np.array([[cost.reshard_time(shape, itemsize, a, b) for b in ucol] for a in urow])
+        m = e.scale * small[np.ix_(row_idx, col_idx)]
+        if ru > rv:
+            ru, rv, m = rv, ru, m.T
+        key = (ru, rv)
+        pair_costs[key] = pair_costs[key] + m if key in pair_costs else m
+    edges = np.array(list(pair_costs), dtype=np.int64).reshape(-1, 2)
+    memory, intervals = _memory(merged, program, root_index, sizes, mesh, donated_inputs)
+    names = tuple(_label(graph.nodes[r]) for r in roots)
+    problem = ShardingProblem(tuple(node_costs), edges, tuple(pair_costs.values()), memory, intervals,
+                              memory_limit, names)
+    return BuiltProblem(problem, merged, root_index)
+
+
+def _label(node: _Node) -> str:
+    if node.op is not None:
+        return f"{node.op.name} at {node.op.source()}"
+    return f"{node.kind} {node.label}"
+
+
+def _unique(specs):
+    index: dict = {}
+    idx = np.fromiter((index.setdefault(s, len(index)) for s in specs), np.int64, len(specs))
+    return list(index), idx
+
+
+def _memory(merged, program, root_index, sizes, mesh, donated_inputs):
+    """Per root: the peak, over its members' overlapping lifetimes, of their summed bytes.
+
+    Exact for a root alone; for merged groups, each strategy's peak is taken
+    separately, which can only overestimate."""
+    graph = merged.graph
+    live = liveness(program, donated_inputs)
+    members: dict[int, list] = {}
+    for i, node in enumerate(graph.nodes):
+        if node.kind in ("scan_carry",):
+            outs = node.outputs[:1] + node.outputs[1:]
+        else:
+            outs = node.outputs
+        r = root_index[int(merged.root[i])]
+        for k, v in enumerate(outs):
+            if v not in live:
+                continue
+            aval = program.avals[v]
+            by_spec: dict = {}
+            usage = np.array([by_spec.setdefault(s, _value_bytes(aval, s, mesh))
+                              for s in (node.strategies[j].out_specs[k] for j in merged.index_map[i])])
+            members.setdefault(r, []).append((live[v], usage))
+    memory, intervals = [], []
+    for r in range(len(sizes)):
+        ms = members.get(r, [])
+        if not ms:
+            memory.append(np.zeros(sizes[r]))
+            intervals.append((0, 0))
+            continue
+        lo = min(m[0][0] for m in ms)
+        hi = max(m[0][1] for m in ms)
+        times = sorted({m[0][0] for m in ms})
+        peak = np.zeros(sizes[r])
+        for t in times:
+            cur = sum((u for (s, e), u in ms if s <= t < e), np.zeros(sizes[r]))
+            peak = np.maximum(peak, cur)
+        memory.append(peak)
+        intervals.append((lo, hi))
+    return tuple(memory), np.array(intervals, dtype=np.int64).reshape(-1, 2)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Decoded:
+    """Pass 4's result: every node's chosen strategy and every value's layout."""
+
+    node_strategy: tuple[Strategy, ...]
+    value_specs: dict  # value id -> ShardingSpec
+    operand_specs: dict  # (op index, operand position) -> ShardingSpec where it differs from the value's
+    collectives: tuple[tuple[Collective, int], ...]  # (collective, multiplicity)
+    compute_seconds: float
+    comm_seconds: float
+
+
+def decode(built: BuiltProblem, choice, program: CapturedProgram, cost: CostModel) -> Decoded:
+    """Pass 4: the chosen strategy of every node, value layouts and the predicted collectives."""
+    merged = built.merged
+    graph = merged.graph
+    node_strategy = []
+    for i, node in enumerate(graph.nodes):
+        r = built.root_index[int(merged.root[i])]
+        node_strategy.append(node.strategies[int(merged.index_map[i][int(choice[r])])])
+    value_specs: dict[int, ShardingSpec] = {}
+    for node, s in zip(graph.nodes, node_strategy, strict=True):
+        for v, spec in zip(node.outputs, s.out_specs, strict=True):
+            value_specs[v] = spec
+    for v in program.consts:
+        value_specs.setdefault(v, replicated(len(_aval_shape(program.avals[v]))))
+    colls, compute, comm = [], 0.0, 0.0
+    for node, s in zip(graph.nodes, node_strategy, strict=True):
+        compute += s.compute * node.trips
+        comm += s.comm * node.trips
+        colls.extend((c, node.trips) for c in s.collectives)
+    operand_specs = {}
+    for e in graph.edges:
+        src_spec = node_strategy[e.src].out_specs[e.src_pos]
+        dst_s = node_strategy[e.dst]
+        dst_spec = dst_s.out_specs[0] if e.dst_pos < 0 else dst_s.in_specs[e.dst_pos]
+        if src_spec == dst_spec:
+            continue
+        aval = program.avals[e.value]
+        t, cs = cost.reshard(_aval_shape(aval), _itemsize(aval), src_spec, dst_spec)
+        comm += t * e.scale
+        colls.extend((c, e.scale) for c in cs)
+        node = graph.nodes[e.dst]
+        if node.op is not None and e.dst_pos >= 0:
+            operand_specs[(node.op.index, e.dst_pos)] = dst_spec
+    return Decoded(tuple(node_strategy), value_specs, operand_specs, tuple(colls), compute, comm)
+
+
+def warn_unsupported(names) -> None:
+    for n in names:
+        warnings.warn(
+            f"autoshard has no sharding rule for primitive {n}; it runs replicated. "
+            "Register one with autoshard.strategies.register_strategy to shard it.",
+            AutoshardWarning,
+            stacklevel=3,
+        )

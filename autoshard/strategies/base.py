@@ -1,0 +1,134 @@
+"""Strategy type, rule context and the per-primitive rule registry.
+
+A rule is ``rule(op, ctx) -> list[Strategy]``. It is registered for one or more
+primitive names with :func:`register_strategy`. ``follows=True`` marks ops that
+the planner merges into the producer of their main operand (Alpa's followers):
+they keep the operand's layout instead of being solved on their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from autoshard.cost import Collective, CostModel
+from autoshard.spec import MeshInfo, ShardingSpec, replicated
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Strategy:
+    """One way to run an op on the mesh.
+
+    Attributes:
+      name: short label, e.g. ``"S0,R x R,S1"``.
+      in_specs: the layout each operand must have (None for constants: replicated).
+      out_specs: the layout of each output.
+      compute: seconds of compute per device.
+      comm: seconds of communication inside the op (e.g. the all-reduce of a
+        sharded contraction). Resharding between ops is priced on edges.
+      collectives: what ``comm`` consists of, for reports.
+    """
+
+    name: str
+    in_specs: tuple[ShardingSpec | None, ...]
+    out_specs: tuple[ShardingSpec, ...]
+    compute: float = 0.0
+    comm: float = 0.0
+    collectives: tuple[Collective, ...] = ()
+
+    @property
+    def cost(self) -> float:
+        return self.compute + self.comm
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RuleContext:
+    """What a rule may look at besides the op: shapes, the mesh, the cost model."""
+
+    mesh: MeshInfo
+    cost: CostModel
+    in_shapes: tuple[tuple[int, ...], ...]
+    in_dtypes: tuple[np.dtype, ...]
+    out_shapes: tuple[tuple[int, ...], ...]
+    out_dtypes: tuple[np.dtype, ...]
+    const_inputs: tuple[bool, ...]
+
+    def out_bytes(self, k: int = 0) -> int:
+        return math.prod(self.out_shapes[k]) * np.dtype(self.out_dtypes[k]).itemsize
+
+    def compute_time(self, flops: float, spec_or_shards) -> float:
+        shards = spec_or_shards if isinstance(spec_or_shards, int) else spec_or_shards.num_shards(self.mesh)
+        return self.cost.compute_time(flops / shards)
+
+    def collective(self, kind: str, axes, nbytes: float) -> tuple[float, Collective]:
+        c = Collective(kind, tuple(sorted(axes)), float(nbytes))
+        return self.cost.collective_time(c), c
+
+
+Rule = Callable[[object, RuleContext], list[Strategy]]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RuleEntry:
+    rule: Rule
+    follows: bool
+
+
+_RULES: dict[str, RuleEntry] = {}
+
+
+def register_strategy(*names: str, follows: bool = False):
+    """Register ``rule`` as the strategy rule of primitives ``names``.
+
+    Example::
+
+        @register_strategy("my_prim", follows=True)
+        def _my_prim(op, ctx):
+            return elementwise_strategies(ctx)
+    """
+
+    def deco(rule: Rule) -> Rule:
+        for n in names:
+            _RULES[n] = RuleEntry(rule, follows)
+        return rule
+
+    return deco
+
+
+def lookup_rule(name: str) -> RuleEntry | None:
+    return _RULES.get(name)
+
+
+def registered_primitives() -> tuple[str, ...]:
+    return tuple(sorted(_RULES))
+
+
+def replicated_strategy(ctx: RuleContext, flops: float = 0.0, name: str = "replicated") -> Strategy:
+    """Everything replicated: every device computes the whole op."""
+    return Strategy(
+        name,
+        tuple(None if c else replicated(len(s)) for s, c in zip(ctx.in_shapes, ctx.const_inputs, strict=True)),
+        tuple(replicated(len(s)) for s in ctx.out_shapes),
+        compute=ctx.cost.compute_time(flops),
+    )
+
+
+def drop_axes(spec: ShardingSpec, dims) -> ShardingSpec:
+    """``spec`` with dimensions ``dims`` unsharded."""
+    dims = set(dims)
+    return ShardingSpec(tuple(() if i in dims else d for i, d in enumerate(spec.dims)))
+
+
+def assign_axes(rank: int, placements) -> ShardingSpec:
+    """Build a spec from ``(dim, axis)`` pairs; axes on one dim sorted by index."""
+    dims = [[] for _ in range(rank)]
+    for d, a in placements:
+        dims[d].append(a)
+    return ShardingSpec(tuple(tuple(sorted(d)) for d in dims))
+
+
+def divides(shape, spec: ShardingSpec, mesh: MeshInfo) -> bool:
+    return all(n % mesh.axes_size(d) == 0 for n, d in zip(shape, spec.dims, strict=True))

@@ -1,0 +1,127 @@
+"""Contractions: ``dot_general`` and ``conv_general_dilated``.
+
+Each active mesh axis takes one role: split a batch dimension, a free dimension
+of either operand, or the contracted dimension, or none. A split contraction
+leaves partial sums: the strategy either all-reduces them, or reduce-scatters
+them onto one output dimension (Alpa's "RS" family, which is ZeRO's gradient
+reduce-scatter when the contraction is the batch).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+
+from autoshard.strategies.base import RuleContext, Strategy, assign_axes, divides, register_strategy
+
+
+def _finish(ctx, name, lhs_spec, rhs_spec, out_placements, k_axes, flops, shards) -> list[Strategy]:
+    """Strategies for one role assignment: all-reduce the partial sums, or reduce-scatter them."""
+    out_rank = len(ctx.out_shapes[0])
+    base_out = assign_axes(out_rank, out_placements)
+    compute = ctx.compute_time(flops, shards)
+    if not k_axes:
+        return [Strategy(name, (lhs_spec, rhs_spec), (base_out,), compute=compute)]
+    nbytes = ctx.out_bytes() / base_out.num_shards(ctx.mesh)
+    comm, c = ctx.collective("all-reduce", k_axes, nbytes)
+    out = [Strategy(name + "|AR", (lhs_spec, rhs_spec), (base_out,), compute=compute, comm=comm, collectives=(c,))]
+    for d in range(out_rank):
+        spec = assign_axes(out_rank, list(out_placements) + [(d, a) for a in k_axes])
+        if not divides(ctx.out_shapes[0], spec, ctx.mesh):
+            continue
+        comm, c = ctx.collective("reduce-scatter", k_axes, nbytes)
+        out.append(Strategy(f"{name}|RS{d}", (lhs_spec, rhs_spec), (spec,), compute=compute, comm=comm,
+                            collectives=(c,)))
+    return out
+
+
+@register_strategy("dot_general")
+def _dot_general(op, ctx: RuleContext) -> list[Strategy]:
+    (lc, rc), (lb, rb) = op.params["dimension_numbers"]
+    lshape, rshape = ctx.in_shapes
+    lfree = [d for d in range(len(lshape)) if d not in lc and d not in lb]
+    rfree = [d for d in range(len(rshape)) if d not in rc and d not in rb]
+    # Roles: (lhs dim, rhs dim, out dim, is_contraction); None where the operand lacks the dim.
+    roles = [(None, None, None, False)]
+    roles += [(l, r, i, False) for i, (l, r) in enumerate(zip(lb, rb, strict=True))]
+    roles += [(d, None, len(lb) + i, False) for i, d in enumerate(lfree)]
+    roles += [(None, d, len(lb) + len(lfree) + i, False) for i, d in enumerate(rfree)]
+    roles += [(l, r, None, True) for l, r in zip(lc, rc, strict=True)]
+    flops = 2.0 * math.prod(ctx.out_shapes[0]) * math.prod(lshape[d] for d in lc)
+    axes = ctx.mesh.active_axes
+    out = []
+    for choice in itertools.product(range(len(roles)), repeat=len(axes)):
+        lp, rp, op_, k_axes = [], [], [], []
+        for a, ri in zip(axes, choice, strict=True):
+            l, r, o, is_k = roles[ri]
+            if l is not None:
+                lp.append((l, a))
+            if r is not None:
+                rp.append((r, a))
+            if o is not None:
+                op_.append((o, a))
+            if is_k:
+                k_axes.append(a)
+        lhs_spec, rhs_spec = assign_axes(len(lshape), lp), assign_axes(len(rshape), rp)
+        if not (divides(lshape, lhs_spec, ctx.mesh) and divides(rshape, rhs_spec, ctx.mesh)):
+            continue
+        shards = ctx.mesh.axes_size([a for a, ri in zip(axes, choice, strict=True) if ri != 0])
+        name = f"{lhs_spec}x{rhs_spec}"
+        out.extend(_finish(ctx, name, lhs_spec, rhs_spec, op_, k_axes, flops, shards))
+    return out
+
+
+@register_strategy("conv_general_dilated")
+def _conv(op, ctx: RuleContext) -> list[Strategy]:
+    dn = op.params["dimension_numbers"]
+    lhs_b, lhs_f = dn.lhs_spec[0], dn.lhs_spec[1]
+    rhs_o, rhs_i = dn.rhs_spec[0], dn.rhs_spec[1]
+    out_b, out_f = dn.out_spec[0], dn.out_spec[1]
+    groups = op.params["feature_group_count"]
+    batch_groups = op.params["batch_group_count"]
+    lshape, rshape = ctx.in_shapes
+    # Roles: (lhs dim, rhs dim, out dim, is_contraction, divisor that must split evenly)
+    roles = [(None, None, None, False, 1)]
+    if batch_groups == 1:
+        roles.append((lhs_b, None, out_b, False, 1))
+    else:
+        roles.append((lhs_b, rhs_o, out_f, False, batch_groups))
+    if groups == 1:
+        roles.append((None, rhs_o, out_f, False, 1))
+        roles.append((lhs_f, rhs_i, None, True, 1))
+    else:
+        roles.append((lhs_f, rhs_o, out_f, False, groups))
+    flops = 2.0 * math.prod(ctx.out_shapes[0]) * rshape[rhs_i] * math.prod(
+        rshape[d] for d in dn.rhs_spec[2:]
+    )
+    axes = ctx.mesh.active_axes
+    out = []
+    for choice in itertools.product(range(len(roles)), repeat=len(axes)):
+        lp, rp, op_, k_axes, ok = [], [], [], [], True
+        for ri in set(choice):
+            n = ctx.mesh.axes_size([a for a, c in zip(axes, choice, strict=True) if c == ri])
+            if roles[ri][4] % n and roles[ri][4] != 1:
+                ok = False
+        if not ok:
+            continue
+        for a, ri in zip(axes, choice, strict=True):
+            l, r, o, is_k, _ = roles[ri]
+            if l is not None:
+                lp.append((l, a))
+            if r is not None:
+                rp.append((r, a))
+            if o is not None:
+                op_.append((o, a))
+            if is_k:
+                k_axes.append(a)
+        lhs_spec, rhs_spec = assign_axes(len(lshape), lp), assign_axes(len(rshape), rp)
+        if not (divides(lshape, lhs_spec, ctx.mesh) and divides(rshape, rhs_spec, ctx.mesh)):
+            continue
+        if not divides(ctx.out_shapes[0], assign_axes(len(ctx.out_shapes[0]), op_), ctx.mesh):
+            continue
+        shards = ctx.mesh.axes_size([a for a, ri in zip(axes, choice, strict=True) if ri != 0])
+        out.extend(_finish(ctx, f"{lhs_spec}*{rhs_spec}", lhs_spec, rhs_spec, op_, k_axes, flops, shards))
+    return out
+
+

@@ -1,0 +1,42 @@
+"""Elementwise ops: every operand takes the output's layout; scalars stay replicated."""
+
+from __future__ import annotations
+
+import math
+
+from autoshard.cost import ELEMENTWISE_FLOPS_PER_ELEMENT
+from autoshard.spec import candidate_specs, replicated
+from autoshard.strategies.base import RuleContext, Strategy, register_strategy
+
+ELEMENTWISE = (
+    "abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp clz complex conj "
+    "convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor "
+    "ge gt igamma igammac imag integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg "
+    "nextafter not or population_count pow real reduce_precision rem round rsqrt select_n "
+    "shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square stop_gradient "
+    "sub tan tanh xor sharding_constraint optimization_barrier_elementwise"
+).split()
+
+
+def elementwise_strategies(op, ctx: RuleContext) -> list[Strategy]:
+    """One strategy per candidate layout of the output."""
+    shape = ctx.out_shapes[0]
+    numel = math.prod(shape)
+    out = []
+    for spec in candidate_specs(shape, ctx.mesh):
+        ins = tuple(
+            None if const else (spec if s == shape else replicated(len(s)))
+            for s, const in zip(ctx.in_shapes, ctx.const_inputs, strict=True)
+        )
+        out.append(
+            Strategy(
+                str(spec),
+                ins,
+                (spec,) * len(ctx.out_shapes),
+                compute=ctx.compute_time(numel * ELEMENTWISE_FLOPS_PER_ELEMENT, spec),
+            )
+        )
+    return out
+
+
+register_strategy(*ELEMENTWISE, follows=True)(elementwise_strategies)

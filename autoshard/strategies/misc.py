@@ -1,0 +1,28 @@
+"""Sources (iota), random numbers, control flow and other ops with a fixed layout."""
+
+from __future__ import annotations
+
+import math
+
+from autoshard.spec import candidate_specs
+from autoshard.strategies.base import RuleContext, Strategy, register_strategy, replicated_strategy
+
+REPLICATED_ONLY = (
+    "random_bits random_seed random_split random_fold_in random_wrap random_unwrap threefry2x32 "
+    "rng_bit_generator rng_uniform while cond custom_call pure_callback io_callback debug_callback "
+    "cudnn_dot_product_attention optimization_barrier psum all_gather"
+).split()
+
+
+@register_strategy(*REPLICATED_ONLY)
+def _replicated(op, ctx: RuleContext) -> list[Strategy]:
+    """Known ops that autoshard runs replicated (control flow keeps its operands whole)."""
+    flops = sum(math.prod(s) for s in ctx.out_shapes)
+    return [replicated_strategy(ctx, flops)]
+
+
+@register_strategy("iota")
+def _iota(op, ctx: RuleContext) -> list[Strategy]:
+    shape = ctx.out_shapes[0]
+    return [Strategy(str(s), (), (s,), compute=ctx.compute_time(math.prod(shape), s))
+            for s in candidate_specs(shape, ctx.mesh)]

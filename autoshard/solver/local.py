@@ -29,11 +29,12 @@ class CoreState:
             self.adj[u].append((int(v), m))
             self.adj[v].append((int(u), m.T))
         self.choice = np.array(choice, dtype=np.int64)
-        has_rows = rows is not None and rows.num_rows > 0
+        has_rows = rows is not None and rows.num_points > 0
         self.mem_nodes = np.zeros(n, dtype=bool)
+        self.tol = rows.tol if rows is not None else 0.0
         if has_rows:
             for k in range(n):
-                self.mem_nodes[k] = rows.node_rows[k].size > 0
+                self.mem_nodes[k] = red.node_memory[k] is not None and rows.hi[k] > rows.lo[k]
             self.cap = rows.cap.copy()
             self.usage = rows.usage(red.node_memory, self.choice)
         else:
@@ -62,7 +63,7 @@ class CoreState:
             return
         if self.mem_nodes[k]:
             m = self.red.node_memory[k]
-            self.usage[self.rows.node_rows[k]] += m[s] - m[old]
+            self.usage[self.rows.lo[k] : self.rows.hi[k]] += m[s] - m[old]
         self.choice[k] = s
 
     def fits(self, k: int) -> np.ndarray:
@@ -70,10 +71,9 @@ class CoreState:
         if not self.mem_nodes[k]:
             return np.ones(self.red.node_costs[k].size, dtype=bool)
         m = self.red.node_memory[k]
-        r = self.rows.node_rows[k]
-        slack = self.cap[r] - (self.usage[r] - m[self.choice[k]])  # room for node k
-        tol = 1e-9 * max(1.0, abs(self.rows.limit))
-        return m <= slack.min() + tol
+        a, b = self.rows.lo[k], self.rows.hi[k]
+        room = (self.cap[a:b] - self.usage[a:b]).min() + m[self.choice[k]]
+        return m <= room + self.tol
 
     def sweep(self, order: np.ndarray, deadline: float) -> float:
         """One pass of best-improving single-node moves; returns the total gain."""
@@ -101,14 +101,14 @@ class CoreState:
     def repair(self, deadline: float) -> bool:
         """Lower memory overflow by cheapest-per-byte moves; True once feasible."""
         red = self.red
-        tol = 1e-9 * max(1.0, abs(self.rows.limit)) if self.rows is not None else 0.0
+        tol = self.tol
         while time.perf_counter() < deadline:
             over = self.usage - self.cap
             r = int(np.argmax(over)) if over.size else -1
             if r < 0 or over[r] <= tol:
                 return True
             best = None
-            for k in self.rows.nodes[r]:
+            for k in self.rows.live_nodes(r, red.node_memory):
                 m = red.node_memory[k]
                 cur = self.choice[k]
                 saved = m[cur] - m

@@ -144,11 +144,12 @@ def solve_milp(
     b_eq = np.concatenate(eq_rhs)
     constraints = [scipy.optimize.LinearConstraint(a_eq, b_eq, b_eq)]
 
-    if rows is not None and rows.num_rows:
+    if rows is not None and rows.num_points:
+        row_nodes, caps = rows.binding(red.node_memory, keep_all=peak)
         mr, mc, mv, ub = [], [], [], []
         nm = 0
-        for r, nodes in enumerate(rows.nodes):
-            fixed_use = rows.base[r] if peak else -rows.cap[r]
+        for nodes, cap in zip(row_nodes, caps, strict=True):
+            fixed_use = rows.limit - cap if peak else -cap
             fnodes = []
             for k in nodes:
                 if free[k]:
@@ -156,7 +157,7 @@ def solve_milp(
                 else:
                     fixed_use += red.node_memory[k][choice[k]]
             if not fnodes and not peak:
-                if fixed_use > 1e-9 * max(1.0, abs(rows.limit)):
+                if fixed_use > rows.tol:
                     return MilpResult(None, "infeasible", np.inf, np.nan)
                 continue
             for k in fnodes:

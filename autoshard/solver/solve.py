@@ -13,11 +13,19 @@ import time
 import numpy as np
 
 from autoshard.errors import InfeasibleError
-from autoshard.solver.local import greedy
+from autoshard.solver.lns import WindowSearch
+from autoshard.solver.local import CoreState, greedy
 from autoshard.solver.memory import MemoryRows, memory_rows
 from autoshard.solver.milp import solve_milp
 from autoshard.solver.problem import ShardingProblem, ShardingSolution
 from autoshard.solver.reduce import Reduction, reduce_problem
+
+# Cores up to this many nodes first get one MILP over the whole core.
+_FULL_MILP_NODES = 3000
+# Seconds kept back for expanding the choice and recomputing its cost.
+_MARGIN = 0.2
+_WINDOW_NODES = 250
+_WINDOW_SECONDS = 2.0
 
 
 def solve(
@@ -68,12 +76,10 @@ def solve(
     rows = None
     if with_memory and red.num_core:
         nonneg = all((m >= 0).all() for m in problem.node_memory)
-        rows = memory_rows(
-            problem.intervals, problem.memory_limit, red.core_nodes, red.node_memory, red.base_usage, nonneg
-        )
+        rows = memory_rows(problem.intervals, problem.memory_limit, red.core_nodes, red.base_usage, nonneg)
     stats = dict(red.stats, core_nodes=red.num_core, core_edges=len(red.edges))
     if rows is not None:
-        stats.update(memory_points=rows.num_points, memory_rows=rows.num_rows)
+        stats.update(memory_points=rows.num_points)
     log(f"reduced {n} nodes / {problem.num_edges} edges to a core of {red.num_core} / {len(red.edges)}")
 
     core_choice, optimal = _solve_core(problem, red, rows, deadline, seed, log, stats)
@@ -109,21 +115,27 @@ def _solve_core(
         return np.zeros(0, dtype=np.int64), True
     now = time.perf_counter()
     state = greedy(red, rows, now + 0.1 * max(deadline - now, 0.0), seed)
-    best = state.choice.copy()
-    best_cost = state.total_cost()
-    best_ok = state.overflow() <= 0 and np.isfinite(best_cost)
-    log(f"greedy: cost {best_cost:.6g}, feasible {best_ok}")
-    remaining = deadline - time.perf_counter()
-    if remaining <= 0:
-        return best, False
-    res = solve_milp(red, rows, time_limit=remaining)
-    stats.update(milp_status=res.status, milp_bound=res.bound)
-    log(f"milp: {res.status}, objective {res.objective:.6g}, bound {res.bound:.6g}")
-    if res.status == "infeasible":
-        _raise_infeasible(problem, red, deadline)
-    if res.choice is not None and (not best_ok or res.objective <= best_cost):
-        return res.choice, res.status == "optimal"
-    return best, False
+    feasible = state.overflow() <= 0 and np.isfinite(state.total_cost())
+    log(f"greedy: cost {state.total_cost():.6g}, feasible {feasible}")
+    if red.num_core <= _FULL_MILP_NODES and deadline - time.perf_counter() > _MARGIN:
+        remaining = deadline - time.perf_counter() - _MARGIN
+        res = solve_milp(red, rows, time_limit=0.6 * remaining if feasible else remaining)
+        stats.update(milp_status=res.status, milp_bound=res.bound)
+        log(f"milp: {res.status}, objective {res.objective:.6g}, bound {res.bound:.6g}")
+        if res.status == "infeasible":
+            _raise_infeasible(problem, red, deadline)
+        if res.choice is not None:
+            cand = CoreState(red, rows, res.choice)
+            if not feasible or cand.total_cost() <= state.total_cost():
+                state, feasible = cand, True
+            if res.status == "optimal":
+                return state.choice, True
+    if feasible and deadline - time.perf_counter() > _MARGIN:
+        search = WindowSearch(state, seed)
+        search.run(deadline - _MARGIN, window_size=_WINDOW_NODES, window_time=_WINDOW_SECONDS, log=log)
+        stats.update(lns_windows=search.windows, lns_improved=search.improved)
+        log(f"lns: {search.windows} windows, {search.improved} improved, cost {state.total_cost():.6g}")
+    return state.choice, False
 
 
 def _raise_infeasible(problem: ShardingProblem, red: Reduction, deadline: float) -> None:
@@ -131,15 +143,7 @@ def _raise_infeasible(problem: ShardingProblem, red: Reduction, deadline: float)
     rows = None
     if problem.memory_limit is not None and problem.node_memory is not None and problem.intervals is not None:
         nonneg = all((m >= 0).all() for m in problem.node_memory)
-        rows = memory_rows(
-            problem.intervals,
-            problem.memory_limit,
-            red.core_nodes,
-            red.node_memory,
-            red.base_usage,
-            nonneg,
-            keep_all=True,
-        )
+        rows = memory_rows(problem.intervals, problem.memory_limit, red.core_nodes, red.base_usage, nonneg)
     if rows is None:
         raise InfeasibleError(
             "no assignment avoids every infinite edge cost; the forbidden strategy pairs "

@@ -31,7 +31,9 @@ _BUILDERS = {
 }
 
 # Config names per family; every family has "tiny".
-CONFIGS: dict[str, tuple[str, ...]] = {family: tuple(configs) for family, (_, configs, _) in _BUILDERS.items()}
+CONFIGS: dict[str, tuple[str, ...]] = {
+    family: tuple(configs) for family, (_, configs, _) in _BUILDERS.items()
+}
 
 
 def get_model(family: str, config: str, batch_size: int, **kwargs: Any) -> ModelSpec:

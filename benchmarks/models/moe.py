@@ -57,7 +57,7 @@ class MoELayerConfig:
 
 # Alpa's MoE suite (seq 1024, vocab 32000, 16 heads, expert group size 2048).
 CONFIGS = {
-    "tiny": MoEConfig(256, 32, 64, num_layers=4, num_heads=4, num_experts=4, expert_group_size=32),
+    "tiny": MoEConfig(256, 32, 64, num_layers=2, num_heads=4, num_experts=4, expert_group_size=32),
     "380M": MoEConfig(32000, 1024, 768, num_layers=8, num_heads=16, num_experts=8),
     "690M": MoEConfig(32000, 1024, 768, num_layers=8, num_heads=16, num_experts=16),
     "1.3B": MoEConfig(32000, 1024, 768, num_layers=16, num_heads=16, num_experts=16),
@@ -317,7 +317,10 @@ def build_moe_layer(
     def make_batch(key: jax.Array):
         kx, ky = jax.random.split(key)
         shape = (batch_size, config.seq_len, d)
-        return {"x": jax.random.normal(kx, shape, jnp.float32), "y": jax.random.normal(ky, shape, jnp.float32)}
+        return {
+            "x": jax.random.normal(kx, shape, jnp.float32),
+            "y": jax.random.normal(ky, shape, jnp.float32),
+        }
 
     group = min(config.expert_group_size, batch_size * config.seq_len)
     flops = (
@@ -327,5 +330,11 @@ def build_moe_layer(
         * _moe_ffn_flops_per_token(d, config.mlp_ratio * d, config.num_experts, group, config.capacity_factor)
     )
     return build_spec(
-        f"moe_layer-{name}", make_module, module_loss, make_batch, batch_size, make_optimizer(optimizer, learning_rate), flops
+        f"moe_layer-{name}",
+        make_module,
+        module_loss,
+        make_batch,
+        batch_size,
+        make_optimizer(optimizer, learning_rate),
+        flops,
     )

@@ -1,0 +1,24 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="autoshard",
+    version="0.1.0",
+    description="Automatic sharding of JAX train steps: intra-operator planning with an ILP, lowered to jax.jit",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    packages=find_packages(include=["autoshard", "autoshard.*", "benchmarks", "benchmarks.*"]),
+    python_requires=">=3.10",
+    # Tested with jax 0.10.2 (CPU) here; 0.11.x is what GPU images ship, so the range includes it.
+    install_requires=[
+        "jax>=0.10.0,<0.12",
+        "jaxlib>=0.10.0,<0.12",
+        "numpy>=1.24",
+        "scipy>=1.11",
+    ],
+    extras_require={
+        "models": ["flax>=0.11", "optax>=0.2.4"],
+        "test": ["flax>=0.11", "optax>=0.2.4", "pytest>=8", "hypothesis>=6.100"],
+        "notebook": ["flax>=0.11", "optax>=0.2.4", "jupyter", "nbclient", "matplotlib"],
+    },
+)

@@ -15,7 +15,6 @@ the slowest axis's bandwidth and the summed latency.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 from autoshard.spec import MeshInfo, ShardingSpec
@@ -45,6 +44,7 @@ class CostModel:
     beta: tuple[float, ...]
     reduce_scatter_as_all_reduce: bool = False
     """XLA's CPU backend emits a reduce-scatter as an all-reduce plus a slice; price it so there."""
+    _memo: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @classmethod
     def create(cls, mesh: MeshInfo, cluster, *, platform: str = "gpu") -> CostModel:
@@ -79,10 +79,16 @@ class CostModel:
 
     def reshard(self, shape: tuple[int, ...], itemsize: int, src: ShardingSpec, dst: ShardingSpec):
         """(seconds, collectives) to move an array from ``src`` to ``dst`` layout."""
-        return _reshard(self, tuple(shape), itemsize, src, dst)
+        if src == dst:
+            return 0.0, ()
+        key = (shape, itemsize, src, dst)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = _reshard(self, tuple(shape), itemsize, src, dst)
+        return hit
 
     def reshard_time(self, shape, itemsize, src, dst) -> float:
-        return _reshard(self, tuple(shape), itemsize, src, dst)[0]
+        return self.reshard(shape, itemsize, src, dst)[0]
 
 
 def _per_axis(value, ndim: int, field: str) -> list[float]:
@@ -96,7 +102,6 @@ def _per_axis(value, ndim: int, field: str) -> list[float]:
     return value
 
 
-@functools.lru_cache(maxsize=200_000)
 def _reshard(model: CostModel, shape, itemsize, src: ShardingSpec, dst: ShardingSpec):
     """Alpa-style resharding: per mesh axis, gather what ``dst`` does not shard,
     all-to-all what moves to another dimension, slice (free) what ``dst`` adds.

@@ -347,6 +347,70 @@ class BuiltProblem:
     root_index: dict  # root node -> problem node index
 
 
+class _SpecTable:
+    """Interns specs as small ints, and caches per-node strategy arrays, so edge
+    matrices are built with numpy from the few distinct (source, destination) pairs."""
+
+    def __init__(self):
+        self.ids: dict = {}
+        self.specs: list = []
+        self._arrays: dict = {}
+
+    def id(self, spec) -> int:
+        i = self.ids.get(spec)
+        if i is None:
+            i = self.ids[spec] = len(self.specs)
+            self.specs.append(spec)
+        return i
+
+    def out_ids(self, node: _Node, pos: int) -> np.ndarray:
+        key = (id(node.strategies), "out", pos)
+        a = self._arrays.get(key)
+        if a is None:
+            a = self._arrays[key] = np.array([self.id(s.out_specs[pos]) for s in node.strategies], np.int64)
+        return a
+
+    def in_ids(self, node: _Node, pos: int) -> np.ndarray:
+        if pos < 0:
+            return self.out_ids(node, 0)
+        key = (id(node.strategies), "in", pos)
+        a = self._arrays.get(key)
+        if a is None:
+            a = self._arrays[key] = np.array([self.id(s.in_specs[pos]) for s in node.strategies], np.int64)
+        return a
+
+    def costs(self, node: _Node) -> np.ndarray:
+        key = (id(node.strategies), "cost")
+        a = self._arrays.get(key)
+        if a is None:
+            a = self._arrays[key] = np.array([s.cost for s in node.strategies], float)
+        return a
+
+    def reshard_matrix(self, cost: CostModel, shape, itemsize, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """Matrix of reshard times between every row spec id and column spec id."""
+        urow, ri = np.unique(rows, return_inverse=True)
+        ucol, ci = np.unique(cols, return_inverse=True)
+        small = np.array([[self.time(cost, shape, itemsize, a, b) for b in ucol] for a in urow]).reshape(
+            len(urow), len(ucol))
+        return small[np.ix_(ri.reshape(-1), ci.reshape(-1))]
+
+    def reshard_pairs(self, cost: CostModel, shape, itemsize, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """Reshard time for each (rows[k], cols[k]) pair."""
+        pairs = rows * len(self.specs) + cols
+        upairs, inv = np.unique(pairs, return_inverse=True)
+        n = len(self.specs)
+        vals = np.array([self.time(cost, shape, itemsize, int(p // n), int(p % n)) for p in upairs])
+        return vals[inv.reshape(-1)]
+
+    def time(self, cost, shape, itemsize, a: int, b: int) -> float:
+        if a == b:
+            return 0.0
+        src, dst = self.specs[a], self.specs[b]
+        if src is None or dst is None:
+            return 0.0
+        return cost.reshard_time(shape, itemsize, src, dst)
+
+
 def build_problem(merged: MergedGraph, program: CapturedProgram, cost: CostModel, *,
                   memory_limit=None, donated_inputs=()) -> BuiltProblem:
     """Pass 3: node costs, edge matrices and memory, in root-strategy space."""
@@ -354,34 +418,29 @@ def build_problem(merged: MergedGraph, program: CapturedProgram, cost: CostModel
     mesh = cost.mesh
     roots = merged.roots
     root_index = {r: k for k, r in enumerate(roots)}
+    root_of = np.array([root_index[int(r)] for r in merged.root], np.int64)
     sizes = [len(graph.nodes[r].strategies) for r in roots]
+    table = _SpecTable()
     node_costs = [np.zeros(s) for s in sizes]
     for i, node in enumerate(graph.nodes):
-        r = root_index[int(merged.root[i])]
-        c = np.fromiter((node.strategies[j].cost for j in merged.index_map[i]), float, sizes[r])
-        node_costs[r] += c * node.trips
+        node_costs[root_of[i]] += table.costs(node)[merged.index_map[i]] * node.trips
     pair_costs: dict[tuple[int, int], np.ndarray] = {}
     for e in graph.edges:
-        out_specs, in_specs = _edge_specs(graph, e)
-        ru, rv = root_index[int(merged.root[e.src])], root_index[int(merged.root[e.dst])]
-        rows = [out_specs[j] for j in merged.index_map[e.src]]
-        cols = [in_specs[j] for j in merged.index_map[e.dst]]
+        ru, rv = int(root_of[e.src]), int(root_of[e.dst])
+        rows = table.out_ids(graph.nodes[e.src], e.src_pos)[merged.index_map[e.src]]
+        cols = table.in_ids(graph.nodes[e.dst], e.dst_pos)[merged.index_map[e.dst]]
         aval = program.avals[e.value]
         shape, itemsize = _aval_shape(aval), _itemsize(aval)
         if ru == rv:
-            node_costs[ru] += e.scale * np.array([cost.reshard_time(shape, itemsize, a, b)
-                                                  for a, b in zip(rows, cols, strict=True)])
+            node_costs[ru] += e.scale * table.reshard_pairs(cost, shape, itemsize, rows, cols)
             continue
-        urow, row_idx = _unique(rows)
-        ucol, col_idx = _unique(cols)
-        small = np.array([[cost.reshard_time(shape, itemsize, a, b) for b in ucol] for a in urow])
-        m = e.scale * small[np.ix_(row_idx, col_idx)]
+        m = e.scale * table.reshard_matrix(cost, shape, itemsize, rows, cols)
         if ru > rv:
             ru, rv, m = rv, ru, m.T
         key = (ru, rv)
         pair_costs[key] = pair_costs[key] + m if key in pair_costs else m
     edges = np.array(list(pair_costs), dtype=np.int64).reshape(-1, 2)
-    memory, intervals = _memory(merged, program, root_index, sizes, mesh, donated_inputs)
+    memory, intervals = _memory(merged, program, root_of, sizes, mesh, donated_inputs, table)
     names = tuple(_label(graph.nodes[r]) for r in roots)
     problem = ShardingProblem(tuple(node_costs), edges, tuple(pair_costs.values()), memory, intervals,
                               memory_limit, names)
@@ -394,13 +453,7 @@ def _label(node: _Node) -> str:
     return f"{node.kind} {node.label}"
 
 
-def _unique(specs):
-    index: dict = {}
-    idx = np.fromiter((index.setdefault(s, len(index)) for s in specs), np.int64, len(specs))
-    return list(index), idx
-
-
-def _memory(merged, program, root_index, sizes, mesh, donated_inputs):
+def _memory(merged, program, root_of, sizes, mesh, donated_inputs, table: _SpecTable):
     """Per root: the peak, over its members' overlapping lifetimes, of their summed bytes.
 
     Exact for a root alone; for merged groups, each strategy's peak is taken
@@ -409,19 +462,15 @@ def _memory(merged, program, root_index, sizes, mesh, donated_inputs):
     live = liveness(program, donated_inputs)
     members: dict[int, list] = {}
     for i, node in enumerate(graph.nodes):
-        if node.kind in ("scan_carry",):
-            outs = node.outputs[:1] + node.outputs[1:]
-        else:
-            outs = node.outputs
-        r = root_index[int(merged.root[i])]
-        for k, v in enumerate(outs):
+        r = int(root_of[i])
+        for k, v in enumerate(node.outputs):
             if v not in live:
                 continue
             aval = program.avals[v]
-            by_spec: dict = {}
-            usage = np.array([by_spec.setdefault(s, _value_bytes(aval, s, mesh))
-                              for s in (node.strategies[j].out_specs[k] for j in merged.index_map[i])])
-            members.setdefault(r, []).append((live[v], usage))
+            ids = table.out_ids(node, k)
+            uniq, inv = np.unique(ids, return_inverse=True)
+            per_strategy = np.array([_value_bytes(aval, table.specs[u], mesh) for u in uniq])[inv.reshape(-1)]
+            members.setdefault(r, []).append((live[v], per_strategy[merged.index_map[i]]))
     memory, intervals = [], []
     for r in range(len(sizes)):
         ms = members.get(r, [])
@@ -431,11 +480,19 @@ def _memory(merged, program, root_index, sizes, mesh, donated_inputs):
             continue
         lo = min(m[0][0] for m in ms)
         hi = max(m[0][1] for m in ms)
-        times = sorted({m[0][0] for m in ms})
-        peak = np.zeros(sizes[r])
-        for t in times:
-            cur = sum((u for (s, e), u in ms if s <= t < e), np.zeros(sizes[r]))
-            peak = np.maximum(peak, cur)
+        if len(ms) == 1:
+            peak = ms[0][1]
+        else:  # sweep over start and end events; ends sort before starts at the same time
+            events = sorted([(s, 1, k) for k, ((s, _), _) in enumerate(ms)] +
+                            [(e, 0, k) for k, ((_, e), _) in enumerate(ms)])
+            cur = np.zeros(sizes[r])
+            peak = np.zeros(sizes[r])
+            for _, is_start, k in events:
+                if is_start:
+                    cur += ms[k][1]
+                    np.maximum(peak, cur, out=peak)
+                else:
+                    cur -= ms[k][1]
         memory.append(peak)
         intervals.append((lo, hi))
     return tuple(memory), np.array(intervals, dtype=np.int64).reshape(-1, 2)

@@ -320,6 +320,8 @@ def plan_program(program, *, mesh=None, cluster=None, memory_budget=None, hints=
     """Plan a captured program. With ``mesh=None``, try every 2-D factorization of all devices."""
     from autoshard.cluster import make_mesh
 
+    from autoshard.planner import warn_unsupported
+
     timings = {} if timings is None else timings
     if mesh is None:
         n = len(jax.devices())
@@ -329,14 +331,17 @@ def plan_program(program, *, mesh=None, cluster=None, memory_budget=None, hints=
             p = _plan_on_mesh(program, m, cluster, memory_budget, hints, donated, ties, time_limit, dict(timings))
             if best is None or p.cost.objective < best.cost.objective:
                 best = p
-        return best
-    return _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings)
+    else:
+        best = _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings)
+    # Warn here, once per plan, not once per candidate mesh.
+    warn_unsupported(best.warnings)
+    return best
 
 
 def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings):
     from autoshard.cost import CostModel
     from autoshard.plan import Plan, PlanCost
-    from autoshard.planner import build_problem, decode, enumerate_strategies, merge_followers, warn_unsupported
+    from autoshard.planner import build_problem, decode, enumerate_strategies, merge_followers
     from autoshard.solver import solve
 
     info = MeshInfo.from_mesh(mesh)
@@ -346,7 +351,6 @@ def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, t
     pinned = _pinned_from_hints(program, hints or {}, info)
     t = time.perf_counter()
     sgraph = enumerate_strategies(program, cost, pinned=pinned, donated=donated, tie_outputs=ties)
-    warn_unsupported(sgraph.unsupported)
     timings["strategies"] = time.perf_counter() - t
     t = time.perf_counter()
     merged = merge_followers(sgraph, cost, program.avals)

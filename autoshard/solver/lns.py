@@ -39,6 +39,7 @@ class WindowSearch:
         self.sizes = np.array([c.size for c in red.node_costs], dtype=np.int64)
         # random 64-bit keys: a row's set of window nodes hashes to the sum of keys
         self.keys = self.rng.integers(1, 2**62, size=n, dtype=np.int64)
+        self.hot: np.ndarray | None = None  # preferred window seeds
         self.windows = 0
         self.improved = 0
 
@@ -54,6 +55,8 @@ class WindowSearch:
         n = state.red.num_core
         free = np.zeros(n, dtype=bool)
         start = int(self.rng.integers(n))
+        if self.hot is not None and self.hot.size and self.rng.random() < 0.8:
+            start = int(self.hot[self.rng.integers(self.hot.size)])
         queue = deque([start])
         free[start] = True
         count, budget = 1, size
@@ -202,9 +205,15 @@ class WindowSearch:
         )
         return scipy.optimize.LinearConstraint(mat, -np.inf, cap)
 
-    def run(self, deadline: float, window_size: int, window_time: float, log=None) -> None:
-        """Re-solve windows until ``deadline``."""
+    def run(self, deadline: float, window_size: int, window_time: float, log=None, hot=None) -> None:
+        """Re-solve windows until ``deadline``.
+
+        ``hot``, when given, returns nodes to seed windows at (refreshed every
+        few windows), e.g. the endpoints of forbidden pairs still in use.
+        """
         while time.perf_counter() + 0.05 < deadline:
+            if hot is not None and self.windows % 5 == 0:
+                self.hot = hot()
             free = self.window(window_size)
             left = deadline - time.perf_counter()
             self.solve_window(free, min(window_time, left))

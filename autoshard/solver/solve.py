@@ -14,9 +14,10 @@ import numpy as np
 
 from autoshard.errors import InfeasibleError
 from autoshard.solver.lns import WindowSearch
-from autoshard.solver.local import CoreState, greedy
+from autoshard.solver.local import CoreState, greedy, min_memory_choice
 from autoshard.solver.memory import MemoryRows, memory_rows
 from autoshard.solver.milp import solve_milp
+from autoshard.solver.penalty import penalty_search, soften, violations
 from autoshard.solver.problem import ShardingProblem, ShardingSolution
 from autoshard.solver.reduce import Reduction, reduce_problem
 
@@ -114,9 +115,21 @@ def _solve_core(
     if red.num_core == 0:
         return np.zeros(0, dtype=np.int64), True
     now = time.perf_counter()
-    state = greedy(red, rows, now + 0.1 * max(deadline - now, 0.0), seed)
+    large = rows is not None and red.num_core > _FULL_MILP_NODES
+    if large:
+        # Start memory-feasible and let the window search price out forbidden pairs.
+        red = soften(red)
+        state = CoreState(red, rows, min_memory_choice(red))
+    else:
+        state = greedy(red, rows, now + 0.1 * max(deadline - now, 0.0), seed)
     feasible = state.overflow() <= 0 and np.isfinite(state.total_cost())
     log(f"greedy: cost {state.total_cost():.6g}, feasible {feasible}")
+    if large:
+        now = time.perf_counter()
+        cand = penalty_search(red, rows, now + 0.3 * max(deadline - now, 0.0), seed, log)
+        if cand is not None and cand.total_cost() < state.total_cost():
+            state = cand
+        feasible = state.overflow() <= 0
     if red.num_core <= _FULL_MILP_NODES and deadline - time.perf_counter() > _MARGIN:
         remaining = deadline - time.perf_counter() - _MARGIN
         res = solve_milp(red, rows, time_limit=0.6 * remaining if feasible else remaining)
@@ -132,7 +145,13 @@ def _solve_core(
                 return state.choice, True
     if feasible and deadline - time.perf_counter() > _MARGIN:
         search = WindowSearch(state, seed)
-        search.run(deadline - _MARGIN, window_size=_WINDOW_NODES, window_time=_WINDOW_SECONDS, log=log)
+        hot = None
+        if large:
+
+            def hot():
+                return np.unique(red.edges[violations(state)].ravel())
+
+        search.run(deadline - _MARGIN, window_size=_WINDOW_NODES, window_time=_WINDOW_SECONDS, log=log, hot=hot)
         stats.update(lns_windows=search.windows, lns_improved=search.improved)
         log(f"lns: {search.windows} windows, {search.improved} improved, cost {state.total_cost():.6g}")
     return state.choice, False

@@ -1,0 +1,210 @@
+"""Solver tests: edge cases, typed errors, and brute force on small random problems."""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from autoshard.errors import InfeasibleError, ProblemFormatError
+from autoshard.solver import ShardingProblem, solve
+from autoshard.solver.iopddl import read_iopddl
+from autoshard.solver.reduce import reduce_problem
+
+
+def brute_force(p: ShardingProblem):
+    """(best feasible cost, least peak over finite-cost choices)."""
+    best, least_peak = np.inf, np.inf
+    for ch in itertools.product(*[range(c.size) for c in p.node_costs]):
+        cost = p.cost(ch)
+        if not np.isfinite(cost):
+            continue
+        least_peak = min(least_peak, p.peak_memory(ch))
+        if p.is_feasible(ch):
+            best = min(best, cost)
+    return best, least_peak
+
+
+@st.composite
+def small_problems(draw, memory: bool):
+    n = draw(st.integers(1, 6))
+    sizes = draw(st.lists(st.integers(1, 4), min_size=n, max_size=n))
+    cost = st.sampled_from([0.0, 1.0, 2.0, 3.0, 5.0, 8.0, np.inf])
+    node_costs = [np.array(draw(st.lists(cost, min_size=s, max_size=s))) for s in sizes]
+    pairs = [(u, v) for u in range(n) for v in range(n) if u != v]
+    edges = draw(st.lists(st.sampled_from(pairs), max_size=8)) if pairs else []
+    edge_costs = [np.array(draw(st.lists(cost, min_size=sizes[u] * sizes[v], max_size=sizes[u] * sizes[v])))
+                  .reshape(sizes[u], sizes[v]) for u, v in edges]
+    kw = {}
+    if memory:
+        use = st.integers(0, 6).map(float)
+        kw["node_memory"] = [np.array(draw(st.lists(use, min_size=s, max_size=s))) for s in sizes]
+        starts = draw(st.lists(st.integers(0, 4), min_size=n, max_size=n))
+        lengths = draw(st.lists(st.integers(0, 4), min_size=n, max_size=n))
+        kw["intervals"] = np.array([[a, a + b] for a, b in zip(starts, lengths, strict=True)])
+        kw["memory_limit"] = float(draw(st.integers(0, 20)))
+    return ShardingProblem(node_costs=node_costs, edges=np.array(edges).reshape(-1, 2), edge_costs=edge_costs, **kw)
+
+
+def check_against_brute_force(p: ShardingProblem) -> None:
+    best, least_peak = brute_force(p)
+    try:
+        sol = solve(p, time_limit=20)
+    except InfeasibleError as e:
+        assert not np.isfinite(best)
+        if np.isfinite(least_peak):  # finite-cost choices exist: memory is to blame
+            assert e.smallest_memory == pytest.approx(least_peak)
+        return
+    assert sol.feasible and sol.optimal
+    assert sol.cost == pytest.approx(best)
+    assert sol.cost == p.cost(sol.choice)
+    assert sol.peak_memory == p.peak_memory(sol.choice)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_problems(memory=False))
+def test_matches_brute_force(p):
+    check_against_brute_force(p)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_problems(memory=True))
+def test_matches_brute_force_with_memory(p):
+    check_against_brute_force(p)
+
+
+@settings(max_examples=100, deadline=None)
+@given(small_problems(memory=True))
+def test_reductions_keep_the_optimum(p):
+    """Expanding the reduced core's best choice gives the original optimum."""
+    best, _ = brute_force(p)
+    try:
+        red = reduce_problem(p, with_memory=True)
+    except InfeasibleError:
+        assert not np.isfinite(best)
+        return
+    core_best = np.inf
+    for core in itertools.product(*[range(a.size) for a in red.alive]):
+        ch = red.expand(np.array(core, dtype=np.int64), p.num_nodes)
+        if p.is_feasible(ch):
+            core_best = min(core_best, p.cost(ch))
+    assert core_best == pytest.approx(best) if np.isfinite(best) else not np.isfinite(core_best)
+
+
+def test_empty_problem():
+    sol = solve(ShardingProblem(node_costs=(), edges=np.zeros((0, 2)), edge_costs=()))
+    assert sol.choice.shape == (0,) and sol.cost == 0.0 and sol.feasible
+
+
+def test_single_strategy_node():
+    sol = solve(ShardingProblem(node_costs=(np.array([7.0]),), edges=np.zeros((0, 2)), edge_costs=()))
+    assert sol.choice.tolist() == [0] and sol.cost == 7.0 and sol.optimal
+
+
+def test_all_infinite_node_is_named():
+    p = ShardingProblem(
+        node_costs=(np.array([1.0, 2.0]), np.array([np.inf, np.inf])),
+        edges=np.array([[0, 1]]),
+        edge_costs=(np.zeros((2, 2)),),
+        node_names=("matmul", "reshape"),
+    )
+    with pytest.raises(InfeasibleError, match=r"node 1 \(reshape\).*infinite cost"):
+        solve(p)
+
+
+def test_memory_limit_below_smallest_usage():
+    p = ShardingProblem(
+        node_costs=(np.array([1.0, 5.0]), np.array([1.0, 2.0])),
+        edges=np.array([[0, 1]]),
+        edge_costs=(np.array([[0.0, 1.0], [1.0, 0.0]]),),
+        node_memory=(np.array([4.0, 3.0]), np.array([6.0, 2.0])),
+        intervals=np.array([[0, 2], [1, 3]]),
+        memory_limit=4.0,
+    )
+    with pytest.raises(InfeasibleError, match="peak usage 5") as info:
+        solve(p)
+    assert info.value.smallest_memory == 5.0
+
+
+def test_timeout_zero_gives_an_answer():
+    rng = np.random.default_rng(0)
+    n = 200
+    p = ShardingProblem(
+        node_costs=[rng.random(4) for _ in range(n)],
+        edges=[(i, (i * 7 + 3) % n) for i in range(n) if i != (i * 7 + 3) % n],
+        edge_costs=[rng.random((4, 4)) for i in range(n) if i != (i * 7 + 3) % n],
+    )
+    sol = solve(p, time_limit=0)
+    assert sol.choice.shape == (n,) and sol.cost == p.cost(sol.choice) and sol.feasible
+
+
+def _write_tiny(path, problem=None):
+    data = problem or {
+        "problem": {
+            "name": "tiny",
+            "nodes": {"costs": [[10, 1], [5, 5]], "usages": [[1, 2], [1, 1]], "intervals": [[0, 2], [1, 3]]},
+            "edges": {"nodes": [[0, 1]], "costs": [[0, 1, 100, 1e18]]},
+            "usage_limit": 5,
+        }
+    }
+    with gzip.open(path, "wt") as f:
+        json.dump(data, f)
+
+
+def test_reads_contest_json(tmp_path):
+    path = tmp_path / "tiny.json.gz"
+    _write_tiny(path)
+    p = read_iopddl(path)
+    assert p.num_nodes == 2 and p.memory_limit == 5 and np.isinf(p.edge_costs[0][1, 1])
+    sol = solve(p)
+    assert sol.choice.tolist() == [0, 0] and sol.cost == 15.0
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda d: d["problem"].pop("edges"), r"problem\.edges"),
+        (lambda d: d["problem"]["nodes"].pop("costs"), r"problem\.nodes\.costs"),
+        (lambda d: d["problem"]["nodes"]["costs"].__setitem__(1, "x"), r"problem\.nodes\.costs\[1\]"),
+        (lambda d: d["problem"]["edges"]["costs"].__setitem__(0, [1, 2, 3]), r"problem\.edges\.costs\[0\]"),
+        (lambda d: d["problem"]["nodes"]["usages"].pop(), r"problem\.nodes\.usages"),
+    ],
+)
+def test_malformed_json_names_the_field(tmp_path, mutate, field):
+    data = {
+        "problem": {
+            "nodes": {"costs": [[1, 2], [3]], "usages": [[1, 1], [1]], "intervals": [[0, 1], [0, 1]]},
+            "edges": {"nodes": [[0, 1]], "costs": [[0, 0]]},
+            "usage_limit": 5,
+        }
+    }
+    mutate(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProblemFormatError, match=field):
+        read_iopddl(path)
+
+
+def test_not_json(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text("{nope")
+    with pytest.raises(ProblemFormatError, match="not a JSON"):
+        read_iopddl(path)
+
+
+@pytest.mark.parametrize("timeout", ["0", "2"])
+def test_command_line_prints_choice_last(tmp_path, timeout):
+    path = tmp_path / "tiny.json.gz"
+    _write_tiny(path)
+    out = subprocess.run(
+        [sys.executable, "-m", "autoshard.solver", str(path), timeout],
+        capture_output=True, text=True, check=True, timeout=60,
+    )
+    assert out.stdout.strip().splitlines()[-1] == "[0, 0]"

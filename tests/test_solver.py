@@ -208,3 +208,14 @@ def test_command_line_prints_choice_last(tmp_path, timeout):
         capture_output=True, text=True, check=True, timeout=60,
     )
     assert out.stdout.strip().splitlines()[-1] == "[0, 0]"
+
+
+@pytest.mark.slow
+def test_contest_problem_b_reaches_best_known():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "shared" / "iopddl" / "asplos-2025-iopddl-B.json.gz"
+    if not path.exists():
+        pytest.skip(f"{path} not present")
+    sol = solve(read_iopddl(path), time_limit=60)
+    assert sol.feasible and sol.cost <= 532843 * 1.01

@@ -27,6 +27,9 @@ _FULL_MILP_NODES = 3000
 _MARGIN = 0.2
 _WINDOW_NODES = 250
 _WINDOW_SECONDS = 2.0
+# Large memory-constrained cores: smaller, quicker windows (more of them per second).
+_WINDOW_NODES_LARGE = 100
+_WINDOW_SECONDS_LARGE = 1.0
 
 
 def solve(
@@ -151,7 +154,8 @@ def _solve_core(
             def hot():
                 return np.unique(red.edges[violations(state)].ravel())
 
-        search.run(deadline - _MARGIN, window_size=_WINDOW_NODES, window_time=_WINDOW_SECONDS, log=log, hot=hot)
+        size, seconds = (_WINDOW_NODES_LARGE, _WINDOW_SECONDS_LARGE) if large else (_WINDOW_NODES, _WINDOW_SECONDS)
+        search.run(deadline - _MARGIN, window_size=size, window_time=seconds, log=log, hot=hot)
         stats.update(lns_windows=search.windows, lns_improved=search.improved)
         log(f"lns: {search.windows} windows, {search.improved} improved, cost {state.total_cost():.6g}")
     return state.choice, False

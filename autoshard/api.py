@@ -38,7 +38,7 @@ def _default_cluster(mesh):
     return cluster_preset({"cpu": "cpu-sim", "tpu": "tpu-v5e"}.get(platform, "h100-nvlink"))
 
 
-def _check_leaf(path: str, leaf, argnum: int):
+def _check_leaf(path: str, leaf, argnum: int, static_argnums=()):
     if isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct, np.generic, int, float, bool, complex)):
         return
     if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
@@ -46,7 +46,8 @@ def _check_leaf(path: str, leaf, argnum: int):
     raise InputError(
         f"argument {argnum} has a leaf at {path or '<root>'} of type {type(leaf).__name__}, which is not an "
         "array. autoshard traces every leaf of a dynamic argument.\n"
-        f"Fix: pass arrays only, or mark the argument static: parallelize(..., static_argnums=({argnum},))."
+        "Fix: pass arrays only, or mark the argument static: "
+        f"parallelize(..., static_argnums={tuple(sorted({*static_argnums, argnum}))})."
     )
 
 
@@ -140,11 +141,12 @@ class Parallelized:
                 raise InputError(f"argument {i} is both static and donated; donate only array arguments")
         return dyn, stat, dyn_index
 
-    def _key(self, dyn, stat):
+    def _key(self, dyn, stat, dyn_index):
         leaves, tree = jax.tree_util.tree_flatten(dyn)
-        for j, (path, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(dyn)[0]):
-            argnum = path[0].idx if path else j
-            _check_leaf(jax.tree_util.keystr(path[1:]), leaf, argnum)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(dyn)[0]:
+            # path[0] indexes the dynamic arguments; name the caller's positional argument.
+            argnum = dyn_index[path[0].idx]
+            _check_leaf(jax.tree_util.keystr(path[1:]), leaf, argnum, tuple(i for i, _ in stat))
         try:
             hash(stat)
         except TypeError as e:
@@ -165,7 +167,7 @@ class Parallelized:
     # ---- planning ----------------------------------------------------------------------------------
     def _get(self, args) -> _Compiled:
         dyn, stat, dyn_index = self._split(args)
-        key = self._key(dyn, stat)
+        key = self._key(dyn, stat, dyn_index)
         entry = self._cache.get(key)
         if entry is None:
             entry = self._cache[key] = self._build(dyn, stat, dyn_index, len(args))
@@ -319,7 +321,6 @@ def plan_program(program, *, mesh=None, cluster=None, memory_budget=None, hints=
                  time_limit=10.0, timings=None):
     """Plan a captured program. With ``mesh=None``, try every 2-D factorization of all devices."""
     from autoshard.cluster import make_mesh
-
     from autoshard.planner import warn_unsupported
 
     timings = {} if timings is None else timings
@@ -350,7 +351,8 @@ def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, t
     cost = CostModel.create(info, cluster, platform=platform)
     pinned = _pinned_from_hints(program, hints or {}, info)
     t = time.perf_counter()
-    sgraph = enumerate_strategies(program, cost, pinned=pinned, donated=donated, tie_outputs=ties)
+    sgraph = enumerate_strategies(program, cost, pinned=pinned, donated=donated, tie_outputs=ties,
+                                  host_bandwidth=getattr(cluster, "host_bandwidth", None))
     timings["strategies"] = time.perf_counter() - t
     t = time.perf_counter()
     merged = merge_followers(sgraph, cost, program.avals)

@@ -88,12 +88,14 @@ def _params_key(params):
 
 
 def enumerate_strategies(program: CapturedProgram, cost: CostModel, *, pinned=None, donated=(),
-                         tie_outputs=None) -> StrategyGraph:
+                         tie_outputs=None, host_bandwidth: float | None = None) -> StrategyGraph:
     """Pass 1: nodes, strategies and edges for every input, op and scan body.
 
     Args:
       pinned: flat input index -> ShardingSpec the input must take.
       tie_outputs: flat output index -> flat input index whose layout the output must keep.
+      host_bandwidth: bytes/s from host to one device; prices feeding the inputs that are not
+        carried over from the previous step (the batch). None: feeding is free.
     """
     mesh = cost.mesh
     pinned = pinned or {}
@@ -122,9 +124,15 @@ def enumerate_strategies(program: CapturedProgram, cost: CostModel, *, pinned=No
         edges.append(_Edge(src, k, dst, pos, value, scale))
 
     input_nodes = []
+    carried = set((tie_outputs or {}).values())
     for i, v in enumerate(program.graph.invars):
         shape = _aval_shape(avals[v])
         strategies = spec_strategies(shape, [pinned[i]] if i in pinned else None)
+        if i not in carried and host_bandwidth:
+            # Fresh inputs (the batch) are fed from the host every step: each device receives its shard.
+            itemsize = _itemsize(avals[v])
+            strategies = [dataclasses.replace(s, comm=_value_bytes_shape(shape, itemsize, s.out_specs[0], mesh)
+                                              / host_bandwidth) for s in strategies]
         input_nodes.append(add_node(_Node("input", strategies, (v,), weak=True, label=program.in_paths[i])))
     for v in program.consts:
         add_node(_Node("input", spec_strategies(_aval_shape(avals[v])), (v,), weak=True, label="<const>"))
@@ -289,6 +297,10 @@ def merge_followers(graph: StrategyGraph, cost: CostModel, avals) -> MergedGraph
         root[i] = r
         index_map[i] = chosen
     return MergedGraph(graph, root, tuple(index_map), tuple(int(i) for i in range(n) if root[i] == i))
+
+
+def _value_bytes_shape(shape, itemsize, spec: ShardingSpec, mesh) -> float:
+    return float(math.prod(spec.shard_shape(shape, mesh)) * itemsize)
 
 
 def _value_bytes(aval, spec: ShardingSpec, mesh) -> float:

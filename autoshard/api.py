@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import re
 import time
@@ -326,12 +327,19 @@ def plan_program(program, *, mesh=None, cluster=None, memory_budget=None, hints=
     timings = {} if timings is None else timings
     if mesh is None:
         n = len(jax.devices())
-        best = None
+        best, infeasible = None, []
         for shape in _factorizations(n):
             m = make_mesh(shape, ("data", "model"))
-            p = _plan_on_mesh(program, m, cluster, memory_budget, hints, donated, ties, time_limit, dict(timings))
+            try:
+                p = _plan_on_mesh(program, m, cluster, memory_budget, hints, donated, ties, time_limit,
+                                  dict(timings))
+            except InfeasibleError as e:  # another factorization may fit the memory budget
+                infeasible.append(e)
+                continue
             if best is None or p.cost.objective < best.cost.objective:
                 best = p
+        if best is None:  # report the mesh that comes closest
+            raise min(infeasible, key=lambda e: math.inf if e.smallest_memory is None else e.smallest_memory)
     else:
         best = _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings)
     # Warn here, once per plan, not once per candidate mesh.

@@ -290,6 +290,34 @@ def test_infeasible_memory_budget_reports_the_smallest_feasible(mesh):
     _close(g(params, x), jax.jit(_mlp)(params, x))
 
 
+def _elementwise(w):
+    return jnp.sin(w) * 2.0
+
+
+def test_mesh_none_plans_on_a_mesh_that_fits_the_budget():
+    """8 divides neither dimension of a (12, 20) array, so 1-D meshes keep it whole; 2x4 and 4x2 split it."""
+    w = jax.random.normal(jax.random.key(0), (12, 20))
+    smallest = {}
+    for shape in [(1, 8), (2, 4)]:
+        f = autoshard.parallelize(_elementwise, mesh=autoshard.make_mesh(shape, ("data", "model")), memory_budget=1)
+        with pytest.raises(InfeasibleError) as info:
+            f.plan(w)
+        smallest[shape] = info.value.smallest_memory
+    assert smallest[(2, 4)] < smallest[(1, 8)]
+
+    budget = (smallest[(2, 4)] + smallest[(1, 8)]) / 2
+    f = autoshard.parallelize(_elementwise, memory_budget=budget)
+    plan = f.plan(w)
+    assert sorted(plan.mesh.devices.shape) == [2, 4]
+    assert plan.cost.peak_memory_bytes <= budget
+    _close(f(w), jax.jit(_elementwise)(w))
+
+    # When no mesh fits, the error names the smallest budget over all of them.
+    with pytest.raises(InfeasibleError, match="raise memory_budget to at least") as info:
+        autoshard.parallelize(_elementwise, memory_budget=1).plan(w)
+    assert info.value.smallest_memory == smallest[(2, 4)]
+
+
 def test_memory_budget_accepts_strings(mesh):
     assert autoshard.parallelize(_mlp, memory_budget="16GB").memory_budget == 16e9
     assert autoshard.parallelize(_mlp, memory_budget="1 KiB").memory_budget == 1024

@@ -5,11 +5,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-
 import re
 import time
-
-
+from typing import Any
 
 import jax
 import numpy as np

@@ -224,9 +224,13 @@ class Plan:
     def from_json(cls, text: str, mesh=None) -> Plan:
         """Load a plan saved by :meth:`to_json`. ``mesh`` defaults to a new Auto mesh of the saved shape."""
         try:
-            d = json.loads(text)
-            if d.get("format") != "autoshard-plan/1":
-                raise PlanError(f"not an autoshard plan (format {d.get('format')!r}); expected 'autoshard-plan/1'")
+            try:
+                d = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise PlanError(f"saved plan is not JSON ({e}); pass the text Plan.to_json() returned") from None
+            fmt = d.get("format") if isinstance(d, dict) else None
+            if fmt != "autoshard-plan/1":
+                raise PlanError(f"not an autoshard plan (format {fmt!r}); expected 'autoshard-plan/1'")
             shape, names = tuple(d["mesh"]["shape"]), tuple(d["mesh"]["names"])
             if mesh is None:
                 from autoshard.cluster import make_mesh

@@ -292,7 +292,11 @@ def _pinned_from_hints(program, hints, info: MeshInfo) -> dict[int, ShardingSpec
         if not isinstance(pspec, PartitionSpec):
             problems.append(f"hint {pattern!r}: expected a PartitionSpec, got {pspec!r}")
             continue
-        rx = re.compile(pattern)
+        try:
+            rx = re.compile(pattern)
+        except re.error as e:
+            problems.append(f"hint {pattern!r} is not a regular expression: {e}")
+            continue
         for i, path in enumerate(program.in_paths):
             if not rx.search(path):
                 continue

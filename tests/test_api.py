@@ -230,6 +230,12 @@ def test_saved_plan_on_another_mesh_is_refused():
         autoshard.Plan.from_json(saved.to_json(), mesh=autoshard.make_mesh((4, 2), ("data", "model")))
     with pytest.raises(PlanError, match="not an autoshard plan"):
         autoshard.Plan.from_json('{"format": "something-else"}')
+    with pytest.raises(PlanError, match="not an autoshard plan"):
+        autoshard.Plan.from_json("[1, 2]")
+    with pytest.raises(PlanError, match="not JSON.*Plan.to_json"):
+        autoshard.Plan.from_json("garbage")
+    with pytest.raises(PlanError, match="missing field 'mesh'"):
+        autoshard.Plan.from_json('{"format": "autoshard-plan/1"}')
 
 
 # ---- errors -------------------------------------------------------------------------------------------
@@ -245,6 +251,12 @@ def test_hint_that_does_not_divide_names_path_and_dimension(mesh):
 def test_hint_naming_an_unknown_axis(mesh):
     f = autoshard.parallelize(_mlp, mesh=mesh, hints={r"w1": P("tensor")})
     with pytest.raises(MeshError, match=r"\[0\]\['w1'\].*'tensor'"):
+        f.plan(_params(), _x())
+
+
+def test_hint_that_is_not_a_regex(mesh):
+    f = autoshard.parallelize(_mlp, mesh=mesh, hints={"w1[": P("model")})
+    with pytest.raises(MeshError, match=r"hint 'w1\[' is not a regular expression"):
         f.plan(_params(), _x())
 
 

@@ -46,8 +46,9 @@ def _x(batch=8, d_in=16, seed=1):
 
 
 def _close(got, want, rtol=RTOL, atol=1e-6):
-    jax.tree.map(lambda g, w: np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=atol),
-                 got, want)
+    jax.tree.map(
+        lambda g, w: np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=atol), got, want
+    )
 
 
 # ---- decorator forms --------------------------------------------------------------------------------
@@ -119,8 +120,9 @@ def test_inputs_living_elsewhere_are_moved(mesh):
     host = (jax.tree.map(np.asarray, params), np.asarray(x))
     on_device_3 = jax.device_put((params, x), jax.devices()[3])
     # Some other layout on the same mesh: every leaf split over "data" on its last dimension.
-    elsewhere = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P(*([None] * (a.ndim - 1)), "data"))),
-                             (params, x))
+    elsewhere = jax.tree.map(
+        lambda a: jax.device_put(a, NamedSharding(mesh, P(*([None] * (a.ndim - 1)), "data"))), (params, x)
+    )
     for args in (host, on_device_3, elsewhere, (params, x)):
         out = step(*args)
         _close(out, want)
@@ -198,7 +200,9 @@ def test_plan_json_round_trip(mesh):
 
 def test_saved_plan_runs_without_solving(mesh, monkeypatch):
     params, x = _params(), _x()
-    saved = autoshard.Plan.from_json(autoshard.parallelize(_mlp, mesh=mesh).plan(params, x).to_json(), mesh=mesh)
+    saved = autoshard.Plan.from_json(
+        autoshard.parallelize(_mlp, mesh=mesh).plan(params, x).to_json(), mesh=mesh
+    )
 
     def no_solving(*args, **kwargs):
         raise AssertionError("a saved plan must not be solved again")
@@ -225,7 +229,9 @@ def test_saved_plan_for_another_program_is_refused(mesh):
 
 
 def test_saved_plan_on_another_mesh_is_refused():
-    saved = autoshard.parallelize(_mlp, mesh=autoshard.make_mesh((2, 4), ("data", "model"))).plan(_params(), _x())
+    saved = autoshard.parallelize(_mlp, mesh=autoshard.make_mesh((2, 4), ("data", "model"))).plan(
+        _params(), _x()
+    )
     with pytest.raises(PlanError, match="mesh"):
         autoshard.Plan.from_json(saved.to_json(), mesh=autoshard.make_mesh((4, 2), ("data", "model")))
     with pytest.raises(PlanError, match="not an autoshard plan"):
@@ -244,7 +250,9 @@ def test_saved_plan_on_another_mesh_is_refused():
 def test_hint_that_does_not_divide_names_path_and_dimension(mesh):
     params = _params(d_in=6)  # w1 is (6, 32): "model" (4 devices) cannot split 6 rows
     f = autoshard.parallelize(_mlp, mesh=mesh, hints={r"w1": P("model", None)})
-    with pytest.raises(MeshError, match=r"\[0\]\['w1'\] has shape \(6, 32\); dimension 0 \(size 6\).*model.*Fix"):
+    with pytest.raises(
+        MeshError, match=r"\[0\]\['w1'\] has shape \(6, 32\); dimension 0 \(size 6\).*model.*Fix"
+    ):
         f(params, _x(d_in=6))
 
 
@@ -290,7 +298,9 @@ def test_non_array_leaf_after_a_static_argument_names_the_callers_argument(mesh)
 def test_infeasible_memory_budget_reports_the_smallest_feasible(mesh):
     params, x = _params(d_in=64, d_hidden=64), _x(batch=32, d_in=64)
     f = autoshard.parallelize(_mlp, mesh=mesh, memory_budget=1000)
-    with pytest.raises(InfeasibleError, match=r"memory_budget=1000 bytes.*raise memory_budget to at least") as info:
+    with pytest.raises(
+        InfeasibleError, match=r"memory_budget=1000 bytes.*raise memory_budget to at least"
+    ) as info:
         f.plan(params, x)
     smallest = info.value.smallest_memory
     assert smallest is not None and smallest > 1000
@@ -311,7 +321,9 @@ def test_mesh_none_plans_on_a_mesh_that_fits_the_budget():
     w = jax.random.normal(jax.random.key(0), (12, 20))
     smallest = {}
     for shape in [(1, 8), (2, 4)]:
-        f = autoshard.parallelize(_elementwise, mesh=autoshard.make_mesh(shape, ("data", "model")), memory_budget=1)
+        f = autoshard.parallelize(
+            _elementwise, mesh=autoshard.make_mesh(shape, ("data", "model")), memory_budget=1
+        )
         with pytest.raises(InfeasibleError) as info:
             f.plan(w)
         smallest[shape] = info.value.smallest_memory
@@ -340,7 +352,9 @@ def test_memory_budget_accepts_strings(mesh):
 @pytest.mark.parametrize("argnums", [(2,), (-3,)])
 def test_static_argnums_out_of_range(mesh, argnums):
     f = autoshard.parallelize(_mlp, mesh=mesh, static_argnums=argnums)
-    with pytest.raises(InputError, match=rf"static_argnums=\({argnums[0]},\).*2 positional arguments.*range\(0, 2\)"):
+    with pytest.raises(
+        InputError, match=rf"static_argnums=\({argnums[0]},\).*2 positional arguments.*range\(0, 2\)"
+    ):
         f(_params(), _x())
 
 
@@ -359,12 +373,12 @@ def test_static_argnums(mesh):
     @autoshard.parallelize(mesh=mesh, static_argnums=(1,))
     def power(x, n):
         traces.append(n)
-        return x ** n
+        return x**n
 
     x = _x()
-    _close(power(x, 2), x ** 2)
-    _close(power(x, 3), x ** 3)
-    _close(power(x, 2), x ** 2)
+    _close(power(x, 2), x**2)
+    _close(power(x, 3), x**3)
+    _close(power(x, 2), x**2)
     assert traces == [2, 3]  # one cache entry per static value
 
 
@@ -402,8 +416,9 @@ def test_donated_train_state_feeds_back(mesh):
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
     _close(state, ref_state, atol=5e-5)
     # Each output state leaf keeps its input's layout, so it can be fed back without moving.
-    for out, want in zip(jax.tree.leaves(state), jax.tree.leaves(f.plan(init(), batch).in_shardings[0]),
-                         strict=True):
+    for out, want in zip(
+        jax.tree.leaves(state), jax.tree.leaves(f.plan(init(), batch).in_shardings[0]), strict=True
+    ):
         assert out.sharding == want
 
 
@@ -430,7 +445,9 @@ def test_unsupported_primitive_runs_replicated_and_warns_once():
         out = f(x)
     ours = [w for w in record if issubclass(w.category, autoshard.AutoshardWarning)]
     assert len(ours) == 1, [str(w.message) for w in ours]
-    assert re.search(rf"no sharding rule for primitive {UNSUPPORTED} \(at .*test_api.py:\d+\)", str(ours[0].message))
+    assert re.search(
+        rf"no sharding rule for primitive {UNSUPPORTED} \(at .*test_api.py:\d+\)", str(ours[0].message)
+    )
     _close(out, jax.jit(_uses_unsupported)(x))
     assert f.plan(x).warnings and UNSUPPORTED in f.plan(x).warnings[0]
 

@@ -8,8 +8,17 @@ import pytest
 import autoshard
 from autoshard.capture import CapturedProgram, Const, OpGraph, capture_graph
 
-WRAPPERS = {"jit", "pjit", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "remat2", "checkpoint",
-            "closed_call", "core_call"}
+WRAPPERS = {
+    "jit",
+    "pjit",
+    "custom_jvp_call",
+    "custom_vjp_call",
+    "custom_vjp_call_jaxpr",
+    "remat2",
+    "checkpoint",
+    "closed_call",
+    "core_call",
+}
 
 
 @pytest.fixture(scope="module")
@@ -290,8 +299,11 @@ def test_planned_passthrough_outputs(mesh):
     _close(got, jax.jit(step)(_params(), _x()))
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="lower.py: _constrainable calls .ndim on a literal output (TypedFloat has none)")
+@pytest.mark.xfail(
+    strict=True,
+    raises=AttributeError,
+    reason="lower.py: _constrainable calls .ndim on a literal output (TypedFloat has none)",
+)
 def test_planned_literal_output(mesh):
     def step(x):
         return x.sum(), 2.0

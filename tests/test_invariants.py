@@ -37,10 +37,16 @@ def _check_spec(spec: ShardingSpec, shape, info: MeshInfo, what=""):
     assert spec.rank == len(shape), f"{what}: spec {spec} has rank {spec.rank}, shape {shape}"
     axes = [a for d in spec.dims for a in d]
     assert len(axes) == len(set(axes)), f"{what}: spec {spec} uses a mesh axis twice"
-    assert all(0 <= a < info.ndim for a in axes), f"{what}: spec {spec} names an axis outside mesh {info.shape}"
-    assert all(info.shape[a] > 1 for a in axes), f"{what}: spec {spec} shards over a size-1 axis of {info.shape}"
+    assert all(0 <= a < info.ndim for a in axes), (
+        f"{what}: spec {spec} names an axis outside mesh {info.shape}"
+    )
+    assert all(info.shape[a] > 1 for a in axes), (
+        f"{what}: spec {spec} shards over a size-1 axis of {info.shape}"
+    )
     for n, d in zip(shape, spec.dims, strict=True):
-        assert n % info.axes_size(d) == 0, f"{what}: spec {spec} does not divide shape {shape} on mesh {info.shape}"
+        assert n % info.axes_size(d) == 0, (
+            f"{what}: spec {spec} does not divide shape {shape} on mesh {info.shape}"
+        )
 
 
 # ---- candidate specs -----------------------------------------------------------------------------------
@@ -64,8 +70,10 @@ def test_candidate_specs_are_complete(shape, info):
     """Brute force: every way to put each active axis on one dimension (or none) that divides evenly."""
     want = set()
     for choice in itertools.product(range(-1, len(shape)), repeat=len(info.active_axes)):
-        dims = tuple(tuple(a for a, c in zip(info.active_axes, choice, strict=True) if c == i)
-                     for i in range(len(shape)))
+        dims = tuple(
+            tuple(a for a, c in zip(info.active_axes, choice, strict=True) if c == i)
+            for i in range(len(shape))
+        )
         if all(n % info.axes_size(d) == 0 for n, d in zip(shape, dims, strict=True)):
             want.add(ShardingSpec(dims))
     assert set(candidate_specs(shape, info)) == want
@@ -217,8 +225,24 @@ def _check_strategies(program, info: MeshInfo):
     return seen_ops
 
 
-GPT_OPS = {"dot_general", "gather", "reshape", "transpose", "reduce_sum", "reduce_max", "exp", "div", "rsqrt",
-           "broadcast_in_dim", "select_n", "argmax", "slice", "add_any", "scatter-add", "iota"}
+GPT_OPS = {
+    "dot_general",
+    "gather",
+    "reshape",
+    "transpose",
+    "reduce_sum",
+    "reduce_max",
+    "exp",
+    "div",
+    "rsqrt",
+    "broadcast_in_dim",
+    "select_n",
+    "argmax",
+    "slice",
+    "add_any",
+    "scatter-add",
+    "iota",
+}
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])

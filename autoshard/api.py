@@ -89,6 +89,10 @@ def _ties(dyn_args, out_shape) -> dict[int, int]:
     return ties
 
 
+TIE_LAYERS_ABOVE = 600
+"""Merged-graph size above which ``tie_layers="auto"`` ties repeated layers."""
+
+
 def _factorizations(n: int):
     return [(a, n // a) for a in range(1, n + 1) if n % a == 0]
 
@@ -105,8 +109,9 @@ class Parallelized:
     """A step function that plans, shards and runs itself. Made by :func:`parallelize`."""
 
     def __init__(self, fun, *, mesh=None, cluster=None, memory_budget=None, static_argnums=(),
-                 donate_argnums=(), plan=None, hints=None, solver_time_limit=10.0):
+                 donate_argnums=(), plan=None, hints=None, solver_time_limit=10.0, tie_layers="auto"):
         self.fun = fun
+        self.tie_layers = tie_layers
         self.mesh = mesh
         self.cluster = cluster
         self.memory_budget = parse_bytes(memory_budget)
@@ -199,7 +204,7 @@ class Parallelized:
         else:
             plan = plan_program(program, mesh=self.mesh, cluster=self.cluster, memory_budget=self.memory_budget,
                                 hints=self.hints, donated=donated, ties=ties, time_limit=self.solver_time_limit,
-                                timings=timings)
+                                timings=timings, tie_layers=self.tie_layers)
         plan = dataclasses.replace(plan, in_tree=jax.tree_util.tree_structure(abstract),
                                    out_tree=program.out_tree)
         flat = make_flat_function(program, plan.value_specs, plan.operand_specs, plan.mesh, plan.out_specs)
@@ -255,7 +260,7 @@ class Parallelized:
 
 
 def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static_argnums=(), donate_argnums=(),
-                plan=None, hints=None, solver_time_limit=10.0):
+                plan=None, hints=None, solver_time_limit=10.0, tie_layers="auto"):
     """Plan and run a single-device step function sharded over a device mesh.
 
     Works bare (``@parallelize``) and with arguments (``@parallelize(mesh=...)``).
@@ -270,6 +275,10 @@ def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static
       plan: a saved :class:`autoshard.Plan` to apply without solving.
       hints: ``{pytree-path regex: PartitionSpec}`` pinning matching argument leaves.
       solver_time_limit: seconds the solver may spend.
+      tie_layers: solve structurally identical nodes (repeated layers) as one: much faster on deep
+        unrolled models, and exact whenever identical layers want identical layouts (not so for
+        patterns that alternate across layers). ``"auto"``: only for graphs of more than
+        ``TIE_LAYERS_ABOVE`` nodes after follower merging.
 
     Example:
       >>> import autoshard, jax.numpy as jnp
@@ -280,7 +289,8 @@ def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static
       True
     """
     kw = dict(mesh=mesh, cluster=cluster, memory_budget=memory_budget, static_argnums=static_argnums,
-              donate_argnums=donate_argnums, plan=plan, hints=hints, solver_time_limit=solver_time_limit)
+              donate_argnums=donate_argnums, plan=plan, hints=hints, solver_time_limit=solver_time_limit,
+              tie_layers=tie_layers)
     if fun is None:
         return lambda f: Parallelized(f, **kw)
     return Parallelized(fun, **kw)
@@ -297,9 +307,12 @@ def _pinned_from_hints(program, hints, info: MeshInfo) -> dict[int, ShardingSpec
         except re.error as e:
             problems.append(f"hint {pattern!r} is not a regular expression: {e}")
             continue
-        for i, path in enumerate(program.in_paths):
-            if not rx.search(path):
-                continue
+        matched = [i for i, path in enumerate(program.in_paths) if rx.search(path)]
+        if not matched:
+            examples = ", ".join(program.in_paths[:3])
+            problems.append(f"hint {pattern!r} matches no argument leaf (paths look like: {examples})")
+        for i in matched:
+            path = program.in_paths[i]
             shape = tuple(program.avals[program.graph.invars[i]].shape)
             try:
                 spec = ShardingSpec.from_partition_spec(pspec, len(shape), info)
@@ -321,7 +334,7 @@ def _pinned_from_hints(program, hints, info: MeshInfo) -> dict[int, ShardingSpec
 
 
 def plan_program(program, *, mesh=None, cluster=None, memory_budget=None, hints=None, donated=(), ties=None,
-                 time_limit=10.0, timings=None):
+                 time_limit=10.0, timings=None, tie_layers="auto"):
     """Plan a captured program. With ``mesh=None``, try every 2-D factorization of all devices."""
     from autoshard.cluster import make_mesh
     from autoshard.planner import warn_unsupported
@@ -334,7 +347,7 @@ def plan_program(program, *, mesh=None, cluster=None, memory_budget=None, hints=
             m = make_mesh(shape, ("data", "model"))
             try:
                 p = _plan_on_mesh(program, m, cluster, memory_budget, hints, donated, ties, time_limit,
-                                  dict(timings))
+                                  dict(timings), tie_layers)
             except InfeasibleError as e:  # another factorization may fit the memory budget
                 infeasible.append(e)
                 continue
@@ -343,16 +356,18 @@ def plan_program(program, *, mesh=None, cluster=None, memory_budget=None, hints=
         if best is None:  # report the mesh that comes closest
             raise min(infeasible, key=lambda e: math.inf if e.smallest_memory is None else e.smallest_memory)
     else:
-        best = _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings)
+        best = _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings,
+                             tie_layers)
     # Warn here, once per plan, not once per candidate mesh.
     warn_unsupported(best.warnings)
     return best
 
 
-def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings):
+def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings,
+                  tie_layers="auto"):
     from autoshard.cost import CostModel
     from autoshard.plan import Plan, PlanCost
-    from autoshard.planner import build_problem, decode, enumerate_strategies, merge_followers
+    from autoshard.planner import build_problem, decode, enumerate_strategies, merge_followers, tie_repeated_layers
     from autoshard.solver import solve
 
     info = MeshInfo.from_mesh(mesh)
@@ -366,7 +381,11 @@ def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, t
     timings["strategies"] = time.perf_counter() - t
     t = time.perf_counter()
     merged = merge_followers(sgraph, cost, program.avals)
-    built = build_problem(merged, program, cost, memory_limit=memory_budget, donated_inputs=donated)
+    if tie_layers == "auto":
+        tie_layers = len(merged.roots) > TIE_LAYERS_ABOVE
+    layer_ties = tie_repeated_layers(merged, program.avals) if tie_layers else None
+    built = build_problem(merged, program, cost, memory_limit=memory_budget, donated_inputs=donated,
+                          ties=layer_ties)
     timings["problem"] = time.perf_counter() - t
     t = time.perf_counter()
     try:

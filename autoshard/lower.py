@@ -11,6 +11,7 @@ the constraints sit inside the loop body.
 from __future__ import annotations
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 
 from autoshard.capture import CapturedProgram, Const, OpGraph
@@ -19,7 +20,7 @@ from autoshard.spec import MeshInfo, ShardingSpec
 
 def _constrainable(x) -> bool:
     dtype = getattr(x, "dtype", None)
-    return dtype is not None and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended) and x.ndim > 0
+    return dtype is not None and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended) and np.ndim(x) > 0
 
 
 class _Evaluator:

@@ -299,6 +299,56 @@ def merge_followers(graph: StrategyGraph, cost: CostModel, avals) -> MergedGraph
     return MergedGraph(graph, root, tuple(index_map), tuple(int(i) for i in range(n) if root[i] == i))
 
 
+def tie_repeated_layers(merged: MergedGraph, avals, rounds: int = 3) -> dict[int, int]:
+    """Pass 2b: give structurally identical nodes one shared choice.
+
+    Repeated layers produce nodes whose neighbourhoods look alike. A few rounds of
+    Weisfeiler-Lehman hashing over the merged graph (labels: primitive, params,
+    shapes, strategies, members; edges: operand positions and shapes) group such
+    nodes, and each group is solved as one node: the problem shrinks from every
+    layer to about one. Nodes within ``rounds`` hops of a difference (the first and
+    last layers, say) keep their own labels. This is a restriction, not an exact
+    reduction: it assumes identical layers want identical layouts.
+
+    Returns:
+      root node -> the root node whose choice it takes.
+    """
+    graph = merged.graph
+    roots = merged.roots
+    root = merged.root
+    names_cache: dict[int, int] = {}
+
+    def strategies_key(node):
+        k = names_cache.get(id(node.strategies))
+        if k is None:
+            k = names_cache[id(node.strategies)] = hash(tuple(s.name for s in node.strategies))
+        return k
+
+    def node_key(node):
+        op = node.op
+        shapes = tuple(tuple(getattr(avals[v], "shape", ())) for v in node.outputs)
+        if op is None:
+            return (node.kind, shapes, strategies_key(node), node.trips)
+        return (node.kind, op.name, _params_key(op.params) or op.name, shapes, strategies_key(node), node.trips)
+
+    members: dict[int, list] = {}
+    for i, node in enumerate(graph.nodes):
+        members.setdefault(int(root[i]), []).append(node_key(node))
+    label = {r: hash(tuple(sorted(map(hash, members[r])))) for r in roots}
+    nbrs: dict[int, list] = {r: [] for r in roots}
+    for e in graph.edges:
+        u, v = int(root[e.src]), int(root[e.dst])
+        if u == v:
+            continue
+        ekey = hash((e.src_pos, e.dst_pos, tuple(getattr(avals[e.value], "shape", ())), e.scale))
+        nbrs[u].append((ekey, 1, v))
+        nbrs[v].append((ekey, 0, u))
+    for _ in range(rounds):
+        label = {r: hash((label[r], tuple(sorted((k, d, label[w]) for k, d, w in nbrs[r])))) for r in roots}
+    first: dict[int, int] = {}
+    return {r: first.setdefault(label[r], r) for r in roots}
+
+
 def _value_bytes_shape(shape, itemsize, spec: ShardingSpec, mesh) -> float:
     return float(math.prod(spec.shard_shape(shape, mesh)) * itemsize)
 
@@ -424,12 +474,16 @@ class _SpecTable:
 
 
 def build_problem(merged: MergedGraph, program: CapturedProgram, cost: CostModel, *,
-                  memory_limit=None, donated_inputs=()) -> BuiltProblem:
-    """Pass 3: node costs, edge matrices and memory, in root-strategy space."""
+                  memory_limit=None, donated_inputs=(), ties: dict[int, int] | None = None) -> BuiltProblem:
+    """Pass 3: node costs, edge matrices and memory, in root-strategy space.
+
+    ``ties`` (from :func:`tie_repeated_layers`) maps roots to the root whose choice they share."""
     graph = merged.graph
     mesh = cost.mesh
-    roots = merged.roots
+    roots = tuple(r for r in merged.roots if ties is None or ties[r] == r)
     root_index = {r: k for k, r in enumerate(roots)}
+    if ties is not None:
+        root_index.update({r: root_index[t] for r, t in ties.items()})
     root_of = np.array([root_index[int(r)] for r in merged.root], np.int64)
     sizes = [len(graph.nodes[r].strategies) for r in roots]
     table = _SpecTable()

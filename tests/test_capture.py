@@ -299,11 +299,6 @@ def test_planned_passthrough_outputs(mesh):
     _close(got, jax.jit(step)(_params(), _x()))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AttributeError,
-    reason="lower.py: _constrainable calls .ndim on a literal output (TypedFloat has none)",
-)
 def test_planned_literal_output(mesh):
     def step(x):
         return x.sum(), 2.0

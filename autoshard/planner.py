@@ -258,7 +258,12 @@ def _edge_specs(graph: StrategyGraph, e: _Edge):
 
 
 def merge_followers(graph: StrategyGraph, cost: CostModel, avals) -> MergedGraph:
-    """Pass 2: fold each follower into the node that produces its main operand."""
+    """Pass 2: fold each follower into the node that produces its main operand.
+
+    The main operand is the largest one, preferring producers that are not weak
+    layout sources (inputs, broadcasts, iota). For each strategy of the producer's
+    root, the follower takes its strategy that expects exactly that layout (the
+    cheapest such), or else the one cheapest including the reshard."""
     n = len(graph.nodes)
     root = np.arange(n)
     index_map: list[np.ndarray] = [np.arange(len(node.strategies)) for node in graph.nodes]
@@ -266,36 +271,43 @@ def merge_followers(graph: StrategyGraph, cost: CostModel, avals) -> MergedGraph
     for e in graph.edges:
         in_edges.setdefault(e.dst, []).append(e)
     weak = [node.weak for node in graph.nodes]
+    table = _SpecTable()
+    by_in_cache: dict = {}
+    numel = {}
     for i, node in enumerate(graph.nodes):
         if node.kind != "follower":
             continue
         cands = [e for e in in_edges.get(i, ()) if e.dst_pos >= 0]
         if not cands:
             continue
-        main = max(cands, key=lambda e: (math.prod(_aval_shape(avals[e.value])), not weak[root[e.src]], -e.dst_pos))
+        for e in cands:
+            if e.value not in numel:
+                numel[e.value] = math.prod(_aval_shape(avals[e.value]))
+        main = max(cands, key=lambda e: (numel[e.value], not weak[root[e.src]], -e.dst_pos))
         r = root[main.src]
         weak[i] = weak[r]
-        src_specs = [graph.nodes[main.src].strategies[j].out_specs[main.src_pos] for j in index_map[main.src]]
-        by_in: dict[ShardingSpec, int] = {}
-        for b, s in enumerate(node.strategies):
-            spec = s.in_specs[main.dst_pos]
-            if spec not in by_in or s.cost < node.strategies[by_in[spec]].cost:
-                by_in[spec] = b
-        shape = _aval_shape(avals[main.value])
-        itemsize = _itemsize(avals[main.value])
-        chosen = np.empty(len(src_specs), dtype=np.int64)
-        memo: dict[ShardingSpec, int] = {}
-        for a, spec in enumerate(src_specs):
-            if spec in memo:
-                chosen[a] = memo[spec]
-                continue
+        src_ids = table.out_ids(graph.nodes[main.src], main.src_pos)[index_map[main.src]]
+        key = (id(node.strategies), main.dst_pos)
+        by_in = by_in_cache.get(key)
+        if by_in is None:
+            by_in = {}
+            for b, s in enumerate(node.strategies):
+                spec = s.in_specs[main.dst_pos]
+                if spec not in by_in or s.cost < node.strategies[by_in[spec]].cost:
+                    by_in[spec] = b
+            by_in_cache[key] = by_in
+        uniq, inv = np.unique(src_ids, return_inverse=True)
+        picks = np.empty(len(uniq), dtype=np.int64)
+        for k, u in enumerate(uniq):
+            spec = table.specs[u]
             b = by_in.get(spec)
             if b is None:
+                shape, itemsize = _aval_shape(avals[main.value]), _itemsize(avals[main.value])
                 b = min(range(len(node.strategies)), key=lambda b: node.strategies[b].cost
                         + cost.reshard_time(shape, itemsize, spec, node.strategies[b].in_specs[main.dst_pos]))
-            memo[spec] = chosen[a] = b
+            picks[k] = b
         root[i] = r
-        index_map[i] = chosen
+        index_map[i] = picks[inv.reshape(-1)]
     return MergedGraph(graph, root, tuple(index_map), tuple(int(i) for i in range(n) if root[i] == i))
 
 
@@ -450,19 +462,40 @@ class _SpecTable:
 
     def reshard_matrix(self, cost: CostModel, shape, itemsize, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
         """Matrix of reshard times between every row spec id and column spec id."""
+        key = (shape, itemsize, rows.tobytes(), cols.tobytes())
+        hit = self._arrays.get(key)
+        if hit is not None:
+            return hit
         urow, ri = np.unique(rows, return_inverse=True)
         ucol, ci = np.unique(cols, return_inverse=True)
         small = np.array([[self.time(cost, shape, itemsize, a, b) for b in ucol] for a in urow]).reshape(
             len(urow), len(ucol))
-        return small[np.ix_(ri.reshape(-1), ci.reshape(-1))]
+        out = self._arrays[key] = small[np.ix_(ri.reshape(-1), ci.reshape(-1))]
+        return out
 
     def reshard_pairs(self, cost: CostModel, shape, itemsize, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
         """Reshard time for each (rows[k], cols[k]) pair."""
+        key = (shape, itemsize, "pairs", rows.tobytes(), cols.tobytes())
+        hit = self._arrays.get(key)
+        if hit is not None:
+            return hit
         pairs = rows * len(self.specs) + cols
         upairs, inv = np.unique(pairs, return_inverse=True)
         n = len(self.specs)
         vals = np.array([self.time(cost, shape, itemsize, int(p // n), int(p % n)) for p in upairs])
-        return vals[inv.reshape(-1)]
+        out = self._arrays[key] = vals[inv.reshape(-1)]
+        return out
+
+    def value_bytes(self, shape, itemsize, ids: np.ndarray, mesh) -> np.ndarray:
+        """Per-device bytes of a value under each spec id in ``ids``."""
+        key = (shape, itemsize, "bytes", ids.tobytes())
+        hit = self._arrays.get(key)
+        if hit is None:
+            uniq, inv = np.unique(ids, return_inverse=True)
+            per = np.array([_value_bytes_shape(shape, itemsize, self.specs[u], mesh) if shape else float(itemsize)
+                            for u in uniq])
+            hit = self._arrays[key] = per[inv.reshape(-1)]
+        return hit
 
     def time(self, cost, shape, itemsize, a: int, b: int) -> float:
         if a == b:
@@ -533,9 +566,7 @@ def _memory(merged, program, root_of, sizes, mesh, donated_inputs, table: _SpecT
             if v not in live:
                 continue
             aval = program.avals[v]
-            ids = table.out_ids(node, k)
-            uniq, inv = np.unique(ids, return_inverse=True)
-            per_strategy = np.array([_value_bytes(aval, table.specs[u], mesh) for u in uniq])[inv.reshape(-1)]
+            per_strategy = table.value_bytes(_aval_shape(aval), _itemsize(aval), table.out_ids(node, k), mesh)
             members.setdefault(r, []).append((live[v], per_strategy[merged.index_map[i]]))
     memory, intervals = [], []
     for r in range(len(sizes)):

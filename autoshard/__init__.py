@@ -33,6 +33,8 @@ _EXPORTS = {
     "InfeasibleError": "autoshard.errors",
     "PlanError": "autoshard.errors",
     "ProblemFormatError": "autoshard.errors",
+    "visualize": "autoshard.report",
+    "apply_plan": "autoshard.placement",
 }
 
 __all__ = sorted(_EXPORTS)

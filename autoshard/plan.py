@@ -163,8 +163,21 @@ class Plan:
             rows.append((path, tuple(shape), str(dtype), str(spec.to_partition_spec(info)), int(nbytes)))
         return rows
 
-    def summary(self, max_rows: int = 40) -> str:
-        """A readable report: mesh, cost, every argument's spec, the costliest collectives."""
+    def summary(self, max_rows: int = 40, *, rich: bool | None = None) -> str:
+        """A readable report: mesh, cost, every argument's spec, the costliest collectives.
+
+        ``rich``: draw rich tables (with the time split and memory, see :mod:`autoshard.report`).
+        None: when rich is installed and stdout is a terminal; otherwise plain text.
+        """
+        if rich is None:
+            import importlib.util
+            import sys
+
+            rich = sys.stdout.isatty() and importlib.util.find_spec("rich") is not None
+        if rich:
+            from autoshard.report import rich_summary
+
+            return rich_summary(self, max_rows=max_rows)
         info = self.mesh_info
         c = self.cost
         lines = [
@@ -195,6 +208,12 @@ class Plan:
         if self.warnings:
             lines.append("\n  replicated for lack of a rule: " + ", ".join(self.warnings))
         return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        """Jupyter's view: leaf table, predicted time per collective kind, memory per device."""
+        from autoshard.report import plan_html
+
+        return plan_html(self)
 
     def __repr__(self) -> str:
         info = self.mesh_info

@@ -106,3 +106,20 @@ def test_gpt_matches_best_hand_written_baseline(case):
     assert ours <= 1.02 * best, f"autoshard {ours:.6g}s vs baselines {baselines}"
     check = plan.verify(compiled)
     assert 0.6 <= check.ratio <= 1.4, str(check)
+
+
+@pytest.mark.parametrize("case", list(GPT_CASES))
+def test_scanned_layers_shard_as_well_as_unrolled(case):
+    """A GPT whose layers run under lax.scan scores as well as the unrolled one (loop bodies x trip count)."""
+    shape, cl = GPT_CASES[case]
+    mesh = autoshard.make_mesh((2, 4), ("data", "model"))
+    cluster = autoshard.ClusterSpec(memory=16e9, **cl)
+    scores = {}
+    for scan in (False, True):
+        config = gpt.GPTConfig(vocab_size=256, seq_len=32, hidden=shape["hidden"], num_layers=4, num_heads=4)
+        spec = gpt.build(config, shape["batch"], scan_layers=scan)
+        _, compiled, _, _ = _plan_and_compile(spec, mesh, cluster)
+        scores[scan] = estimate_step_time(compiled, cluster, mesh)["simple_s"]
+        if scan:
+            assert "while" in compiled.as_text(), "the scan should stay a loop"
+    assert scores[True] <= 1.05 * scores[False], scores

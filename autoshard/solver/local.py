@@ -29,6 +29,7 @@ class CoreState:
             self.adj[u].append((int(v), m))
             self.adj[v].append((int(u), m.T))
         self.choice = np.array(choice, dtype=np.int64)
+        self._flat = None
         has_rows = rows is not None and rows.num_points > 0
         self.mem_nodes = np.zeros(n, dtype=bool)
         self.tol = rows.tol if rows is not None else 0.0
@@ -49,10 +50,10 @@ class CoreState:
         return vec
 
     def total_cost(self) -> float:
-        red, ch = self.red, self.choice
-        total = sum(float(c[ch[k]]) for k, c in enumerate(red.node_costs))
-        total += sum(float(m[ch[u], ch[v]]) for (u, v), m in zip(red.edges, red.edge_costs, strict=True))
-        return total
+        flat = self._flat
+        if flat is None:
+            flat = self._flat = _FlatCosts(self.red)
+        return flat.cost(self.choice)
 
     def overflow(self) -> float:
         return float(np.maximum(self.usage - self.cap, 0).sum())
@@ -125,6 +126,30 @@ class CoreState:
                 return False
             self.move(best[1], best[2])
         return False
+
+
+class _FlatCosts:
+    """Every node cost vector and edge matrix in one flat array, for vectorised totals."""
+
+    def __init__(self, red: Reduction):
+        sizes = np.array([c.size for c in red.node_costs], dtype=np.int64)
+        self.node_off = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        nsz = int(sizes.sum())
+        cells = np.array([m.size for m in red.edge_costs], dtype=np.int64)
+        self.edge_off = nsz + np.concatenate([[0], np.cumsum(cells)[:-1]]).astype(np.int64)
+        self.u, self.v = red.edges[:, 0], red.edges[:, 1]
+        self.width = sizes[self.v] if len(red.edges) else np.zeros(0, dtype=np.int64)
+        parts = [np.asarray(c, dtype=np.float64).ravel() for c in red.node_costs]
+        parts += [np.asarray(m, dtype=np.float64).ravel() for m in red.edge_costs]
+        self.values = np.concatenate(parts) if parts else np.zeros(0)
+
+    def cost(self, ch: np.ndarray) -> float:
+        if not ch.size:
+            return 0.0
+        idx = self.node_off + ch
+        if self.u.size:
+            idx = np.concatenate([idx, self.edge_off + ch[self.u] * self.width + ch[self.v]])
+        return float(np.sum(self.values[idx]))
 
 
 def min_memory_choice(red: Reduction) -> np.ndarray:

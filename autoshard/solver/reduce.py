@@ -110,6 +110,12 @@ class _Reducer:
         self.records: list = []
         self.stats = dict.fromkeys(("pruned", "dominated", "folded_edges", "fixed", "leaf", "series"), 0)
         self.mem: list[np.ndarray | None] = [None] * n
+        # Nodes whose costs, usages or incident matrices changed since their last
+        # dominance check, and edges (keyed by endpoints) already found non-additive
+        # with the matrix they then had: hubs are re-queued once per changed
+        # neighbour, and re-checking them from scratch each time was quadratic.
+        self.dirty = np.ones(n, dtype=bool)
+        self.non_additive: dict[tuple[int, int], np.ndarray] = {}
         if with_memory:
             live = problem.intervals[:, 1] > problem.intervals[:, 0]
             for i in range(n):
@@ -129,10 +135,12 @@ class _Reducer:
             self.stats["folded_edges"] += 1
         self.adj[u][v] = m
         self.adj[v][u] = m.T
+        self.dirty[u] = self.dirty[v] = True
 
     def _drop_edge(self, u: int, v: int) -> None:
         del self.adj[u][v]
         del self.adj[v][u]
+        self.dirty[u] = self.dirty[v] = True
 
     def _restrict(self, i: int, keep: np.ndarray) -> bool:
         """Keep only strategies ``keep`` (bool mask) of node ``i``; True if any dropped."""
@@ -149,6 +157,8 @@ class _Reducer:
             m = m[idx]
             self.adj[i][n] = m
             self.adj[n][i] = m.T
+            self.dirty[n] = True
+        self.dirty[i] = True
         return True
 
     def _raise_empty(self, i: int) -> None:
@@ -177,21 +187,33 @@ class _Reducer:
         changed = False
         for n in list(self.adj[i]):
             m = self.adj[i][n]
+            key = (i, n) if i < n else (n, i)
+            canon = self.adj[key[0]][key[1]]
+            if self.non_additive.get(key) is canon:
+                continue
             if not np.isfinite(m).all():
+                self.non_additive[key] = canon
                 continue
             a = m[:, 0]
             b = m[0, :] - m[0, 0]
-            if np.allclose(m, a[:, None] + b[None, :], rtol=0, atol=1e-9 * (1 + np.abs(m).max())):
+            resid = np.abs(m - a[:, None] - b[None, :]).max()
+            if resid <= 1e-9 * (1 + np.abs(m).max()):
                 self.cost[i] = self.cost[i] + a
                 self.cost[n] = self.cost[n] + b
                 self._drop_edge(i, n)
                 self.stats["folded_edges"] += 1
                 changed = True
+            else:
+                self.non_additive[key] = canon
         return changed
 
     def _dominate(self, i: int) -> bool:
         s = self.cost[i].size
-        if s < 2:
+        if s < 2 or not self.dirty[i]:
+            return False
+        self.dirty[i] = False
+        width = 1 + (self.mem[i] is not None) + sum(m.shape[1] for m in self.adj[i].values())
+        if s * s * width > _DOMINANCE_CELLS:
             return False
         cols = [self.cost[i][:, None]]
         if self.mem[i] is not None:
@@ -217,6 +239,7 @@ class _Reducer:
         if np.all(m == m[0]):
             self.base[i] = m[0]
             self.mem[i] = None
+            self.dirty[i] = True
             return True
         return False
 

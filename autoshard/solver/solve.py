@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 from autoshard.errors import InfeasibleError
+from autoshard.solver.forest import forest_ils, min_cost_choice
 from autoshard.solver.lns import WindowSearch
 from autoshard.solver.local import CoreState, greedy, min_memory_choice
 from autoshard.solver.memory import MemoryRows, memory_rows
@@ -21,8 +22,11 @@ from autoshard.solver.penalty import penalty_search, soften, violations
 from autoshard.solver.problem import ShardingProblem, ShardingSolution
 from autoshard.solver.reduce import Reduction, reduce_problem
 
-# Cores up to this many nodes first get one MILP over the whole core.
+# Cores up to this many nodes, and this many cost cells (strategies plus edge
+# matrix entries), first get one MILP over the whole core. Beyond that HiGHS's
+# root LP alone can outlast the budget (a GPT-350M training step has 1.7M cells).
 _FULL_MILP_NODES = 3000
+_FULL_MILP_CELLS = 400_000
 # Seconds kept back for expanding the choice and recomputing its cost.
 _MARGIN = 0.2
 _WINDOW_NODES = 250
@@ -119,7 +123,15 @@ def _solve_core(
     if red.num_core == 0:
         return np.zeros(0, dtype=np.int64), True
     now = time.perf_counter()
-    large = rows is not None and red.num_core > _FULL_MILP_NODES
+    cells = sum(c.size for c in red.node_costs) + sum(m.size for m in red.edge_costs)
+    big = red.num_core > _FULL_MILP_NODES or cells > _FULL_MILP_CELLS
+    stats.update(core_cells=cells)
+    if rows is None and big:
+        # No memory limit: many short forest descents (exact DP over random
+        # induced forests) from random starts beat MILP windows by far here.
+        state = forest_ils(CoreState(red, None, min_cost_choice(red)), deadline - _MARGIN, seed, log=log)
+        return state.choice, False
+    large = rows is not None and big
     if large:
         # Start memory-feasible and let the window search price out forbidden pairs.
         red = soften(red)
@@ -134,7 +146,7 @@ def _solve_core(
         if cand is not None and cand.total_cost() < state.total_cost():
             state = cand
         feasible = state.overflow() <= 0
-    if red.num_core <= _FULL_MILP_NODES and deadline - time.perf_counter() > _MARGIN:
+    if not big and deadline - time.perf_counter() > _MARGIN:
         remaining = deadline - time.perf_counter() - _MARGIN
         res = solve_milp(red, rows, time_limit=0.6 * remaining if feasible else remaining)
         stats.update(milp_status=res.status, milp_bound=res.bound)

@@ -35,6 +35,8 @@ _EXPORTS = {
     "ProblemFormatError": "autoshard.errors",
     "visualize": "autoshard.report",
     "apply_plan": "autoshard.placement",
+    "PipelineOptions": "autoshard.pipeline",
+    "pipeline_boundary": "autoshard.pipeline",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -108,8 +108,17 @@ class _Compiled:
 class Parallelized:
     """A step function that plans, shards and runs itself. Made by :func:`parallelize`."""
 
+    def __new__(cls, fun=None, *args, num_microbatches=1, pipeline=None, **kwargs):
+        # Microbatching or pipelining: a different runtime (autoshard/pipeline/), same call interface.
+        if num_microbatches != 1 or pipeline is not None:
+            from autoshard.pipeline import PipelinedStep
+
+            return PipelinedStep(fun, *args, num_microbatches=num_microbatches, pipeline=pipeline, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, fun, *, mesh=None, cluster=None, memory_budget=None, static_argnums=(),
-                 donate_argnums=(), plan=None, hints=None, solver_time_limit=10.0, tie_layers="auto"):
+                 donate_argnums=(), plan=None, hints=None, solver_time_limit=10.0, tie_layers="auto",
+                 num_microbatches=1, pipeline=None):
         self.fun = fun
         self.tie_layers = tie_layers
         self.mesh = mesh
@@ -260,7 +269,7 @@ class Parallelized:
 
 
 def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static_argnums=(), donate_argnums=(),
-                plan=None, hints=None, solver_time_limit=10.0, tie_layers="auto"):
+                plan=None, hints=None, solver_time_limit=10.0, tie_layers="auto", num_microbatches=1, pipeline=None):
     """Plan and run a single-device step function sharded over a device mesh.
 
     Works bare (``@parallelize``) and with arguments (``@parallelize(mesh=...)``).
@@ -279,6 +288,10 @@ def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static
         unrolled models, and exact whenever identical layers want identical layouts (not so for
         patterns that alternate across layers). ``"auto"``: only for graphs of more than
         ``TIE_LAYERS_ABOVE`` nodes after follower merging.
+      num_microbatches: split the batch arguments on their leading axis into this many microbatches,
+        accumulate the gradients, and apply the update once (see :mod:`autoshard.pipeline`).
+      pipeline: an :class:`autoshard.PipelineOptions`: run the step as a pipeline of stages on
+        sub-meshes (inter-operator parallelism). None: no pipeline.
 
     Example:
       >>> import autoshard, jax.numpy as jnp
@@ -290,7 +303,7 @@ def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static
     """
     kw = dict(mesh=mesh, cluster=cluster, memory_budget=memory_budget, static_argnums=static_argnums,
               donate_argnums=donate_argnums, plan=plan, hints=hints, solver_time_limit=solver_time_limit,
-              tie_layers=tie_layers)
+              tie_layers=tie_layers, num_microbatches=num_microbatches, pipeline=pipeline)
     if fun is None:
         return lambda f: Parallelized(f, **kw)
     return Parallelized(fun, **kw)

@@ -142,7 +142,10 @@ def _solve_core(
     log(f"greedy: cost {state.total_cost():.6g}, feasible {feasible}")
     if large:
         now = time.perf_counter()
-        cand = penalty_search(red, rows, now + 0.3 * max(deadline - now, 0.0), seed, log)
+        # Window MILPs are what improve a large core; a small core with big edge
+        # matrices (a planner's) gains more from a finer penalty search.
+        share = 0.3 if red.num_core > _FULL_MILP_NODES else 1.0
+        cand = penalty_search(red, rows, now + share * max(deadline - now, 0.0), seed, log)
         if cand is not None and cand.total_cost() < state.total_cost():
             state = cand
         feasible = state.overflow() <= 0
@@ -159,7 +162,8 @@ def _solve_core(
                 state, feasible = cand, True
             if res.status == "optimal":
                 return state.choice, True
-    if feasible and deadline - time.perf_counter() > _MARGIN:
+    windows_help = red.num_core > _FULL_MILP_NODES or not big
+    if feasible and windows_help and deadline - time.perf_counter() > _MARGIN:
         search = WindowSearch(state, seed)
         hot = None
         if large:

@@ -1,0 +1,128 @@
+"""Layer clustering: cut the forward pass into ``L`` layers of balanced flops and little traffic.
+
+Alpa (§5.2) clusters the forward ops into layers with a DP over contiguous op ranges. Here the
+forward ops are taken in program order; the traffic of a cut is the bytes of forward values made
+before it and read after it. Among the cuts whose every layer stays within ``(1 + δ)`` of the mean
+flops, the DP picks the cheapest in total traffic; δ grows until a cut exists.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from autoshard.capture import Op
+from autoshard.pipeline.boundary import BOUNDARY
+
+BALANCE_TOLERANCES = (0.02, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, math.inf)
+MAX_CANDIDATES = 400
+
+
+def _size(aval) -> float:
+    return float(math.prod(getattr(aval, "shape", ())))
+
+
+def op_flops(op: Op, avals) -> float:
+    """Flops of one op (a matmul: 2 · output · contraction; others: one per output element)."""
+    out = sum(_size(avals[v]) for v in op.outputs)
+    if op.name == "dot_general":
+        (lc, _), _ = op.params["dimension_numbers"]
+        lhs = avals[op.inputs[0]] if isinstance(op.inputs[0], int) else None
+        k = math.prod(lhs.shape[d] for d in lc) if lhs is not None else 1
+        return 2.0 * out * k
+    if op.name == "conv_general_dilated":
+        rhs = avals[op.inputs[1]] if isinstance(op.inputs[1], int) else None
+        return 2.0 * out * (math.prod(rhs.shape) / max(rhs.shape[0], 1) if rhs is not None else 1)
+    if op.body is not None:
+        inner = sum(op_flops(o, avals) for o in op.body.ops)
+        return inner * int(op.params.get("length", 1))
+    return out
+
+
+def _nbytes(aval) -> float:
+    return _size(aval) * np.dtype(aval.dtype).itemsize
+
+
+def cut_traffic(ops: list[Op], avals) -> np.ndarray:
+    """``t[i]``: bytes of values made by ``ops[:i]`` and read by ``ops[i:]`` (``len(ops) + 1`` entries)."""
+    n = len(ops)
+    made = {v: i for i, op in enumerate(ops) for v in op.outputs}
+    last = {}
+    for i, op in enumerate(ops):
+        for x in op.inputs:
+            if isinstance(x, int) and x in made:
+                last[x] = i
+    diff = np.zeros(n + 2)
+    for v, j in last.items():
+        i = made[v]
+        if j > i:  # live over cuts i+1 .. j
+            diff[i + 1] += _nbytes(avals[v])
+            diff[j + 1] -= _nbytes(avals[v])
+    return np.cumsum(diff)[: n + 1]
+
+
+def boundary_layers(ops: list[Op]) -> list[int] | None:
+    """Cut indices (into ``ops``) at each run of ``pipeline_boundary`` ops, or None if there are none."""
+    cuts, prev = [], False
+    for i, op in enumerate(ops):
+        is_b = op.name == BOUNDARY
+        if is_b and not prev:
+            cuts.append(i)
+        prev = is_b
+    return cuts or None
+
+
+def cluster_layers(ops: list[Op], avals, num_layers: int) -> list[int]:
+    """Cut ``ops`` (the forward pass, in order) into ``num_layers`` contiguous layers.
+
+    Returns:
+      the ``num_layers - 1`` cut indices: layer ``l`` is ``ops[cuts[l-1]:cuts[l]]``.
+    """
+    n = len(ops)
+    L = max(1, min(num_layers, n))
+    if L == 1:
+        return []
+    flops = np.array([op_flops(op, avals) for op in ops])
+    prefix = np.concatenate([[0.0], np.cumsum(flops)])
+    traffic = cut_traffic(ops, avals)
+    cand = np.arange(1, n)
+    if len(cand) > MAX_CANDIDATES:
+        # Keep the cheapest cuts near every flops quantile, so a balanced cut is always reachable.
+        keep = set()
+        for q in np.linspace(0, prefix[-1], MAX_CANDIDATES // 4 + 2)[1:-1]:
+            centre = int(np.searchsorted(prefix, q))
+            lo, hi = max(1, centre - 2 * n // MAX_CANDIDATES), min(n - 1, centre + 2 * n // MAX_CANDIDATES)
+            window = np.arange(lo, hi + 1)
+            keep.update(window[np.argsort(traffic[window], kind="stable")[:4]].tolist())
+        cand = np.array(sorted(keep))
+    points = np.concatenate([[0], cand, [n]])
+    mean = prefix[-1] / L
+    for tol in BALANCE_TOLERANCES:
+        cuts = _dp(points, prefix, traffic, L, mean * (1 + tol) if math.isfinite(tol) else math.inf)
+        if cuts is not None:
+            return cuts
+    return [round(i * n / L) for i in range(1, L)]
+
+
+def _dp(points, prefix, traffic, L, cap):
+    P = len(points)
+    seg = prefix[points][None, :] - prefix[points][:, None]       # seg[i, j]: flops of points[i]..points[j]
+    ok = (seg <= cap) & (np.arange(P)[None, :] > np.arange(P)[:, None])
+    cost = np.full(P, np.inf)
+    cost[0] = 0.0
+    back = np.zeros((L + 1, P), dtype=int)
+    for layer in range(1, L + 1):
+        trans = np.where(ok, cost[:, None], np.inf)               # from i to j
+        best_i = np.argmin(trans, axis=0)
+        new = trans[best_i, np.arange(P)] + np.where(np.arange(P) < P - 1, traffic[points], 0.0)
+        back[layer] = best_i
+        cost = new
+    if not np.isfinite(cost[P - 1]):
+        return None
+    cuts, j = [], P - 1
+    for layer in range(L, 0, -1):
+        j = back[layer][j]
+        cuts.append(int(points[j]))
+    cuts = sorted(cuts)[1:]
+    return cuts if len(cuts) == L - 1 else None

@@ -1,0 +1,75 @@
+"""``PipelineOptions``: how to cut a step into pipeline stages and run them."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from autoshard.errors import InputError
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    """Options of inter-operator (pipeline) parallelism.
+
+    Attributes:
+      num_stages: an int, or ``"auto"``: the stage DP picks the count that minimises the
+        pipeline latency. Ignored when the step calls :func:`autoshard.pipeline_boundary`
+        (the boundaries fix the cut).
+      layers: how many layers the forward pass is clustered into before stages are formed
+        (Alpa's layer clustering); ``"auto"`` picks a few per stage.
+      schedule: ``"1f1b"`` (PipeDream-flush: at most ``num_stages - s`` microbatches alive on
+        stage ``s``) or ``"gpipe"`` (all forwards, then all backwards).
+      submeshes: one logical mesh shape per stage, e.g. ``[(2, 2), (2, 2)]``; devices are handed
+        out in order. Their sizes must add up to the mesh. None: the stage DP chooses.
+      batch_argnums: positional arguments holding the batch (split on axis 0). None: every
+        argument whose leaves are not returned updated (the state is; the batch is not).
+      stage_cost: ``"planner"`` (each distinct layer planned on each candidate sub-mesh) or
+        ``"estimate"`` (flops and data-parallel gradient all-reduce only, much faster).
+      solver_time_limit: seconds the intra-op solver may spend on each stage candidate.
+
+    Example:
+      >>> import autoshard
+      >>> autoshard.PipelineOptions(num_stages=2, schedule="gpipe").schedule
+      'gpipe'
+    """
+
+    num_stages: int | str = "auto"
+    layers: int | str = "auto"
+    schedule: str = "1f1b"
+    submeshes: tuple | None = None
+    batch_argnums: tuple | None = None
+    stage_cost: str = "planner"
+    solver_time_limit: float = 2.0
+
+    def __post_init__(self):
+        problems = []
+        if self.schedule not in SCHEDULES:
+            problems.append(f"schedule={self.schedule!r}; expected one of {SCHEDULES}")
+        if not (self.num_stages == "auto" or (isinstance(self.num_stages, int) and self.num_stages >= 1)):
+            problems.append(f"num_stages={self.num_stages!r}; expected a positive int or 'auto'")
+        if not (self.layers == "auto" or (isinstance(self.layers, int) and self.layers >= 1)):
+            problems.append(f"layers={self.layers!r}; expected a positive int or 'auto'")
+        if self.stage_cost not in ("planner", "estimate"):
+            problems.append(f"stage_cost={self.stage_cost!r}; expected 'planner' or 'estimate'")
+        if self.submeshes is not None:
+            try:
+                shapes = tuple(tuple(int(d) for d in s) for s in self.submeshes)
+            except TypeError:
+                shapes = None
+            if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+                problems.append(f"submeshes={self.submeshes!r}; expected 2-D shapes like [(2, 2), (2, 2)]")
+            else:
+                object.__setattr__(self, "submeshes", shapes)
+                if isinstance(self.num_stages, int) and self.num_stages != len(shapes):
+                    problems.append(f"num_stages={self.num_stages} but {len(shapes)} submeshes were given")
+        if self.batch_argnums is not None:
+            b = self.batch_argnums
+            object.__setattr__(self, "batch_argnums", (b,) if isinstance(b, int) else tuple(b))
+        if problems:
+            raise InputError("invalid PipelineOptions: " + "; ".join(problems))
+
+    def submesh_sizes(self) -> tuple[int, ...] | None:
+        return None if self.submeshes is None else tuple(math.prod(s) for s in self.submeshes)

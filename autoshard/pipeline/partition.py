@@ -1,0 +1,196 @@
+"""Split an analysed step into tasks: per stage a forward, a backward and update waves.
+
+``partition(analysis, fwd_stage, S)`` gives every top-level op of the step one or more tasks:
+
+* ``("F", s)``: stage ``s``'s forward, once per microbatch. Forward ops are the
+  per-example ops the returned loss/metrics depend on; ``fwd_stage(pos)`` cuts them.
+* ``("B", s)``: stage ``s``'s backward, once per microbatch. A backward op runs on the lowest
+  stage among its staged inputs: the stage whose forward made its residuals (mirroring the cut),
+  so cotangents only ever flow to lower stages.
+* ``("R", s, w)``: the update, once per step. An update op runs where its largest input lives
+  (a parameter's gradient: its owner stage); ``w`` (the wave) grows whenever a value crosses
+  stages, so the update tasks form a DAG even with a global gradient norm.
+
+Ops that depend only on the state (and literals) are *replicable*: every task that needs one
+recomputes it, so no cross-stage dependency is made for a cast or a broadcast constant. With one
+stage, all per-example ops form one task ``("F", 0)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from autoshard.capture import Op
+from autoshard.errors import InputError
+from autoshard.pipeline.accumulate import StepAnalysis
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Task:
+    """A straight-line piece of the step that runs as one jitted program on one stage.
+
+    Attributes:
+      key: ``("F", s)``, ``("B", s)`` or ``("R", s, wave)``.
+      ops: the ops, in program order.
+      invars: values it reads from outside (other tasks, step inputs, constants).
+      outvars: values other tasks or the step's outputs read.
+      frontier: the outvars that are per-microbatch partial sums (accumulated).
+    """
+
+    key: tuple
+    ops: tuple[Op, ...]
+    invars: tuple[int, ...]
+    outvars: tuple[int, ...]
+    frontier: tuple[int, ...] = ()
+
+    @property
+    def stage(self) -> int:
+        return self.key[1]
+
+    @property
+    def phase(self) -> str:
+        return self.key[0]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Partition:
+    """Tasks of a step and where each value comes from."""
+
+    num_stages: int
+    tasks: dict                      # key -> Task
+    producer_task: dict              # value id -> key of the (non-replicated) task producing it
+    forward: frozenset               # top-level positions of forward ops
+    op_tasks: tuple                  # position -> tuple of task keys
+
+    def micro_tasks(self, stage: int) -> tuple[Task, ...]:
+        return tuple(self.tasks[k] for k in (("F", stage), ("B", stage)) if k in self.tasks)
+
+    def update_tasks(self) -> list[Task]:
+        return sorted((t for t in self.tasks.values() if t.phase == "R"), key=lambda t: (t.key[2], t.key[1]))
+
+
+def forward_positions(analysis: StepAnalysis) -> frozenset:
+    """Per-example (non-replicable) ops that a returned metric depends on: the forward pass."""
+    full = analysis.full
+    wanted = {full.graph.outvars[j] for j in analysis.metric_outputs if isinstance(full.graph.outvars[j], int)}
+    forward = set()
+    for p in range(len(full.graph.ops) - 1, -1, -1):
+        op = full.graph.ops[p]
+        if not any(v in wanted for v in op.outputs):
+            continue
+        if analysis.region[p] == "M":
+            forward.add(p)
+        wanted.update(x for x in op.inputs if isinstance(x, int))
+    return frozenset(p for p in forward if _staged(analysis, p))
+
+
+def _staged(analysis: StepAnalysis, p: int) -> bool:
+    """Runs in exactly one task: an update op, or a per-example op that reads batch data."""
+    op = analysis.full.graph.ops[p]
+    if analysis.region[p] == "R":
+        return True
+    return analysis.region[p] == "M" and any(isinstance(x, int) and x in analysis.dependent for x in op.inputs)
+
+
+def _nbytes(aval) -> float:
+    return float(np.prod(getattr(aval, "shape", ()), dtype=float) * np.dtype(aval.dtype).itemsize)
+
+
+def partition(analysis: StepAnalysis, fwd_stage: Callable[[int], int], num_stages: int) -> Partition:
+    """Assign every op to tasks (see the module docstring)."""
+    full = analysis.full
+    ops = full.graph.ops
+    S = num_stages
+    forward = forward_positions(analysis) if S > 1 else frozenset()
+    if S > 1 and not forward:
+        raise InputError(
+            "cannot find the forward pass of the step: it returns nothing that depends on the batch except "
+            "the new state. Pipelining runs each stage's forward before its backward, and autoshard tells them "
+            "apart by what the returned loss depends on. Fix: return the loss, e.g. `return new_state, "
+            "{'loss': loss}`.")
+    stage_of: dict[int, int] = {}      # value -> stage (non-replicated producers only)
+    wave_of: dict[int, int] = {}
+    op_task: dict[int, tuple] = {}
+    pos_of = {op.index: p for p, op in enumerate(ops)}
+
+    def users(v):
+        return [pos_of[i] for i, _ in full.uses.get(v, ()) if i in pos_of]
+
+    for p, op in enumerate(ops):
+        if not _staged(analysis, p):
+            continue
+        region = analysis.region[p]
+        staged_in = [x for x in op.inputs if isinstance(x, int) and x in stage_of]
+        if region == "M":
+            if S == 1:
+                s, phase = 0, "F"
+            elif p in forward:
+                s, phase = fwd_stage(p), "F"
+                if staged_in and min(stage_of[x] for x in staged_in) > s:
+                    raise InputError(f"internal: forward op {p} reads a later stage")
+            else:
+                phase = "B"
+                s = min((stage_of[x] for x in staged_in), default=S - 1)
+            key = (phase, s)
+        else:  # R
+            if staged_in:
+                biggest = max(_nbytes(full.avals[x]) for x in staged_in)
+                s = min(stage_of[x] for x in staged_in if _nbytes(full.avals[x]) == biggest)
+            else:
+                s = 0
+            w = max((wave_of.get(x, 0) + (stage_of[x] != s) for x in staged_in), default=0)
+            key = ("R", s, w)
+        op_task[p] = key
+        for v in op.outputs:
+            stage_of[v] = key[1]
+            if key[0] == "R":
+                wave_of[v] = key[2]
+    # Replicable ops go into every task that reads them (reverse pass over consumers).
+    out_key = ("R", 0, 0)
+    outputs = {v for v in full.graph.outvars if isinstance(v, int)}
+    task_sets: dict[int, set] = {p: {k} for p, k in op_task.items()}
+    for p in range(len(ops) - 1, -1, -1):
+        if p in op_task:
+            continue
+        op = ops[p]
+        keys = set()
+        for v in op.outputs:
+            for q in users(v):
+                keys |= task_sets.get(q, set())
+            if v in outputs:
+                keys.add(out_key)
+        task_sets[p] = keys
+    # Gather ops per task, in program order.
+    members: dict[tuple, list[int]] = {}
+    for p in range(len(ops)):
+        for key in task_sets.get(p, ()):
+            members.setdefault(key, []).append(p)
+    producer_task = {v: op_task[p] for p in op_task for v in ops[p].outputs}
+    frontier = set(analysis.frontier)
+    tasks = {}
+    for key, positions in members.items():
+        produced = {v for p in positions for v in ops[p].outputs}
+        task_ops = tuple(analysis.op(p) for p in positions)
+        invars = []
+        for op in task_ops:
+            for x in op.inputs:
+                if isinstance(x, int) and x not in produced and x not in invars:
+                    invars.append(x)
+        outvars = []
+        for p in positions:
+            if p not in op_task:
+                if key == out_key:  # replicable values the step returns
+                    outvars += [v for v in ops[p].outputs if v in outputs]
+                    producer_task.update({v: key for v in ops[p].outputs if v in outputs})
+                continue
+            for v in ops[p].outputs:
+                used_elsewhere = any(task_sets.get(q, set()) - {key} for q in users(v))
+                if used_elsewhere or v in outputs:
+                    outvars.append(v)
+        tasks[key] = Task(key, task_ops, tuple(invars), tuple(outvars),
+                          tuple(v for v in outvars if v in frontier))
+    return Partition(S, tasks, producer_task, forward, tuple(tuple(sorted(task_sets.get(p, ()))) for p in range(len(ops))))
+

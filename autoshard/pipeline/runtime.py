@@ -1,0 +1,231 @@
+"""Run a partitioned step: one jitted program per task on its stage's sub-mesh.
+
+Values move between sub-meshes with ``jax.device_put`` onto the receiving stage's sharding (its
+intra-op plan's layout for that value, else replicated). A forward task returns the residuals its
+backward needs, so nothing is recomputed. Frontier values (weight gradients, the summed loss)
+are accumulated inside the task that makes them: the task takes the running sum and returns it
+plus its partial, donating the old buffer. Everything is dispatched from one Python loop in the
+schedule's order; jax's async dispatch overlaps the stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from autoshard.capture import OpGraph
+from autoshard.lower import _Evaluator
+from autoshard.pipeline.partition import Partition, Task
+from autoshard.pipeline.schedule import dispatch_order, stage_orders
+from autoshard.spec import MeshInfo
+
+
+@dataclasses.dataclass
+class _Store:
+    """Where each value currently lives: value -> {stage: array}."""
+
+    arrays: dict = dataclasses.field(default_factory=dict)
+
+    def get(self, v, stage):
+        return self.arrays.get(v, {}).get(stage)
+
+    def any(self, v):
+        d = self.arrays.get(v)
+        return next(iter(d.values())) if d else None
+
+    def put(self, v, stage, x):
+        self.arrays.setdefault(v, {})[stage] = x
+
+
+class PipelineExecutable:
+    """Jitted tasks plus the dispatch loop for one argument structure."""
+
+    def __init__(self, analysis, part: Partition, meshes, plans, schedule: str, out_ties: dict):
+        self.analysis = analysis
+        self.part = part
+        self.meshes = list(meshes)
+        self.plans = list(plans)
+        self.k = analysis.num_microbatches
+        self.schedule = schedule
+        S = part.num_stages
+        self.orders = stage_orders(S, self.k, schedule)
+        self._devsets = [frozenset(m.devices.flat) for m in self.meshes]
+        self._evals = []
+        for s, mesh in enumerate(self.meshes):
+            plan = self.plans[s]
+            vs = {} if plan is None else plan.value_specs
+            os_ = {} if plan is None else plan.operand_specs
+            self._evals.append(_Evaluator(analysis.micro, vs, os_, mesh, MeshInfo.from_mesh(mesh)))
+        full = analysis.full
+        self.batch_values = {full.graph.invars[p]: p for p in analysis.batch_inputs}
+        self.invar_pos = {v: i for i, v in enumerate(full.graph.invars)}
+        # Outputs that are the next state keep the layout their input has on that stage.
+        self._out_spec = {}
+        for j, i in out_ties.items():
+            v_out, v_in = full.graph.outvars[j], full.graph.invars[i]
+            if isinstance(v_out, int):
+                self._out_spec[v_out] = v_in
+        self._jits: dict = {}
+        present = set(part.tasks)
+
+        def deps(ev):
+            ph, s, m = ev
+            out = set()
+            for v in part.tasks[(ph, s)].invars:
+                key = part.producer_task.get(v)
+                if key is not None and key[0] != "R" and key != (ph, s):
+                    out.add((key[0], key[1], m))
+            return sorted(out)
+
+        self.deps = deps
+        self.events = dispatch_order(self.orders, deps, lambda ev: (ev[0], ev[1]) in present)
+
+    # ---- jitted tasks --------------------------------------------------------------------------------
+    def _task_fn(self, task: Task, accumulate: bool):
+        ev = self._evals[task.stage]
+        graph = OpGraph(task.invars, task.ops, task.outvars)
+        n = len(task.invars)
+        frontier = {v: i for i, v in enumerate(task.frontier)}
+        out_spec = {}
+        if task.phase == "R":
+            for v in task.outvars:
+                src = self._out_spec.get(v)
+                if src is not None and ev.value_specs.get(src) is not None:
+                    out_spec[v] = ev.value_specs[src]
+
+        def fn(*args):
+            env = {v: ev.constrain(x, ev.value_specs.get(v)) for v, x in zip(task.invars, args[:n], strict=True)}
+            outs = ev.run(graph, env)
+            if accumulate:
+                accs = args[n:]
+                outs = [o + accs[frontier[v]] if v in frontier else o for v, o in zip(task.outvars, outs,
+                                                                                        strict=True)]
+            return [ev.constrain(o, out_spec.get(v)) for v, o in zip(task.outvars, outs, strict=True)]
+
+        donate = tuple(range(n, n + len(task.frontier))) if accumulate else ()
+        return jax.jit(fn, donate_argnums=donate)
+
+    def jitted(self, key, accumulate=False):
+        hit = self._jits.get((key, accumulate))
+        if hit is None:
+            hit = self._jits[(key, accumulate)] = self._task_fn(self.part.tasks[key], accumulate)
+        return hit
+
+    # ---- placement ----------------------------------------------------------------------------------
+    def sharding(self, v, stage) -> NamedSharding:
+        spec = None if self.plans[stage] is None else self.plans[stage].value_specs.get(v)
+        mesh = self.meshes[stage]
+        if spec is None or len(spec.dims) != np.ndim(self.analysis.avals[v]):
+            return NamedSharding(mesh, PartitionSpec())
+        return NamedSharding(mesh, spec.to_partition_spec(MeshInfo.from_mesh(mesh)))
+
+    def _place(self, x, v, stage):
+        target = self.sharding(v, stage)
+        if isinstance(x, jax.Array) and x.sharding.device_set == self._devsets[stage]:
+            # Same devices: keep it unless the layout differs (a new layout would recompile the task).
+            if x.sharding.is_equivalent_to(target, x.ndim):
+                return x
+        return jax.device_put(x, target)
+
+    def _fetch(self, v, stage, m, flat, step: _Store, micro: list[_Store], acc: dict):
+        if m is not None:
+            if v in self.batch_values:
+                x = micro[m].get(v, stage)
+                if x is None:
+                    b = self.analysis.avals[v].shape[0]
+                    x = self._place(flat[self.batch_values[v]][m * b:(m + 1) * b], v, stage)
+                    micro[m].put(v, stage, x)
+                return x
+            x = micro[m].get(v, stage)
+            if x is not None:
+                return x
+            src = micro[m].any(v)
+            if src is not None:
+                x = self._place(src, v, stage)
+                micro[m].put(v, stage, x)
+                return x
+        x = step.get(v, stage)
+        if x is not None:
+            return x
+        src = step.any(v)
+        if src is None:
+            if v in acc:
+                src = acc[v]
+            elif v in self.invar_pos:
+                src = flat[self.invar_pos[v]]
+            else:
+                consts = self.analysis.micro.consts if m is not None else self.analysis.full.consts
+                src = consts[v]
+        x = self._place(src, v, stage)
+        step.put(v, stage, x)
+        return x
+
+    # ---- one step -----------------------------------------------------------------------------------
+    def run(self, flat, trace: list | None = None):
+        """Run the step on flat arguments; ``trace`` collects ``(event, t_dispatch, outputs)``."""
+        step, micro, acc = _Store(), [_Store() for _ in range(self.k)], {}
+        per_mb_out: dict = {}
+        full = self.analysis.full
+        batched_outputs = {v for v in full.graph.outvars if isinstance(v, int) and v in self.analysis.batched}
+
+        def launch(key, m):
+            task = self.part.tasks[key]
+            s = task.stage
+            ins = [self._fetch(v, s, m, flat, step, micro, acc) for v in task.invars]
+            have_acc = bool(task.frontier) and all(v in acc for v in task.frontier)
+            args = ins + ([acc[v] for v in task.frontier] if have_acc else [])
+            t0 = time.perf_counter()
+            outs = self.jitted(key, have_acc)(*args)
+            if trace is not None:
+                trace.append(((key[0], s, m) if m is not None else key, t0, outs))
+            frontier = set(task.frontier)
+            for v, o in zip(task.outvars, outs, strict=True):
+                if v in frontier:
+                    acc[v] = o
+                elif m is not None:
+                    micro[m].put(v, s, o)
+                    if v in batched_outputs:
+                        per_mb_out.setdefault(v, [None] * self.k)[m] = o
+                else:
+                    step.put(v, s, o)
+
+        for ph, s, m in self.events:
+            launch((ph, s), m)
+        for task in self.part.update_tasks():
+            launch(task.key, None)
+        outs = []
+        for v in full.graph.outvars:
+            if not isinstance(v, int):
+                outs.append(jnp.asarray(v.value))
+            elif v in per_mb_out:
+                outs.append(jnp.concatenate(per_mb_out[v], axis=self.analysis.batch_axis[v]))
+            elif v in acc:
+                outs.append(acc[v])
+            elif step.any(v) is not None:
+                outs.append(step.any(v))
+            elif v in self.invar_pos:
+                outs.append(flat[self.invar_pos[v]])
+            else:
+                outs.append(full.consts[v])
+        return outs
+
+    def compiled_tasks(self, flat) -> dict[Any, Any]:
+        """``jax.stages.Compiled`` of each microbatch task (its first-microbatch variant), by key."""
+        trace: list = []
+        out = {}
+        self.run(flat, trace=trace)
+        seen = set()
+        for ev, _, _ in trace:
+            key = ev[:2] if len(ev) == 3 else ev
+            if key in seen:
+                continue
+            seen.add(key)
+        for key in seen:
+            out[key] = None
+        return out

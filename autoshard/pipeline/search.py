@@ -1,0 +1,281 @@
+"""Inter-operator search: layer cut, stage DP, sub-meshes and each stage's intra-op plan.
+
+``plan_stages`` turns a :class:`StepAnalysis` into a :class:`Partition`, one mesh and one intra-op
+plan per stage, and the :class:`PipelinePlan` report:
+
+1. forward ops -> layers (``pipeline_boundary`` runs, or :func:`cluster_layers`);
+2. each distinct layer (same ops and shapes: repeated blocks are planned once) is planned on every
+   sub-mesh option, giving per-layer time, memory and residual bytes;
+3. :func:`assign_stages` (or, with fixed ``submeshes``, a scan over the layer cuts) picks stages;
+4. the final stages are planned with :func:`autoshard.api.plan_program` on their sub-meshes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import math
+import time
+
+import numpy as np
+
+from autoshard.capture import CapturedProgram, OpGraph
+from autoshard.cluster import make_mesh
+from autoshard.errors import InputError, MeshError
+from autoshard.pipeline.accumulate import StepAnalysis
+from autoshard.pipeline.cluster_layers import boundary_layers, cluster_layers, op_flops
+from autoshard.pipeline.options import PipelineOptions
+from autoshard.pipeline.partition import Partition, forward_positions, partition
+from autoshard.pipeline.plan import PipelinePlan, StagePlan
+from autoshard.pipeline.schedule import chain_deps, max_in_flight, simulate, stage_orders
+from autoshard.pipeline.stage_dp import StageProblem, assign_stages
+from autoshard.pipeline.submesh import SubmeshOption, allocate, check_submeshes, physical_grid, submesh_options
+
+AXES = ("data", "model")
+
+
+def stage_program(analysis: StepAnalysis, part: Partition, stage: int) -> CapturedProgram:
+    """One microbatch's forward + backward of ``stage`` as a program the intra-op planner takes."""
+    tasks = part.micro_tasks(stage)
+    ops, produced, invars = [], set(), []
+    for t in tasks:
+        for op in t.ops:
+            if any(v in produced for v in op.outputs):  # a replicable op in both tasks
+                continue
+            ops.append(op)
+            produced.update(op.outputs)
+    for op in ops:
+        for x in op.inputs:
+            if isinstance(x, int) and x not in produced and x not in invars:
+                invars.append(x)
+    internal = set()
+    if len(tasks) == 2:
+        f, b = tasks
+        others = [t for k, t in part.tasks.items() if k not in (f.key, b.key)]
+        read_elsewhere = {v for t in others for v in t.invars}
+        outs = set(analysis.full.graph.outvars)
+        internal = {v for v in f.outvars if v in b.invars and v not in read_elsewhere and v not in outs}
+    outvars = [v for t in tasks for v in t.outvars if v not in internal]
+    full = analysis.full
+    pos = {v: i for i, v in enumerate(full.graph.invars)}
+    paths = tuple(full.in_paths[pos[v]] if v in pos else f"<value {v}>" for v in invars)
+    producer, uses = {}, {}
+    for op in ops:
+        for k, v in enumerate(op.outputs):
+            producer[v] = (op.index, k)
+        for k, x in enumerate(op.inputs):
+            if isinstance(x, int):
+                uses.setdefault(x, []).append((op.index, k))
+    return CapturedProgram(graph=OpGraph(tuple(invars), tuple(ops), tuple(dict.fromkeys(outvars))),
+                           avals=analysis.micro.avals, ops=analysis.micro.ops, in_tree=None, out_tree=None,
+                           in_paths=paths, out_paths=tuple(f"<value {v}>" for v in dict.fromkeys(outvars)),
+                           consts={}, producer=producer, uses=uses)
+
+
+def residual_bytes(analysis: StepAnalysis, part: Partition, stage: int) -> float:
+    """Bytes one microbatch's forward of ``stage`` keeps for its backward."""
+    tasks = {t.phase: t for t in part.micro_tasks(stage)}
+    if "F" not in tasks or "B" not in tasks:
+        return 0.0
+    b_in = set(tasks["B"].invars)
+    return float(sum(_nbytes(analysis.avals[v]) for v in tasks["F"].outvars if v in b_in))
+
+
+def _nbytes(aval) -> float:
+    return float(math.prod(getattr(aval, "shape", ())) * np.dtype(aval.dtype).itemsize)
+
+
+def _fingerprint(program: CapturedProgram) -> str:
+    h = hashlib.sha256()
+    for op in program.graph.ops:
+        h.update(op.name.encode())
+        h.update(str([program.avals[v] for v in op.outputs]).encode())
+        h.update(str(sorted((k, str(v)) for k, v in op.params.items() if k != "jaxpr")).encode())
+    for v in program.graph.invars:
+        h.update(str(program.avals[v]).encode())
+    return h.hexdigest()
+
+
+def cluster_for(cluster, option: SubmeshOption, grid_shape):
+    """The sub-mesh's per-axis links: within a row (host), the row's; across rows, the slower axis."""
+    c = cluster.for_mesh(grid_shape if len(grid_shape) == 2 else (1, grid_shape[0]))
+    bw, lat = c.bandwidth, c.latency
+    inner = (bw[-1], lat[-1])
+    outer = (bw[0], lat[0]) if option.physical[0] > 1 else inner
+    return dataclasses.replace(c, bandwidth=(outer[0], inner[0]), latency=(outer[1], inner[1]))
+
+
+@dataclasses.dataclass
+class _LayerCost:
+    time: float
+    memory: float
+    activation: float
+
+
+class _CostTable:
+    """Per-layer, per-option costs, planned once per distinct layer program."""
+
+    def __init__(self, analysis, part, cluster, grid_shape, options: PipelineOptions, memory_budget):
+        self.analysis, self.part, self.cluster = analysis, part, cluster
+        self.grid_shape, self.options, self.memory_budget = grid_shape, options, memory_budget
+        self.cache: dict = {}
+        self.plans_made = 0
+
+    def cost(self, layer: int, option: SubmeshOption) -> _LayerCost:
+        prog = stage_program(self.analysis, self.part, layer)
+        key = (_fingerprint(prog), option)
+        hit = self.cache.get(key)
+        if hit is not None:
+            return hit
+        n = option.size
+        act = residual_bytes(self.analysis, self.part, layer) / n
+        sub_cluster = cluster_for(self.cluster, option, self.grid_shape)
+        if self.options.stage_cost == "estimate" or not prog.graph.ops:
+            flops = sum(op_flops(op, self.analysis.avals) for op in prog.graph.ops)
+            params = sum(_nbytes(self.analysis.avals[v]) for v in prog.graph.invars
+                         if v in set(self.analysis.full.graph.invars) and v not in self.analysis.dependent)
+            d = option.logical[0]
+            allreduce = 0.0 if d == 1 else 2 * (d - 1) / d * params / min(sub_cluster.bandwidth)
+            hit = _LayerCost(flops / (n * sub_cluster.flops) + allreduce, params * 4 / n + act, act)
+        else:
+            from autoshard.api import plan_program
+            mesh = make_mesh(option.logical, AXES)
+            try:
+                plan = plan_program(prog, mesh=mesh, cluster=sub_cluster, time_limit=self.options.solver_time_limit)
+                self.plans_made += 1
+                hit = _LayerCost(plan.cost.total_seconds, plan.cost.peak_memory_bytes, act)
+            except Exception:  # an infeasible layer on this option
+                hit = _LayerCost(math.inf, math.inf, act)
+        self.cache[key] = hit
+        return hit
+
+
+def _layer_bounds(analysis, options: PipelineOptions, num_devices: int):
+    fwd = sorted(forward_positions(analysis))
+    fops = [analysis.op(p) for p in fwd]
+    if not fops:
+        raise InputError("the step has no forward pass to pipeline (nothing the loss depends on reads the batch)")
+    manual = boundary_layers(fops)
+    if manual is not None:
+        cuts = manual
+        if isinstance(options.num_stages, int) and options.num_stages != len(cuts) + 1:
+            raise InputError(f"num_stages={options.num_stages}, but the step's pipeline_boundary calls make "
+                             f"{len(cuts) + 1} stages. Fix: drop num_stages or match it.")
+    else:
+        S = options.num_stages
+        if options.layers == "auto":
+            L = min(len(fops), 8 if S == "auto" else max(S, min(16, 2 * S)))
+        else:
+            L = options.layers
+        if isinstance(S, int) and S > L:
+            raise InputError(
+                f"num_stages={S} is more than the {L} layers the forward pass is cut into"
+                + (f" (layers={options.layers})" if options.layers != "auto" else f" (it has {len(fops)} ops)")
+                + f": every stage needs at least one layer. Fix: num_stages <= {L}, or layers >= {S}.")
+        if L > len(fops):
+            raise InputError(f"layers={L} is more than the {len(fops)} ops of the forward pass")
+        cuts = cluster_layers(fops, analysis.avals, L)
+    bounds = [0, *cuts, len(fops)]
+    layer_of = {}
+    for layer in range(len(bounds) - 1):
+        for i in range(bounds[layer], bounds[layer + 1]):
+            layer_of[fwd[i]] = layer
+    flops = tuple(float(sum(op_flops(fops[i], analysis.avals) for i in range(bounds[j], bounds[j + 1])))
+                  for j in range(len(bounds) - 1))
+    return layer_of, flops, manual is not None
+
+
+def plan_stages(analysis: StepAnalysis, mesh, cluster, options: PipelineOptions, memory_budget=None):
+    """Search the pipeline; returns ``(partition, meshes, plans, PipelinePlan)``."""
+    from autoshard.api import plan_program
+
+    t0 = time.perf_counter()
+    k = analysis.num_microbatches
+    grid = physical_grid(mesh)
+    N = grid.size
+    if isinstance(options.num_stages, int) and options.num_stages > N:
+        raise InputError(f"num_stages={options.num_stages} is more than the {N} devices of the mesh")
+    if options.submeshes is not None:
+        check_submeshes(grid.shape, options.submeshes)
+    layer_of, layer_flops, manual = _layer_bounds(analysis, options, N)
+    L = len(layer_flops)
+    part_layers = partition(analysis, lambda p: layer_of[p], L)
+    table = _CostTable(analysis, part_layers, cluster, grid.shape, options, memory_budget)
+    limit = math.inf if memory_budget is None else float(memory_budget)
+    S_fixed = (L if manual else (options.num_stages if isinstance(options.num_stages, int) else None))
+    if options.submeshes is not None:
+        opts = [SubmeshOption((1, math.prod(s)) if math.prod(s) <= grid.shape[1] else
+                              (math.prod(s) // grid.shape[1], grid.shape[1]), tuple(s)) for s in options.submeshes]
+        S = len(opts)
+        if S > L:
+            raise InputError(f"{S} submeshes (stages) but only {L} layers; every stage needs at least one layer")
+        costs = [[table.cost(layer, o) for o in opts] for layer in range(L)]
+        best = None
+        cut_choices = [tuple(range(1, L))] if manual and S == L else itertools.combinations(range(1, L), S - 1)
+        for cuts in cut_choices:
+            b = (0, *cuts, L)
+            ts = [sum(costs[layer][s].time for layer in range(b[s], b[s + 1])) for s in range(S)]
+            t = sum(ts) + (k - 1) * max(ts)
+            if best is None or t < best[0]:
+                best = (t, b)
+        bounds = best[1]
+        stages = [(bounds[s], bounds[s + 1], s) for s in range(S)]
+        chosen = opts
+        devices = []
+        flat = grid.reshape(-1)
+        off = 0
+        for o in opts:
+            devices.append(flat[off:off + o.size])
+            off += o.size
+    else:
+        opts = [o for o in submesh_options(grid.shape) if o.size <= N]
+        M = len(opts)
+        T = np.full((L, L + 1, M), np.inf)
+        W = np.zeros((L, L + 1, M))
+        A = np.zeros((L, L + 1, M))
+        per = [[table.cost(layer, o) for o in opts] for layer in range(L)]
+        for i in range(L):
+            for m in range(M):
+                tt = ww = aa = 0.0
+                for j in range(i + 1, L + 1):
+                    c = per[j - 1][m]
+                    tt, ww, aa = tt + c.time, ww + c.memory - c.activation, aa + c.activation
+                    T[i, j, m], W[i, j, m], A[i, j, m] = tt, ww, aa
+        problem = StageProblem(T, tuple(o.size for o in opts), N, k, W, A, limit, S_fixed)
+        sol = assign_stages(problem)
+        if sol is None:
+            raise MeshError(f"no pipeline of {L} layers fits the {N}-device mesh"
+                            + (f" within memory_budget={memory_budget:.4g} bytes" if memory_budget else ""))
+        stages = list(sol.stages)
+        chosen = [opts[m] for _, _, m in stages]
+        devices = [d.reshape(-1) for d in allocate(grid, [o.physical for o in chosen])]
+    search_s = time.perf_counter() - t0
+    S = len(stages)
+    stage_of_layer = {layer: s for s, (i, j, _) in enumerate(stages) for layer in range(i, j)}
+    part = partition(analysis, lambda p: stage_of_layer[layer_of[p]], S)
+    meshes, plans, stage_plans = [], [], []
+    orders = stage_orders(S, k, options.schedule)
+    for s in range(S):
+        o = chosen[s]
+        m_ = make_mesh(o.logical, AXES, devices=list(devices[s]))
+        prog = stage_program(analysis, part, s)
+        plan = plan_program(prog, mesh=m_, cluster=cluster_for(cluster, o, grid.shape),
+                            time_limit=options.solver_time_limit) if prog.graph.ops else None
+        act = residual_bytes(analysis, part, s) / o.size
+        live = max_in_flight(orders[s])
+        t = plan.cost.total_seconds if plan is not None else 0.0
+        mem = (plan.cost.peak_memory_bytes if plan is not None else 0.0) + max(0, live - 1) * act
+        meshes.append(m_)
+        plans.append(plan)
+        stage_plans.append(StagePlan(s, tuple(int(d.id) for d in devices[s]), o.logical, stages[s][:2], plan, t,
+                                     mem, act, live))
+    times = [sp.time_s for sp in stage_plans]
+    sim = simulate(orders, [t / 3 for t in times], [2 * t / 3 for t in times], chain_deps(S))
+    pplan = PipelinePlan(
+        stages=tuple(stage_plans), schedule=options.schedule, num_microbatches=k, layer_flops=layer_flops,
+        step_time_s=float(sum(times) + (k - 1) * max(times)), simulated_step_s=sim.makespan,
+        bubble_fraction=sim.bubble_fraction,
+        stats={"search_s": search_s, "total_s": time.perf_counter() - t0, "layer_plans": table.plans_made,
+               "num_layers": L, "manual_cut": manual})
+    return part, meshes, plans, pplan

@@ -1,0 +1,82 @@
+"""Gradient accumulation without a pipeline: microbatched steps equal the unsplit step."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autoshard
+from autoshard.errors import InputError
+from benchmarks.models import get_model, gpt
+from benchmarks.models.gpt import GPTConfig
+from tests.helpers import assert_trees_close, mesh
+
+SMALL_GPT = GPTConfig(vocab_size=64, seq_len=8, hidden=32, num_layers=4, num_heads=2)
+
+
+def _check(spec, k, mesh_name="2x4", steps=2):
+    state = spec.init_state(jax.random.key(0))
+    batch = spec.make_batch(jax.random.key(1))
+    ref = jax.jit(spec.train_step)
+    step = autoshard.parallelize(spec.train_step, mesh=mesh(mesh_name), num_microbatches=k, solver_time_limit=1.0)
+    ref_state, out_state = state, state
+    for _ in range(steps):
+        ref_state, ref_metrics = ref(ref_state, batch)
+        out_state, metrics = step(out_state, batch)
+        np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
+    assert_trees_close(out_state["params"], ref_state["params"], rtol=1e-5, atol=5e-5, what="params")
+    return step, state, batch
+
+
+@pytest.mark.parametrize("k", [4, 8])
+def test_mlp_accumulation_equals_full_batch(k):
+    _check(get_model("mlp", "tiny", batch_size=16), k)
+
+
+def test_gpt_accumulation_equals_full_batch():
+    step, state, batch = _check(gpt.build(SMALL_GPT, 8), 4)
+    plan = step.plan(state, batch)
+    assert plan.num_stages == 1 and plan.num_microbatches == 4
+
+
+def test_sum_loss_and_batched_output():
+    """A sum (not mean) loss and a per-example output: partial sums add up, per-example values concatenate."""
+
+    def step(w, batch):
+        pred = jnp.tanh(batch["x"] @ w)
+        loss, g = jax.value_and_grad(lambda w: jnp.sum((jnp.tanh(batch["x"] @ w) - batch["y"]) ** 2))(w)
+        return w - 0.1 * g, {"loss": loss, "pred": pred}
+
+    w = jax.random.normal(jax.random.key(0), (4, 3))
+    batch = {"x": jax.random.normal(jax.random.key(1), (8, 4)), "y": jnp.ones((8, 3))}
+    ref_w, ref_m = jax.jit(step)(w, batch)
+    out_w, m = autoshard.parallelize(step, mesh=mesh("8"), num_microbatches=4, solver_time_limit=1.0)(w, batch)
+    np.testing.assert_allclose(out_w, ref_w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(m["loss"], ref_m["loss"], rtol=1e-5)
+    np.testing.assert_allclose(m["pred"], ref_m["pred"], rtol=1e-5, atol=1e-6)
+
+
+def test_batch_not_divisible():
+    spec = get_model("mlp", "tiny", batch_size=12)
+    step = autoshard.parallelize(spec.train_step, mesh=mesh("8"), num_microbatches=8)
+    with pytest.raises(InputError, match=r"batch size 12 .* not divisible by num_microbatches=8"):
+        step.plan(spec.abstract_state(), spec.abstract_batch())
+
+
+def test_max_over_batch_is_rejected():
+    def step(w, x):
+        g = jax.grad(lambda w: jnp.max(x @ w))(w)
+        return w - g, {"loss": jnp.max(x @ w)}
+
+    p = autoshard.parallelize(step, mesh=mesh("8"), num_microbatches=2)
+    with pytest.raises(InputError, match=r"`reduce_max` .* not a sum"):
+        p.plan(jnp.ones((4, 2)), jnp.ones((8, 4)))
+
+
+def test_batchnorm_statistics_are_rejected():
+    spec = get_model("convnet", "tiny", batch_size=8)
+    step = autoshard.parallelize(spec.train_step, mesh=mesh("8"), num_microbatches=2)
+    with pytest.raises(InputError, match=r"feeds back into per-example values"):
+        step.plan(spec.abstract_state(), spec.abstract_batch())

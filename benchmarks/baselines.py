@@ -7,6 +7,9 @@ rules; ``compile_baseline`` compiles the step with them from abstract shapes.
 - ``zero2``: like data parallel, but optimizer state split over every device.
 - ``fsdp``: parameters and optimizer state split over every device (ZeRO-3).
 - ``megatron``: Megatron-LM tensor parallelism on one mesh axis, data parallelism on the other.
+
+``MEGATRON_RULES_BY_FAMILY`` extends the GPT rules to MoE experts and Wide-ResNet channels, and
+``tensor_parallel_meshes`` lists the 2-D factorizations a Megatron sweep tries.
 """
 
 from __future__ import annotations
@@ -28,6 +31,40 @@ MEGATRON_RULES = (
     (r"mlp.*proj.*kernel", lambda tp: P(tp, None)),
     (r"wte.*embedding", lambda tp: P(tp, None)),
 )
+
+
+# GShard MoE: the GPT rules, plus each expert's FFN split Megatron-style (wi by columns, wo by rows),
+# as DeepSpeed-MoE / Megatron-LM do without expert parallelism.
+MEGATRON_MOE_RULES = MEGATRON_RULES + (
+    (r"moe.*wi", lambda tp: P(None, None, tp)),
+    (r"moe.*wo", lambda tp: P(None, tp, None)),
+)
+
+# Wide-ResNet: in every bottleneck the wide 3x3 conv is split by output channels and the following 1x1
+# conv by input channels (one all-reduce per block, like a Megatron MLP); the BatchNorm between them
+# (parameters and running statistics) is split with its channels.
+MEGATRON_WRESNET_RULES = (
+    (r"conv2.*kernel", lambda tp: P(None, None, None, tp)),
+    (r"bn2.*(scale|bias|mean|var)", lambda tp: P(tp)),
+    (r"conv3.*kernel", lambda tp: P(None, None, tp, None)),
+)
+
+MEGATRON_RULES_BY_FAMILY = {
+    "gpt": MEGATRON_RULES,
+    "gpt_scan": MEGATRON_RULES,
+    "moe": MEGATRON_MOE_RULES,
+    "moe_layer": MEGATRON_MOE_RULES,
+    "wresnet": MEGATRON_WRESNET_RULES,
+}
+
+
+def tensor_parallel_meshes(num_devices: int, *, min_dp: int = 1) -> list[tuple[int, int]]:
+    """The ``(dp, tp)`` factorizations of ``num_devices`` with ``tp >= 2`` and ``dp`` a multiple of ``min_dp``.
+
+    ``min_dp`` keeps the tensor-parallel axis inside a node: on 2 nodes, ``min_dp=2``.
+    """
+    return [(num_devices // tp, tp) for tp in range(2, num_devices + 1)
+            if num_devices % tp == 0 and (num_devices // tp) % min_dp == 0]
 
 
 def _path(p) -> str:
@@ -101,11 +138,26 @@ def megatron(state, batch, mesh, *, tp_axis="model", dp_axis="data", rules=MEGAT
 METHODS = {"data_parallel": data_parallel, "zero2": zero2, "fsdp": fsdp, "megatron": megatron}
 
 
-def compile_baseline(train_step, state, batch, mesh, method: str):
-    """Compile ``train_step`` with a baseline's shardings from abstract shapes; returns the Compiled."""
-    st_sh, b_sh = METHODS[method](state, batch, mesh)
+def jit_baseline(train_step, state, batch, mesh, method: str, *, donate: bool = False, **method_kwargs):
+    """``(jitted step, state shardings, batch shardings)`` for a baseline; ``method_kwargs`` go to the method."""
+    st_sh, b_sh = METHODS[method](state, batch, mesh, **method_kwargs)
+    jitted = jax.jit(train_step, in_shardings=(st_sh, b_sh), out_shardings=(st_sh, None),
+                     donate_argnums=(0,) if donate else ())
+    return jitted, st_sh, b_sh
+
+
+def lower_baseline(train_step, state, batch, mesh, method: str, *, donate: bool = False, **method_kwargs):
+    """Lower ``train_step`` with a baseline's shardings from abstract shapes; returns the Lowered."""
+    jitted, st_sh, b_sh = jit_baseline(train_step, state, batch, mesh, method, donate=donate, **method_kwargs)
     abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, st_sh)
     abatch = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), batch, b_sh)
-    out_state_sh = st_sh
-    jitted = jax.jit(train_step, in_shardings=(st_sh, b_sh), out_shardings=(out_state_sh, None))
-    return jitted.lower(abstract, abatch).compile()
+    return jitted.lower(abstract, abatch)
+
+
+def compile_baseline(train_step, state, batch, mesh, method: str, *, donate: bool = False, **method_kwargs):
+    """Compile ``train_step`` with a baseline's shardings from abstract shapes; returns the Compiled.
+
+    ``donate=True`` donates the state, as a training loop does; ``method_kwargs`` go to the method
+    (e.g. ``rules=MEGATRON_MOE_RULES`` for ``megatron``).
+    """
+    return lower_baseline(train_step, state, batch, mesh, method, donate=donate, **method_kwargs).compile()

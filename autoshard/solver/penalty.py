@@ -69,9 +69,12 @@ def penalised_choice(
 
 
 def penalty_search(
-    red: Reduction, rows: MemoryRows, deadline: float, seed: int, log
+    red: Reduction, rows: MemoryRows, deadline: float, seed: int, log, give_up: float | None = None
 ) -> CoreState | None:
     """The cheapest memory-feasible penalised choice found before ``deadline``, or None.
+
+    While no penalty has given a feasible choice, the search goes on until
+    ``give_up`` (when later than ``deadline``).
 
     ``red`` should be :func:`soften`-ed: the returned state may still use priced
     forbidden pairs, which the window search then removes.
@@ -80,6 +83,7 @@ def penalty_search(
     cost_scale = np.median([np.abs(c[np.isfinite(c)]).mean() + 1.0 for c in red.node_costs])
     base = cost_scale / max(usage_scale, 1e-30)
     best: CoreState | None = None
+    give_up = deadline if give_up is None else give_up
     lo, hi = None, None  # largest infeasible lam, smallest feasible lam (log2 scale)
 
     last = 0.0  # seconds the last attempt took: no attempt starts that cannot finish
@@ -104,14 +108,16 @@ def penalty_search(
         return ok
 
     def time_left() -> bool:
-        return time.perf_counter() + 0.8 * last < deadline
+        # until something fits, searching on beats handing back an infeasible start
+        until = deadline if best is not None else max(deadline, give_up)
+        return time.perf_counter() + 0.8 * last < until
 
     e = _node_only_exponent(red, rows, base)
     if not small:
         # the guess ignores edges, which favour large replicated strategies; on
         # the contest problems it fell short by 4 to 40 doublings
         e = max(e, 0.0)
-    step = 2.0
+    step = 2.0 if small else 4.0
     while time_left():
         if attempt(e):
             hi = e

@@ -145,7 +145,8 @@ def _solve_core(
         # Window MILPs are what improve a large core; a small core with big edge
         # matrices (a planner's) gains more from a finer penalty search.
         share = 0.3 if red.num_core > _FULL_MILP_NODES else 1.0
-        cand = penalty_search(red, rows, now + share * max(deadline - now, 0.0), seed, log)
+        rest = max(deadline - now, 0.0)
+        cand = penalty_search(red, rows, now + share * rest, seed, log, give_up=now + 0.8 * rest)
         if cand is not None and cand.total_cost() < state.total_cost():
             state = cand
         feasible = state.overflow() <= 0

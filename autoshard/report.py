@@ -19,7 +19,9 @@ needs rich, :func:`visualize` needs matplotlib.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import html
+import io
 import math
 import re
 from collections.abc import Callable
@@ -215,7 +217,6 @@ def _html_leaves(rows: list[LeafRow], max_rows: int | None) -> str:
 def rich_summary(plan, *, max_rows: int = 40, width: int = 110, color: bool | None = None,
                  budget: float | None = None) -> str:
     """The plan as rich tables, rendered to a string (ANSI colours when ``color``; default: a terminal)."""
-    import io
     import sys
 
     from rich.console import Console
@@ -296,11 +297,10 @@ def rich_renderables(plan, *, max_rows: int = 40, budget: float | None = None) -
 def plan_figure(plan, *, budget: float | None = None, top: int = 12):
     """A ``matplotlib.figure.Figure`` with three panels: time per step, memory per device, largest leaves.
 
-    Made without pyplot, so it touches no global matplotlib state.
+    Made without pyplot, so it touches no global matplotlib state; it still shows itself in a
+    notebook (as a PNG).
     """
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(17, 4.2), layout="constrained")
+    fig = _figure_class()(figsize=(17, 4.2), layout="constrained")
     ax_time, ax_mem, ax_role, ax_leaf = fig.subplots(1, 4, width_ratios=(1.1, 0.7, 1.0, 1.6))
     rows = leaf_rows(plan)
     _plot_time(ax_time, plan)
@@ -333,6 +333,21 @@ def visualize(plan, path=None, *, budget: float | None = None, dpi: int = 100):
     if path is not None:
         fig.savefig(path, dpi=dpi, format="png", facecolor="white")
     return fig
+
+
+@functools.cache
+def _figure_class():
+    from matplotlib.figure import Figure
+
+    class PlanFigure(Figure):
+        """A Figure that IPython displays as a PNG even when pyplot was never imported."""
+
+        def _repr_png_(self) -> bytes:
+            buf = io.BytesIO()
+            self.savefig(buf, format="png", dpi=100, facecolor="white")
+            return buf.getvalue()
+
+    return PlanFigure
 
 
 def _plot_time(ax, plan) -> None:

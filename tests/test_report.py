@@ -102,6 +102,7 @@ def test_visualize_writes_a_png_that_is_not_blank(plan, tmp_path):
     path = tmp_path / "plan.png"
     fig = autoshard.visualize(plan, path, dpi=60)
     assert len(fig.axes) == 4
+    assert fig._repr_png_().startswith(b"\x89PNG\r\n\x1a\n")  # shows itself in a notebook without pyplot
     with Image.open(path) as im:
         assert im.format == "PNG"
         assert im.size == (17 * 60, round(4.2 * 60))

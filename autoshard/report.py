@@ -40,6 +40,15 @@ COLORS = {
     "activations": "#8c8c8c",
     "budget": "#c44e52",
 }
+PART_COLORS = {
+    "arguments": "#4c72b0",
+    "parameters": "#4c72b0",
+    "optimizer state": "#64b5cd",
+    "inputs": "#55a868",
+    "outputs": "#ccb974",
+    "intermediates": "#8c8c8c",
+    "activations and temporaries": "#8c8c8c",
+}
 ROLES = ("parameter", "optimizer state", "model state", "input", "other")
 
 
@@ -100,16 +109,25 @@ def time_breakdown(plan) -> dict[str, float]:
     return out
 
 
-def memory_breakdown(plan, budget: float | None = None) -> dict[str, float | None]:
-    """Per-device bytes: ``peak`` (predicted), ``arguments`` (state + inputs), ``budget`` (or None).
+def memory_breakdown(plan, budget: float | None = None) -> dict:
+    """Per-device bytes: ``peak`` (predicted), ``arguments`` (state + inputs), ``budget`` (or None),
+    and ``parts``: what makes up the peak.
 
-    ``budget`` defaults to ``plan.stats["memory_budget"]`` when planning recorded one.
+    ``parts`` is the plan's own breakdown at the peak (``plan.memory.breakdown``: parameters,
+    optimizer state, inputs, outputs, intermediates) when planning recorded one; otherwise the
+    arguments and the rest of the peak. ``budget`` defaults to ``plan.stats["memory_budget"]``.
     """
-    args = sum(r[4] for r in plan.parameter_table())
+    args = float(sum(r[4] for r in plan.parameter_table()))
+    peak = float(plan.cost.peak_memory_bytes)
     if budget is None:
         budget = plan.stats.get("memory_budget") if isinstance(plan.stats, dict) else None
-    return {"peak": float(plan.cost.peak_memory_bytes), "arguments": float(args),
-            "budget": None if budget is None else float(budget)}
+    estimate = getattr(plan, "memory", None)
+    breakdown = getattr(estimate, "breakdown", None)
+    if breakdown:
+        parts = {k.replace("_", " "): float(v) for k, v in breakdown.items() if v}
+    else:
+        parts = {"arguments": min(args, peak), "activations and temporaries": max(peak - args, 0.0)}
+    return {"peak": peak, "arguments": args, "budget": None if budget is None else float(budget), "parts": parts}
 
 
 def collective_rows(plan) -> list[tuple[str, str, int, float]]:
@@ -174,17 +192,29 @@ def _html_time(plan) -> str:
 
 
 def _html_memory(mem: dict) -> str:
-    peak, args, budget = mem["peak"], mem["arguments"], mem["budget"]
-    scale = max(peak, args, budget or 0.0) or 1.0
+    peak, budget = mem["peak"], mem["budget"]
+    scale = max(peak, mem["arguments"], budget or 0.0) or 1.0
     rows = [f"<tr><td>predicted peak</td><td style='text-align: right'>{_fmt_bytes(peak)}</td>"
-            f"<td>{_bar(peak / scale, COLORS['activations'], 'peak')}</td></tr>",
-            f"<tr><td>arguments (state + inputs)</td><td style='text-align: right'>{_fmt_bytes(args)}</td>"
-            f"<td>{_bar(args / scale, COLORS['arguments'], 'arguments')}</td></tr>"]
+            f"<td>{_stacked(mem['parts'], scale)}</td></tr>"]
+    rows += [f"<tr><td style='padding-left: 1.5em'>{html.escape(k)}</td><td style='text-align: right'>"
+             f"{_fmt_bytes(v)}</td><td>{_bar(v / scale, _part_color(k), k)}</td></tr>" for k, v in mem["parts"].items()]
     if budget is not None:
         rows.append(f"<tr><td>budget</td><td style='text-align: right'>{_fmt_bytes(budget)}</td>"
                     f"<td>{_bar(budget / scale, COLORS['budget'], 'budget')}</td></tr>")
     note = "" if budget is not None else "<div style='color: #666'>memory budget: not given</div>"
     return f"<h4 style='margin: 0.8em 0 0.2em'>Memory per device</h4><table>{''.join(rows)}</table>{note}"
+
+
+def _stacked(parts: dict, scale: float) -> str:
+    segments = "".join(
+        f'<div style="background: {_part_color(k)}; width: {max(0.0, min(1.0, v / scale)) * 100:.2f}%; '
+        f'height: 100%; display: inline-block" title="{html.escape(k)}"></div>' for k, v in parts.items())
+    return ('<div style="background: #eee; width: 24em; height: 1em; display: inline-block; vertical-align: '
+            f'middle; white-space: nowrap; overflow: hidden">{segments}</div>')
+
+
+def _part_color(part: str) -> str:
+    return PART_COLORS.get(part, COLORS["activations"])
 
 
 def _html_collectives(plan) -> str:
@@ -262,7 +292,8 @@ def rich_renderables(plan, *, max_rows: int = 40, budget: float | None = None) -
     m.add_column("")
     m.add_column("bytes", justify="right")
     m.add_row("predicted peak", _fmt_bytes(mem["peak"]))
-    m.add_row("arguments", _fmt_bytes(mem["arguments"]))
+    for part, nbytes in mem["parts"].items():
+        m.add_row(f"  {part}", _fmt_bytes(nbytes))
     m.add_row("budget", "not given" if mem["budget"] is None else _fmt_bytes(mem["budget"]))
     out.append(m)
 
@@ -364,20 +395,20 @@ def _plot_time(ax, plan) -> None:
 
 
 def _plot_memory(ax, mem: dict) -> None:
-    peak, args, budget = mem["peak"], mem["arguments"], mem["budget"]
-    unit, scale = _unit(max(peak, args, budget or 0.0))
-    rest = max(peak - args, 0.0)
-    ax.bar([0], [min(args, peak) / scale], color=COLORS["arguments"], label="arguments")
-    ax.bar([0], [rest / scale], bottom=[min(args, peak) / scale], color=COLORS["activations"],
-           label="activations and temporaries")
+    peak, budget = mem["peak"], mem["budget"]
+    unit, scale = _unit(max(peak, budget or 0.0))
+    bottom = 0.0
+    for part, nbytes in mem["parts"].items():
+        ax.bar([0], [nbytes / scale], bottom=[bottom], color=_part_color(part), label=part)
+        bottom += nbytes / scale
     if budget is not None:
         ax.axhline(budget / scale, color=COLORS["budget"], linestyle="--", label=f"budget {_fmt_bytes(budget)}")
     ax.set_xticks([0], ["peak per device"])
     ax.set_xlim(-1, 1)
     ax.set_ylabel(unit)
-    ax.set_ylim(0, max(peak, budget or 0.0) / scale * 1.4 or 1)
+    ax.set_ylim(0, max(peak, budget or 0.0) / scale * 1.6 or 1)
     ax.set_title("memory" + ("" if budget is not None else " (budget not given)"), fontsize=10)
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=7, loc="upper right")
 
 
 def _plot_roles(ax, rows: list[LeafRow]) -> None:

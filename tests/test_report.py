@@ -69,6 +69,7 @@ def test_memory_breakdown_budget_is_optional(plan):
     assert mem["peak"] == plan.cost.peak_memory_bytes
     assert mem["arguments"] == sum(r[4] for r in plan.parameter_table())
     assert mem["budget"] is None
+    assert math.isclose(sum(mem["parts"].values()), mem["peak"], rel_tol=1e-6)  # the parts make up the peak
     assert report.memory_breakdown(plan, budget=2**30)["budget"] == 2**30
 
 
@@ -131,3 +132,63 @@ def test_progress_callback_kinds(capsys):
     for i, stage in enumerate(["capture", "strategies", "solve"], 1):
         cb(stage, i, 3)
     assert cb._bar is None  # closed at done == total
+
+
+# ---- python -m autoshard explain ---------------------------------------------------------------------
+
+_STEP_FILE = '''
+import jax
+import jax.numpy as jnp
+import autoshard
+
+
+def train_step(params, x):
+    loss, grads = jax.value_and_grad(lambda p: jnp.mean(jnp.tanh(x @ p["w"]) ** 2))(params)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+
+def example_args():
+    return {"w": jax.ShapeDtypeStruct((64, 256), jnp.float32)}, jax.ShapeDtypeStruct((32, 64), jnp.float32)
+
+
+@autoshard.parallelize(mesh=autoshard.make_mesh((8,), ("data",)))
+def pinned_step(params, x):
+    return train_step(params, x)
+
+
+def no_args_step(x):
+    return x
+'''
+
+
+def test_explain_cli_prints_and_writes_the_plan(tmp_path, capsys):
+    from autoshard.__main__ import main
+
+    src = tmp_path / "steps.py"
+    src.write_text(_STEP_FILE.replace("def no_args_step", "def no_args_step_unused"))
+    rc = main(["explain", f"{src}:train_step", "--devices", "8", "--mesh", "2,4", "--cluster", "cpu-sim",
+               "--no-rich", "--html", str(tmp_path / "p.html"), "--json", str(tmp_path / "p.json")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "autoshard plan on mesh {'data': 2, 'model': 4}" in out and "[0]['w']" in out
+    assert 'class="autoshard-plan"' in (tmp_path / "p.html").read_text()
+    assert autoshard.Plan.from_json((tmp_path / "p.json").read_text()).mesh_info.shape == (2, 4)
+
+    assert main(["explain", f"{src}:pinned_step", "--no-rich"]) == 0  # a Parallelized keeps its own mesh
+    assert "{'data': 8}" in capsys.readouterr().out
+
+
+def test_explain_cli_says_what_is_missing(tmp_path, capsys):
+    from autoshard.__main__ import main
+
+    src = tmp_path / "steps.py"
+    src.write_text(_STEP_FILE.replace("def example_args", "def other_args"))
+    assert main(["explain", f"{src}:train_step"]) == 2
+    assert "def train_step_example_args():" in capsys.readouterr().err
+    assert main(["explain", f"{src}:nope"]) == 2
+    assert "defines no function 'nope'" in capsys.readouterr().err
+    assert main(["explain", str(tmp_path / "missing.py:train_step")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    src.write_text(_STEP_FILE)
+    assert main(["explain", f"{src}:pinned_step", "--mesh", "2,4"]) == 2
+    assert "already parallelized" in capsys.readouterr().err

@@ -89,7 +89,7 @@ def _ties(dyn_args, out_shape) -> dict[int, int]:
     return ties
 
 
-TIE_LAYERS_ABOVE = 600
+TIE_LAYERS_ABOVE = 300
 """Merged-graph size above which ``tie_layers="auto"`` ties repeated layers."""
 
 
@@ -379,6 +379,7 @@ def plan_program(program, *, mesh=None, cluster=None, memory_budget=None, hints=
 def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings,
                   tie_layers="auto"):
     from autoshard.cost import CostModel
+    from autoshard.memory import estimate_memory
     from autoshard.plan import Plan, PlanCost
     from autoshard.planner import build_problem, decode, enumerate_strategies, merge_followers, tie_repeated_layers
     from autoshard.solver import solve
@@ -425,8 +426,8 @@ def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, t
             out_specs.append(ShardingSpec(((),) * np.ndim(v.value)))
     del node_of_input
     comm_bytes = sum(c.bytes * k for c, k in dec.collectives)
-    pcost = PlanCost(dec.compute_seconds, dec.comm_seconds, comm_bytes, built.problem.peak_memory(sol.choice),
-                     float(sol.cost))
+    memory = estimate_memory(program, dec.value_specs, info, donated=donated, out_specs=out_specs, ties=ties)
+    pcost = PlanCost(dec.compute_seconds, dec.comm_seconds, comm_bytes, memory.peak_bytes, float(sol.cost))
     stats = {"timings": dict(timings), "nodes": built.problem.num_nodes, "edges": built.problem.num_edges,
              "graph_nodes": len(sgraph.nodes), "eqns": program.num_eqns, "solver": dict(sol.stats),
              "optimal": sol.optimal}
@@ -444,6 +445,7 @@ def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, t
         fingerprint=program.fingerprint(),
         stats=stats,
         warnings=sgraph.unsupported,
+        memory=memory,
     )
 
 

@@ -86,6 +86,7 @@ class Plan:
       fingerprint: identifies the captured program the plan belongs to.
       stats: timings per pass and solver diagnostics.
       warnings: primitives that ran replicated for lack of a rule.
+      memory: the predicted :class:`~autoshard.memory.MemoryEstimate` (peak and its breakdown).
     """
 
     mesh: Any
@@ -103,6 +104,7 @@ class Plan:
     warnings: tuple[str, ...] = ()
     in_tree: Any = None
     out_tree: Any = None
+    memory: Any = None
 
     @property
     def mesh_info(self) -> MeshInfo:
@@ -186,6 +188,9 @@ class Plan:
             f"{c.communication_seconds * 1e3:.3f} ms ({_fmt_bytes(c.communication_bytes)}/device)",
             f"  predicted peak memory: {_fmt_bytes(c.peak_memory_bytes)}/device",
         ]
+        if self.memory is not None:
+            parts = ", ".join(f"{k.replace('_', ' ')} {_fmt_bytes(v)}" for k, v in self.memory.breakdown.items() if v)
+            lines[-1] += f" ({parts})"
         if self.stats.get("timings"):
             t = self.stats["timings"]
             lines.append("  planning: " + ", ".join(f"{k} {v:.2f}s" for k, v in t.items()))

@@ -8,7 +8,7 @@ import autoshard
 from autoshard.hlo import memory_stats
 from benchmarks.models import get_model
 
-CASES = [("mlp", "h1024", 32, ()), ("gpt", "tiny", 8, ()), ("gpt", "tiny", 64, (0,)), ("gpt_scan", "tiny", 8, ())]
+CASES = [("mlp", "h1024", 32, ()), ("gpt", "tiny", 64, (0,)), ("gpt_scan", "tiny", 8, ())]
 
 
 @pytest.mark.parametrize("family,config,batch,donate", CASES, ids=[f"{c[0]}-{c[2]}-d{len(c[3])}" for c in CASES])

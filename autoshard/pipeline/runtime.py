@@ -117,6 +117,16 @@ class PipelineExecutable:
             hit = self._jits[(key, accumulate)] = self._task_fn(self.part.tasks[key], accumulate)
         return hit
 
+    def _zeros(self, key):
+        hit = self._jits.get((key, "zeros"))
+        if hit is None:
+            task = self.part.tasks[key]
+            avals = [self.analysis.avals[v] for v in task.frontier]
+            shardings = [self.sharding(v, task.stage) for v in task.frontier]
+            hit = self._jits[(key, "zeros")] = jax.jit(
+                lambda: [jnp.zeros(a.shape, a.dtype) for a in avals], out_shardings=shardings)
+        return hit
+
     # ---- placement ----------------------------------------------------------------------------------
     def sharding(self, v, stage) -> NamedSharding:
         spec = None if self.plans[stage] is None else self.plans[stage].value_specs.get(v)
@@ -178,7 +188,10 @@ class PipelineExecutable:
             task = self.part.tasks[key]
             s = task.stage
             ins = [self._fetch(v, s, m, flat, step, micro, acc) for v in task.invars]
-            have_acc = bool(task.frontier) and all(v in acc for v in task.frontier)
+            have_acc = bool(task.frontier)
+            if have_acc and not all(v in acc for v in task.frontier):
+                # One compiled variant per task: the first microbatch adds its partials to zeros.
+                acc.update(zip(task.frontier, self._zeros(key)(), strict=True))
             args = ins + ([acc[v] for v in task.frontier] if have_acc else [])
             t0 = time.perf_counter()
             outs = self.jitted(key, have_acc)(*args)

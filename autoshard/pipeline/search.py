@@ -210,7 +210,10 @@ def plan_stages(analysis: StepAnalysis, mesh, cluster, options: PipelineOptions,
         S = len(opts)
         if S > L:
             raise InputError(f"{S} submeshes (stages) but only {L} layers; every stage needs at least one layer")
-        costs = [[table.cost(layer, o) for o in opts] for layer in range(L)]
+        if S == L:  # nothing to choose: skip planning the layers
+            costs = [[_LayerCost(0.0, 0.0, 0.0)] * S for _ in range(L)]
+        else:
+            costs = [[table.cost(layer, o) for o in opts] for layer in range(L)]
         best = None
         cut_choices = [tuple(range(1, L))] if manual and S == L else itertools.combinations(range(1, L), S - 1)
         for cuts in cut_choices:

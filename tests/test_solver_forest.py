@@ -90,10 +90,10 @@ def test_forest_ils_never_ends_above_its_start():
     assert best.total_cost() <= before and np.isfinite(best.total_cost())
 
 
-def _planner_like(seed: int, n: int = 700, s: int = 30) -> ShardingProblem:
+def _planner_like(seed: int, n: int = 400, s: int = 30) -> ShardingProblem:
     """Dense resharding-style costs on a layered graph, too big for one MILP."""
     rng = np.random.default_rng(seed)
-    edges = [(i, i + 1) for i in range(n - 1)] + [(i, i + 3) for i in range(0, n - 3, 2)]
+    edges = [(i, i + d) for d in (1, 2, 5) for i in range(n - d)]
     return ShardingProblem(
         node_costs=[rng.random(s) for _ in range(n)],
         edges=np.array(edges),
@@ -101,7 +101,7 @@ def _planner_like(seed: int, n: int = 700, s: int = 30) -> ShardingProblem:
     )
 
 
-@pytest.mark.parametrize("limit", [1.0, 2.0])
+@pytest.mark.parametrize("limit", [2.0, 3.0])
 def test_stops_within_the_time_limit(limit):
     p = _planner_like(0)
     t0 = time.perf_counter()

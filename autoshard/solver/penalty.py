@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from autoshard.solver.forest import ForestSearch, min_cost_choice
-from autoshard.solver.local import CoreState
+from autoshard.solver.local import CoreState, greedy
 from autoshard.solver.memory import MemoryRows
 from autoshard.solver.problem import ShardingProblem
 from autoshard.solver.reduce import Reduction, reduce_problem
@@ -62,9 +62,9 @@ def penalised_choice(
         return state.choice
     sub = ShardingProblem(node_costs=tuple(costs), edges=red.edges, edge_costs=red.edge_costs)
     sub_red = reduce_problem(sub, with_memory=False)
-    state = CoreState(sub_red, None, min_cost_choice(sub_red))
-    ForestSearch(state, seed).run(deadline, patience=FOREST_PATIENCE)
-    state.improve(deadline, np.random.default_rng(seed))
+    # Forest descents here left M and S (contest) without any fitting penalty in
+    # time; the greedy pass is what those runs were feasible with.
+    state = greedy(sub_red, None, deadline, seed)
     return sub_red.expand(state.choice, red.num_core)
 
 
@@ -112,11 +112,10 @@ def penalty_search(
         until = deadline if best is not None else max(deadline, give_up)
         return time.perf_counter() + 0.8 * last < until
 
-    e = _node_only_exponent(red, rows, base)
-    if not small:
-        # the guess ignores edges, which favour large replicated strategies; on
-        # the contest problems it fell short by 4 to 40 doublings
-        e = max(e, 0.0)
+    # The guess ignores edges, which favour large replicated strategies; on the
+    # contest problems it fell short by 4 to 40 doublings, so large cores start
+    # from the plain cost/usage scale as before.
+    e = _node_only_exponent(red, rows, base) if small else 0.0
     step = 2.0 if small else 4.0
     while time_left():
         if attempt(e):
@@ -129,7 +128,8 @@ def penalty_search(
             if hi is not None:
                 break
             e += step
-        step *= 2
+        if small:
+            step *= 2
     while lo is not None and hi is not None and hi - lo > 0.1 and time_left():
         mid = 0.5 * (lo + hi)
         if attempt(mid):

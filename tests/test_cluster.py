@@ -196,7 +196,7 @@ def test_make_mesh_is_auto():
 @pytest.mark.parametrize(
     "shape, names, match",
     [
-        ((2, 2), ("x", "y"), r"shape \(2, 2\) holds 4 devices but 8 devices were given"),
+        ((4, 4), ("x", "y"), r"shape \(4, 4\) holds 16 devices but 8 devices were given"),
         ((2, 4), ("x",), r"2 axes in shape \(2, 4\) but 1 names"),
         ((2, 4), ("x", "x"), r"axis names must be unique, \['x'\] repeat"),
     ],

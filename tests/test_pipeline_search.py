@@ -1,0 +1,139 @@
+"""Inter-operator search: the stage DP against brute force, balanced cuts, and bad-input errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autoshard
+from autoshard.errors import InputError, MeshError
+from autoshard.pipeline import StageProblem, assign_stages, brute_force
+from tests.helpers import mesh
+
+# 4x wider hidden layers between narrow ones: equal layer counts per stage would be unbalanced.
+UNBALANCED_DIMS = [128, 128, 512, 128, 128, 128, 512, 128, 128]
+
+
+def _unbalanced_params():
+    dims = UNBALANCED_DIMS
+    return [jax.random.normal(jax.random.key(i), (a, b)) / np.sqrt(a)
+            for i, (a, b) in enumerate(zip(dims[:-1], dims[1:], strict=True))]
+
+
+def _mlp_step(params, batch):
+    def loss_fn(params):
+        h = batch["x"]
+        for w in params:
+            h = jnp.tanh(h @ w)
+        return jnp.mean((h - batch["y"]) ** 2)
+
+    loss, g = jax.value_and_grad(loss_fn)(params)
+    return [w - 0.1 * gw for w, gw in zip(params, g, strict=True)], {"loss": loss}
+
+
+def _random_problem(rng, L, sizes, N, k, num_stages=None, with_memory=False):
+    M = len(sizes)
+    per = rng.uniform(0.5, 4.0, size=(L, M)) / np.array(sizes) ** rng.uniform(0.5, 1.0)
+    T = np.full((L, L + 1, M), np.inf)
+    W = np.zeros((L, L + 1, M))
+    A = np.zeros((L, L + 1, M))
+    w = rng.uniform(1, 3, size=(L, M))
+    a = rng.uniform(0.1, 1, size=(L, M))
+    for i in range(L):
+        for j in range(i + 1, L + 1):
+            T[i, j] = per[i:j].sum(0) * rng.uniform(1.0, 1.1)  # a little non-additive
+            W[i, j] = w[i:j].sum(0)
+            A[i, j] = a[i:j].sum(0)
+    limit = float(rng.uniform(3, 8)) if with_memory else np.inf
+    return StageProblem(T, tuple(sizes), N, k, W if with_memory else None, A if with_memory else None, limit,
+                        num_stages)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_stage_dp_equals_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    L = int(rng.integers(1, 6))
+    sizes, N = [(1, 2, 4), (1, 2, 4, 8), (1, 2)][seed % 3], [4, 8, 4][seed % 3]
+    k = int(rng.integers(1, 9))
+    fixed = int(rng.integers(1, L + 1)) if seed % 4 == 0 else None
+    problem = _random_problem(rng, L, sizes, N, k, fixed, with_memory=seed % 2 == 1)
+    dp, bf = assign_stages(problem), brute_force(problem)
+    assert (dp is None) == (bf is None)
+    if bf is not None:
+        assert dp.latency == pytest.approx(bf.latency, rel=1e-9)
+        assert sum(sizes[m] for _, _, m in dp.stages) == N
+
+
+def test_auto_search_balances_unbalanced_layers():
+    params = _unbalanced_params()
+    batch = {"x": jnp.ones((256, 128)), "y": jnp.zeros((256, 128))}
+    step = autoshard.parallelize(_mlp_step, mesh=mesh("2x4"), num_microbatches=8,
+                                 cluster=autoshard.cluster_preset("h100-2node-ib"),
+                                 pipeline=autoshard.PipelineOptions(num_stages="auto", solver_time_limit=0.5))
+    plan = step.plan(params, batch)
+    assert plan.num_stages >= 2
+    times = [s.time_s for s in plan.stages]
+    assert max(times) <= 1.25 * min(times), plan.summary()
+    # The cut follows flops, not layer counts: the stages hold different numbers of layers.
+    counts = [s.layers[1] - s.layers[0] for s in plan.stages]
+    assert len(set(counts)) > 1 or plan.num_stages * counts[0] != len(plan.layer_flops), plan.summary()
+    assert plan.stats["search_s"] < 60
+    assert "stage" in plan.summary()
+
+
+def test_more_stages_than_layers():
+    params = _unbalanced_params()
+    batch = {"x": jnp.ones((16, 128)), "y": jnp.zeros((16, 128))}
+    step = autoshard.parallelize(_mlp_step, mesh=mesh("2x4"), num_microbatches=2,
+                                 pipeline=autoshard.PipelineOptions(num_stages=4, layers=2))
+    with pytest.raises(InputError, match=r"num_stages=4 is more than the 2 layers"):
+        step.plan(params, batch)
+
+
+def test_submeshes_that_do_not_tile_the_mesh():
+    params = _unbalanced_params()
+    batch = {"x": jnp.ones((16, 128)), "y": jnp.zeros((16, 128))}
+    step = autoshard.parallelize(_mlp_step, mesh=mesh("2x4"), num_microbatches=2,
+                                 pipeline=autoshard.PipelineOptions(submeshes=[(2, 2), (1, 2)]))
+    with pytest.raises(MeshError, match=r"add up to 6 devices, but the mesh has 8"):
+        step.plan(params, batch)
+    step = autoshard.parallelize(_mlp_step, mesh=mesh("2x4"), num_microbatches=2,
+                                 pipeline=autoshard.PipelineOptions(submeshes=[(1, 3), (1, 5)]))
+    with pytest.raises(MeshError, match=r"neither a divisor of a row"):
+        step.plan(params, batch)
+
+
+def test_pipeline_batch_not_divisible():
+    params = _unbalanced_params()
+    batch = {"x": jnp.ones((10, 128)), "y": jnp.zeros((10, 128))}
+    step = autoshard.parallelize(_mlp_step, mesh=mesh("2x4"), num_microbatches=4,
+                                 pipeline=autoshard.PipelineOptions(num_stages=2))
+    with pytest.raises(InputError, match=r"batch size 10 .* not divisible by num_microbatches=4"):
+        step.plan(params, batch)
+
+
+def test_boundary_inside_scan():
+    def step(w, x):
+        def loss_fn(w):
+            def body(h, wi):
+                return autoshard.pipeline_boundary(jnp.tanh(h @ wi)), None
+
+            h, _ = jax.lax.scan(body, x, w)
+            return jnp.mean(h**2)
+
+        loss, g = jax.value_and_grad(loss_fn)(w)
+        return w - 0.1 * g, {"loss": loss}
+
+    p = autoshard.parallelize(step, mesh=mesh("2x4"), num_microbatches=2,
+                              pipeline=autoshard.PipelineOptions(num_stages=2))
+    with pytest.raises(InputError, match=r"pipeline_boundary is called inside a `scan` body"):
+        p.plan(jnp.ones((3, 4, 4)), jnp.ones((8, 4)))
+
+
+def test_options_are_validated():
+    with pytest.raises(InputError, match=r"schedule='zigzag'"):
+        autoshard.PipelineOptions(schedule="zigzag")
+    with pytest.raises(InputError, match=r"num_stages=3 but 2 submeshes"):
+        autoshard.PipelineOptions(num_stages=3, submeshes=[(1, 4), (1, 4)])

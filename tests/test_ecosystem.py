@@ -23,7 +23,10 @@ flax = pytest.importorskip("flax")
 
 
 def _batch(n=32, d_in=32, d_out=16):
-    return {"x": jax.random.normal(jax.random.key(1), (n, d_in)), "y": jax.random.normal(jax.random.key(2), (n, d_out))}
+    return {
+        "x": jax.random.normal(jax.random.key(1), (n, d_in)),
+        "y": jax.random.normal(jax.random.key(2), (n, d_out)),
+    }
 
 
 def _same(sharding, spec, *, ndim):
@@ -95,7 +98,9 @@ def _linen_setup(every_k=2):
 
     model = MLP()
     params = model.init(jax.random.key(0), jnp.ones((1, 32)))["params"]
-    tx = optax.MultiSteps(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)), every_k_schedule=every_k)
+    tx = optax.MultiSteps(
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)), every_k_schedule=every_k
+    )
     state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
     def train_step(state, batch):
@@ -171,8 +176,11 @@ def test_hint_pins_a_leaf_in_the_compiled_input_shardings():
     train_step, state = _linen_setup(every_k=1)
     batch = _batch()
     pinned = r"params\['Dense_1'\]\['kernel'\]"
-    step = autoshard.parallelize(train_step, mesh=make_test_mesh("2x4"),
-                                 hints={pinned: P("model", None), r"\[1\]\['x'\]": P(None, "data")})
+    step = autoshard.parallelize(
+        train_step,
+        mesh=make_test_mesh("2x4"),
+        hints={pinned: P("model", None), r"\[1\]\['x'\]": P(None, "data")},
+    )
     plan = step.plan(state, batch)
     compiled = step.lower(state, batch).compile()
     by_path = dict(zip(plan.in_paths, compiled.input_shardings[0], strict=True))
@@ -216,7 +224,9 @@ def test_apply_plan_places_host_arrays_and_annotates_abstract_leaves(dict_plan):
 def test_apply_plan_works_with_a_saved_plan(dict_plan):
     loaded = autoshard.Plan.from_json(dict_plan.to_json())
     assert loaded.in_tree is None  # matched by paths, not by treedef
-    placed = autoshard.apply_plan(loaded, {"w": np.ones((16, 32), np.float32), "b": np.ones((32,), np.float32)})
+    placed = autoshard.apply_plan(
+        loaded, {"w": np.ones((16, 32), np.float32), "b": np.ones((32,), np.float32)}
+    )
     assert placed["w"].sharding.spec == P(None, "model")
 
 

@@ -25,20 +25,28 @@ CELL_TIMEOUT_S = 300
 
 
 def _run(name: str, workdir: pathlib.Path, monkeypatch, **env) -> tuple[object, float]:
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    )
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                                     resources={"metadata": {"path": str(workdir)}})
+    client = nbclient.NotebookClient(
+        nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": str(workdir)}}
+    )
     t = time.perf_counter()
     client.execute()
     return nb, time.perf_counter() - t
 
 
 def _outputs(nb, output_type=None):
-    return [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
-            if output_type is None or o.output_type == output_type]
+    return [
+        o
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.outputs
+        if output_type is None or o.output_type == output_type
+    ]
 
 
 def _text(nb) -> str:
@@ -57,8 +65,11 @@ def test_notebook_is_stored_without_outputs(path):
         if cell.cell_type == "code":
             assert cell.outputs == [] and cell.execution_count is None, (
                 f"{path.name} cell {i} has outputs; strip them before committing "
-                "(jupyter nbconvert --clear-output --inplace notebooks/*.ipynb)")
-    assert "xla_force_host_platform_device_count=8" in nb.cells[1].source, "the first code cell sets 8 devices"
+                "(jupyter nbconvert --clear-output --inplace notebooks/*.ipynb)"
+            )
+    assert "xla_force_host_platform_device_count=8" in nb.cells[1].source, (
+        "the first code cell sets 8 devices"
+    )
 
 
 def test_01_quickstart(tmp_path, monkeypatch):
@@ -95,16 +106,28 @@ def test_04_benchmarks_makes_a_tiny_results_file(tmp_path, monkeypatch):
 def test_04_benchmarks_reads_benchmarks_run_rows(tmp_path, monkeypatch):
     # The shape `python -m benchmarks.run` writes: meta, rows with status, mesh lists, an OOM row.
     def row(model, method, preset, mesh, t, status="ok"):
-        return {"model": model, "method": method, "preset": preset, "mesh": mesh, "status": status,
-                "step_time_s": t if status == "ok" else None, "compute_s": t / 2 if t else None,
-                "communication_s": t / 2 if t else None, "peak_bytes": 1e9}
+        return {
+            "model": model,
+            "method": method,
+            "preset": preset,
+            "mesh": mesh,
+            "status": status,
+            "step_time_s": t if status == "ok" else None,
+            "compute_s": t / 2 if t else None,
+            "communication_s": t / 2 if t else None,
+            "peak_bytes": 1e9,
+        }
 
     rows = []
     for model in ("gpt-125M", "moe-380M"):
         for preset in ("h100-nvlink", "tpu-v5e"):
-            rows += [row(model, "data_parallel", preset, [8, 1], 0.30), row(model, "megatron", preset, [2, 4], 0.25),
-                     row(model, "megatron", preset, [4, 2], 0.20), row(model, "autoshard", preset, [2, 4], 0.18),
-                     row(model, "fsdp", preset, [8, 1], None, status="oom")]
+            rows += [
+                row(model, "data_parallel", preset, [8, 1], 0.30),
+                row(model, "megatron", preset, [2, 4], 0.25),
+                row(model, "megatron", preset, [4, 2], 0.20),
+                row(model, "autoshard", preset, [2, 4], 0.18),
+                row(model, "fsdp", preset, [8, 1], None, status="oom"),
+            ]
     results = tmp_path / "results.json"
     results.write_text(json.dumps({"meta": {"suite": "all", "devices": 8}, "rows": rows}))
     nb, seconds = _run("04_benchmarks.ipynb", tmp_path, monkeypatch, AUTOSHARD_RESULTS=str(results))

@@ -21,23 +21,31 @@ def _mlp(params, x):
 
 def _train_step(state, x):
     loss, grads = jax.value_and_grad(_mlp)(state["params"], x)
-    new = jax.tree.map(lambda p, g, m: (p - 0.1 * (0.9 * m + g), 0.9 * m + g), state["params"], grads,
-                       state["opt_state"]["momentum"])
+    new = jax.tree.map(
+        lambda p, g, m: (p - 0.1 * (0.9 * m + g), 0.9 * m + g),
+        state["params"],
+        grads,
+        state["opt_state"]["momentum"],
+    )
     params = jax.tree.map(lambda _, t: t[0], state["params"], new)
     momentum = jax.tree.map(lambda _, t: t[1], state["params"], new)
     return {"params": params, "opt_state": {"momentum": momentum}}, {"loss": loss}
 
 
 def _abstract_state(d_in=64, d_h=256):
-    params = {"w1": jax.ShapeDtypeStruct((d_in, d_h), jnp.float32), "b1": jax.ShapeDtypeStruct((d_h,), jnp.float32),
-              "w2": jax.ShapeDtypeStruct((d_h, d_in), jnp.float32)}
+    params = {
+        "w1": jax.ShapeDtypeStruct((d_in, d_h), jnp.float32),
+        "b1": jax.ShapeDtypeStruct((d_h,), jnp.float32),
+        "w2": jax.ShapeDtypeStruct((d_h, d_in), jnp.float32),
+    }
     return {"params": params, "opt_state": {"momentum": params}}
 
 
 @pytest.fixture(scope="module")
 def plan():
-    step = autoshard.parallelize(_train_step, mesh=make_test_mesh("2x4"),
-                                 cluster=autoshard.cluster_preset("cpu-sim"))
+    step = autoshard.parallelize(
+        _train_step, mesh=make_test_mesh("2x4"), cluster=autoshard.cluster_preset("cpu-sim")
+    )
     return step.plan(_abstract_state(), jax.ShapeDtypeStruct((32, 64), jnp.float32))
 
 
@@ -136,7 +144,7 @@ def test_progress_callback_kinds(capsys):
 
 # ---- python -m autoshard explain ---------------------------------------------------------------------
 
-_STEP_FILE = '''
+_STEP_FILE = """
 import jax
 import jax.numpy as jnp
 import autoshard
@@ -158,7 +166,7 @@ def pinned_step(params, x):
 
 def no_args_step(x):
     return x
-'''
+"""
 
 
 def test_explain_cli_prints_and_writes_the_plan(tmp_path, capsys):
@@ -166,8 +174,23 @@ def test_explain_cli_prints_and_writes_the_plan(tmp_path, capsys):
 
     src = tmp_path / "steps.py"
     src.write_text(_STEP_FILE.replace("def no_args_step", "def no_args_step_unused"))
-    rc = main(["explain", f"{src}:train_step", "--devices", "8", "--mesh", "2,4", "--cluster", "cpu-sim",
-               "--no-rich", "--html", str(tmp_path / "p.html"), "--json", str(tmp_path / "p.json")])
+    rc = main(
+        [
+            "explain",
+            f"{src}:train_step",
+            "--devices",
+            "8",
+            "--mesh",
+            "2,4",
+            "--cluster",
+            "cpu-sim",
+            "--no-rich",
+            "--html",
+            str(tmp_path / "p.html"),
+            "--json",
+            str(tmp_path / "p.json"),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert "autoshard plan on mesh {'data': 2, 'model': 4}" in out and "[0]['w']" in out

@@ -112,6 +112,14 @@ def partition(analysis: StepAnalysis, fwd_stage: Callable[[int], int], num_stage
             "apart by what the returned loss depends on. Fix: return the loss, e.g. `return new_state, "
             "{'loss': loss}`.")
     stage_of: dict[int, int] = {}      # value -> stage (non-replicated producers only)
+    # A batch leaf belongs to the last forward stage that reads it: the backward of `x @ w0` (dw0 = x^T ct)
+    # then runs on w0's stage, while a mask read by every stage does not pull backward ops down to stage 0.
+    batch_owner: dict[int, int] = {}
+    batch_in = {full.graph.invars[p] for p in analysis.batch_inputs}
+    for p in sorted(forward):
+        for x in ops[p].inputs:
+            if isinstance(x, int) and x in batch_in:
+                batch_owner[x] = max(batch_owner.get(x, 0), fwd_stage(p))
     wave_of: dict[int, int] = {}
     op_task: dict[int, tuple] = {}
     pos_of = {op.index: p for p, op in enumerate(ops)}
@@ -133,7 +141,8 @@ def partition(analysis: StepAnalysis, fwd_stage: Callable[[int], int], num_stage
                     raise InputError(f"internal: forward op {p} reads a later stage")
             else:
                 phase = "B"
-                s = min((stage_of[x] for x in staged_in), default=S - 1)
+                owners = [batch_owner[x] for x in op.inputs if isinstance(x, int) and x in batch_owner]
+                s = min([stage_of[x] for x in staged_in] + owners, default=S - 1)
             key = (phase, s)
         else:  # R
             if staged_in:

@@ -196,7 +196,7 @@ class PipelineExecutable:
             t0 = time.perf_counter()
             outs = self.jitted(key, have_acc)(*args)
             if trace is not None:
-                trace.append(((key[0], s, m) if m is not None else key, t0, outs))
+                trace.append(((key[0], s, m) if m is not None else key, t0, outs, args))
             frontier = set(task.frontier)
             for v, o in zip(task.outvars, outs, strict=True):
                 if v in frontier:
@@ -227,18 +227,3 @@ class PipelineExecutable:
             else:
                 outs.append(full.consts[v])
         return outs
-
-    def compiled_tasks(self, flat) -> dict[Any, Any]:
-        """``jax.stages.Compiled`` of each microbatch task (its first-microbatch variant), by key."""
-        trace: list = []
-        out = {}
-        self.run(flat, trace=trace)
-        seen = set()
-        for ev, _, _ in trace:
-            key = ev[:2] if len(ev) == 3 else ev
-            if key in seen:
-                continue
-            seen.add(key)
-        for key in seen:
-            out[key] = None
-        return out

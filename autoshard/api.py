@@ -279,7 +279,7 @@ def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static
       mesh: a ``jax.sharding.Mesh`` with Auto axes (see :func:`autoshard.make_mesh`). None: all devices,
         and the planner picks the 2-D shape among the factorizations of the device count.
       cluster: an :class:`autoshard.ClusterSpec`; None picks a preset for the devices' platform.
-      memory_budget: bytes per device (or a string like ``"16GB"``); None: no limit.
+      memory_budget: bytes per device (or a string like ``"16GB"``); None: the ClusterSpec's memory.
       static_argnums, donate_argnums: as in ``jax.jit``.
       plan: a saved :class:`autoshard.Plan` to apply without solving.
       hints: ``{pytree-path regex: PartitionSpec}`` pinning matching argument leaves.
@@ -398,20 +398,32 @@ def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, t
     if tie_layers == "auto":
         tie_layers = len(merged.roots) > TIE_LAYERS_ABOVE
     layer_ties = tie_repeated_layers(merged, program.avals) if tie_layers else None
-    built = build_problem(merged, program, cost, memory_limit=memory_budget, donated_inputs=donated,
-                          ties=layer_ties)
+    budget = memory_budget if memory_budget is not None else getattr(cluster, "memory", None)
+    built = build_problem(merged, program, cost, memory_limit=budget, donated_inputs=donated,
+                          ties=layer_ties, carried=ties)
     timings["problem"] = time.perf_counter() - t
     t = time.perf_counter()
-    try:
-        sol = solve(built.problem, time_limit=time_limit)
-    except InfeasibleError as e:
-        if e.smallest_memory is not None and memory_budget is not None:
+    # Solve without the memory row first: it is much faster, and when its answer fits the budget
+    # it is also the constrained optimum. Only otherwise solve again with the budget.
+    unconstrained = dataclasses.replace(built.problem, memory_limit=None)
+    sol = solve(unconstrained, time_limit=time_limit)
+    if budget is not None and sol.peak_memory > budget:
+        try:
+            sol = solve(built.problem, time_limit=max(time_limit - (time.perf_counter() - t), 1.0))
+        except InfeasibleError as e:
+            if e.smallest_memory is None:
+                raise
+            origin = "memory_budget" if memory_budget is not None else f"the memory of ClusterSpec {cluster.name!r}"
             raise InfeasibleError(
-                f"no plan fits memory_budget={memory_budget:.4g} bytes per device on mesh "
+                f"no plan fits {origin}={budget:.4g} bytes per device on mesh "
                 f"{dict(zip(info.names, info.shape, strict=True))}; the smallest peak the solver found is "
                 f"{e.smallest_memory:.4g} bytes. Fix: raise memory_budget to at least {e.smallest_memory:.4g}, "
                 "or use more devices.", smallest_memory=e.smallest_memory) from None
-        raise
+        if not sol.feasible:
+            raise InfeasibleError(
+                f"the solver found no plan under {budget:.4g} bytes per device within {time_limit:g} s "
+                f"(best peak {sol.peak_memory:.4g}). Fix: raise memory_budget or solver_time_limit.",
+                smallest_memory=sol.peak_memory)
     timings["solve"] = time.perf_counter() - t
     dec = decode(built, sol.choice, program, cost)
     in_specs = tuple(dec.value_specs[v] for v in program.graph.invars)
@@ -430,7 +442,7 @@ def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, t
     pcost = PlanCost(dec.compute_seconds, dec.comm_seconds, comm_bytes, memory.peak_bytes, float(sol.cost))
     stats = {"timings": dict(timings), "nodes": built.problem.num_nodes, "edges": built.problem.num_edges,
              "graph_nodes": len(sgraph.nodes), "eqns": program.num_eqns, "solver": dict(sol.stats),
-             "optimal": sol.optimal}
+             "optimal": sol.optimal, "memory_budget": budget}
     return Plan(
         mesh=mesh,
         in_specs=in_specs,

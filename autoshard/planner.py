@@ -507,10 +507,13 @@ class _SpecTable:
 
 
 def build_problem(merged: MergedGraph, program: CapturedProgram, cost: CostModel, *,
-                  memory_limit=None, donated_inputs=(), ties: dict[int, int] | None = None) -> BuiltProblem:
+                  memory_limit=None, donated_inputs=(), ties: dict[int, int] | None = None,
+                  carried: dict[int, int] | None = None) -> BuiltProblem:
     """Pass 3: node costs, edge matrices and memory, in root-strategy space.
 
-    ``ties`` (from :func:`tie_repeated_layers`) maps roots to the root whose choice they share."""
+    ``ties`` (from :func:`tie_repeated_layers`) maps roots to the root whose choice they share.
+    ``carried`` maps flat outputs to the flat inputs they replace: a donated input's buffer is
+    reused for its replacement, so the two count once."""
     graph = merged.graph
     mesh = cost.mesh
     roots = tuple(r for r in merged.roots if ties is None or ties[r] == r)
@@ -539,7 +542,12 @@ def build_problem(merged: MergedGraph, program: CapturedProgram, cost: CostModel
         key = (ru, rv)
         pair_costs[key] = pair_costs[key] + m if key in pair_costs else m
     edges = np.array(list(pair_costs), dtype=np.int64).reshape(-1, 2)
-    memory, intervals = _memory(merged, program, root_of, sizes, mesh, donated_inputs, table)
+    donated = set(donated_inputs)
+    aliased_in = {program.graph.invars[i] for i in (carried or {}).values() if i in donated}
+    aliased_out = {program.graph.outvars[o] for o, i in (carried or {}).items()
+                   if i in donated and isinstance(program.graph.outvars[o], int)}
+    memory, intervals = _memory(merged, program, root_of, sizes, mesh, donated_inputs, table, aliased_in,
+                                aliased_out)
     names = tuple(_label(graph.nodes[r]) for r in roots)
     problem = ShardingProblem(tuple(node_costs), edges, tuple(pair_costs.values()), memory, intervals,
                               memory_limit, names)
@@ -552,18 +560,27 @@ def _label(node: _Node) -> str:
     return f"{node.kind} {node.label}"
 
 
-def _memory(merged, program, root_of, sizes, mesh, donated_inputs, table: _SpecTable):
+def _memory(merged, program, root_of, sizes, mesh, donated_inputs, table: _SpecTable, aliased_in=(),
+            aliased_out=()):
     """Per root: the peak, over its members' overlapping lifetimes, of their summed bytes.
 
-    Exact for a root alone; for merged groups, each strategy's peak is taken
-    separately, which can only overestimate."""
+    Only materialised values count (see :mod:`autoshard.memory`): results of fused
+    elementwise/layout ops that one op reads are skipped. Exact for a root alone;
+    for merged groups, each strategy's peak is taken separately over the group's
+    whole interval, which can only overestimate."""
     graph = merged.graph
     live = liveness(program, donated_inputs)
+    end_t = len(program.graph.ops) + 1
+    for v in aliased_in:  # the replacement is written into this buffer at the end
+        live[v] = (0, end_t)
+    uses = {v: len(u) for v, u in program.uses.items()}
+    outputs = {x for x in program.graph.outvars if isinstance(x, int)}
     members: dict[int, list] = {}
     for i, node in enumerate(graph.nodes):
         r = int(root_of[i])
+        fused = node.kind == "follower"  # XLA fuses these unless their result is an output or read twice
         for k, v in enumerate(node.outputs):
-            if v not in live:
+            if v not in live or v in aliased_out or (fused and v not in outputs and uses.get(v, 0) <= 1):
                 continue
             aval = program.avals[v]
             per_strategy = table.value_bytes(_aval_shape(aval), _itemsize(aval), table.out_ids(node, k), mesh)

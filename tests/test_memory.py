@@ -25,3 +25,39 @@ def test_predicted_peak_memory_tracks_xla(family, config, batch, donate):
     assert predicted == pytest.approx(xla_peak, rel=0.25), (predicted, xla_peak, plan.memory.breakdown)
     assert plan.memory.peak_bytes == predicted
     assert set(plan.memory.breakdown) >= {"parameters", "optimizer_state", "inputs", "outputs", "intermediates"}
+
+
+def test_memory_budget_forces_a_sharded_plan_that_fits_and_matches_reference():
+    """On a fast cluster the MLP would run replicated; a budget makes the planner shard state (ZeRO-like)."""
+    import jax
+    import numpy as np
+
+    from tests.helpers import assert_trees_close, run_steps
+
+    spec = get_model("mlp", "h1024", 32)
+    mesh = autoshard.make_mesh((8,), ("data",))
+    cluster = autoshard.cluster_preset("h100-nvlink")
+    state, b = spec.abstract_state(), spec.abstract_batch()
+    free = autoshard.parallelize(spec.train_step, mesh=mesh, cluster=cluster, donate_argnums=(0,))
+    free_peak = memory_stats(free.lower(state, b).compile())["peak"]
+    budget = 30e6
+    assert free_peak > budget  # the unconstrained plan would not fit
+    step = autoshard.parallelize(spec.train_step, mesh=mesh, cluster=cluster, memory_budget=budget,
+                                 donate_argnums=(0,))
+    compiled = step.lower(state, b).compile()
+    assert memory_stats(compiled)["peak"] <= budget
+    real_state, batch = spec.init_state(jax.random.key(0)), spec.make_batch(jax.random.key(1))
+    ref_state, ref_losses = run_steps(jax.jit(spec.train_step), real_state, batch)
+    out_state, losses = run_steps(step, jax.tree.map(np.asarray, real_state), batch)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(out_state["params"], ref_state["params"], atol=5e-5)
+
+
+def test_infeasible_budget_reports_the_smallest_reachable():
+    spec = get_model("mlp", "h1024", 32)
+    mesh = autoshard.make_mesh((8,), ("data",))
+    step = autoshard.parallelize(spec.train_step, mesh=mesh, cluster=autoshard.cluster_preset("h100-nvlink"),
+                                 memory_budget="5MB", donate_argnums=(0,))
+    with pytest.raises(autoshard.InfeasibleError, match=r"raise memory_budget to at least") as err:
+        step.plan(spec.abstract_state(), spec.abstract_batch())
+    assert 5e6 < err.value.smallest_memory < 40e6

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import autoshard
-from autoshard.pipeline.schedule import max_in_flight, simulate, chain_deps, stage_orders
+from autoshard.pipeline.schedule import chain_deps, max_in_flight, simulate, stage_orders
 from tests.helpers import mesh
 
 

@@ -30,7 +30,13 @@ from autoshard.pipeline.partition import Partition, forward_positions, partition
 from autoshard.pipeline.plan import PipelinePlan, StagePlan
 from autoshard.pipeline.schedule import chain_deps, max_in_flight, simulate, stage_orders
 from autoshard.pipeline.stage_dp import StageProblem, assign_stages
-from autoshard.pipeline.submesh import SubmeshOption, allocate, check_submeshes, physical_grid, submesh_options
+from autoshard.pipeline.submesh import (
+    SubmeshOption,
+    allocate,
+    check_submeshes,
+    physical_grid,
+    submesh_options,
+)
 
 AXES = ("data", "model")
 
@@ -103,7 +109,9 @@ def cluster_for(cluster, option: SubmeshOption, grid_shape):
     bw, lat = c.bandwidth, c.latency
     inner = (bw[-1], lat[-1])
     outer = (bw[0], lat[0]) if option.physical[0] > 1 else inner
-    return dataclasses.replace(c, bandwidth=(outer[0], inner[0]), latency=(outer[1], inner[1]))
+    # A stage's inputs are its parameters (resident) and other stages' activations (device to device):
+    # none is fed from the host each microbatch, which the planner would otherwise charge for.
+    return dataclasses.replace(c, bandwidth=(outer[0], inner[0]), latency=(outer[1], inner[1]), host_bandwidth=1e30)
 
 
 @dataclasses.dataclass
@@ -120,11 +128,16 @@ class _CostTable:
         self.analysis, self.part, self.cluster = analysis, part, cluster
         self.grid_shape, self.options, self.memory_budget = grid_shape, options, memory_budget
         self.cache: dict = {}
+        self.programs: dict = {}
+        self.fingerprints: dict = {}
         self.plans_made = 0
 
     def cost(self, layer: int, option: SubmeshOption) -> _LayerCost:
-        prog = stage_program(self.analysis, self.part, layer)
-        key = (_fingerprint(prog), option)
+        prog = self.programs.get(layer)
+        if prog is None:
+            prog = self.programs[layer] = stage_program(self.analysis, self.part, layer)
+            self.fingerprints[layer] = _fingerprint(prog)
+        key = (self.fingerprints[layer], option)
         hit = self.cache.get(key)
         if hit is not None:
             return hit
@@ -280,5 +293,5 @@ def plan_stages(analysis: StepAnalysis, mesh, cluster, options: PipelineOptions,
         step_time_s=float(sum(times) + (k - 1) * max(times)), simulated_step_s=sim.makespan,
         bubble_fraction=sim.bubble_fraction,
         stats={"search_s": search_s, "total_s": time.perf_counter() - t0, "layer_plans": table.plans_made,
-               "num_layers": L, "manual_cut": manual})
+               "num_layers": L, "manual_cut": manual, "distinct_layers": len(set(table.fingerprints.values()))})
     return part, meshes, plans, pplan

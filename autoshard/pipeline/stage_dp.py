@@ -130,12 +130,12 @@ def _solve_for(problem, T, sizes, fits, t_max, S_max):
     if best is None:
         return None
     total, S, hist = best
-    stages, l, d = [], 0, N
+    stages, start, d = [], 0, N
     for s in range(S, 0, -1):
-        j, m = hist[s - 1][l, d]
-        stages.append((int(l), int(j), int(m)))
+        j, m = hist[s - 1][start, d]
+        stages.append((int(start), int(j), int(m)))
         d -= sizes[m]
-        l = j
+        start = j
     return total, tuple(stages)
 
 

@@ -44,7 +44,7 @@ class Timeline:
     def in_flight(self, stage: int) -> int:
         """Most microbatches whose forward had finished and whose backward had not, on ``stage``."""
         marks = []
-        for ph, s, m, start, end in self.events:
+        for ph, s, _m, _start, end in self.events:
             if s == stage and ph == "F":
                 marks.append((end, 1))
             elif s == stage and ph == "B":

@@ -86,13 +86,13 @@ def penalty_search(
     give_up = deadline if give_up is None else give_up
     lo, hi = None, None  # largest infeasible lam, smallest feasible lam (log2 scale)
 
-    last = 0.0  # seconds the last attempt took: no attempt starts that cannot finish
-    # a bisection needs several attempts; none may eat the whole budget
-    # (small cores only: a large core's descent must finish to clear forbidden pairs)
-    per_attempt = max(deadline - time.perf_counter(), 0.0) / 5
     small = red.num_core <= _REREDUCE_NODES
     if not small:
-        per_attempt = np.inf
+        return _large_penalty_search(red, rows, base, deadline, seed, log)
+
+    last = 0.0  # seconds the last attempt took: no attempt starts that cannot finish
+    # a bisection needs several attempts; none may eat the whole budget
+    per_attempt = max(deadline - time.perf_counter(), 0.0) / 5
 
     def attempt(e: float) -> bool:
         nonlocal best, last
@@ -112,11 +112,8 @@ def penalty_search(
         until = deadline if best is not None else max(deadline, give_up)
         return time.perf_counter() + 0.8 * last < until
 
-    # The guess ignores edges, which favour large replicated strategies; on the
-    # contest problems it fell short by 4 to 40 doublings, so large cores start
-    # from the plain cost/usage scale as before.
-    e = _node_only_exponent(red, rows, base) if small else 0.0
-    step = 2.0 if small else 4.0
+    e = _node_only_exponent(red, rows, base)
+    step = 2.0
     while time_left():
         if attempt(e):
             hi = e
@@ -128,9 +125,53 @@ def penalty_search(
             if hi is not None:
                 break
             e += step
-        if small:
-            step *= 2
+        step *= 2
     while lo is not None and hi is not None and hi - lo > 0.1 and time_left():
+        mid = 0.5 * (lo + hi)
+        if attempt(mid):
+            hi = mid
+        else:
+            lo = mid
+    return best
+
+
+def _large_penalty_search(
+    red: Reduction, rows: MemoryRows, base: float, deadline: float, seed: int, log
+) -> CoreState | None:
+    """The penalty search of large cores, as it was when contest M reached 5.76x best.
+
+    Each attempt re-reduces the penalised core and runs the greedy pass to the
+    end (a large core's choice must be finished to clear forbidden pairs). The
+    exponent starts at the plain cost/usage scale and moves in steps of 4, then
+    bisects to 0.5; the node-only guess fell 4 to 40 doublings short here.
+    """
+    best: CoreState | None = None
+    lo, hi = None, None
+
+    def attempt(e: float) -> bool:
+        nonlocal best
+        t0 = time.perf_counter()
+        choice = penalised_choice(red, rows, base * 2.0**e, deadline, seed)
+        state = CoreState(red, rows, choice)
+        cost, ok = state.total_cost(), state.overflow() <= 0
+        log(f"penalty 2^{e:g}: cost {cost:.6g}, overflow {state.overflow():.3g} ({time.perf_counter() - t0:.1f}s)")
+        if ok and (best is None or cost < best.total_cost()):
+            best = state
+        return ok
+
+    e, step = 0.0, 4.0
+    while time.perf_counter() < deadline:
+        if attempt(e):
+            hi = e
+            if lo is not None:
+                break
+            e -= step
+        else:
+            lo = e
+            if hi is not None:
+                break
+            e += step
+    while lo is not None and hi is not None and hi - lo > 0.5 and time.perf_counter() < deadline:
         mid = 0.5 * (lo + hi)
         if attempt(mid):
             hi = mid

@@ -44,13 +44,21 @@ def violations(state: CoreState) -> np.ndarray:
 
 
 def penalised_choice(
-    red: Reduction, rows: MemoryRows, lam: float, deadline: float, seed: int, start: np.ndarray | None = None
+    red: Reduction,
+    rows: MemoryRows,
+    lam: float,
+    deadline: float,
+    seed: int,
+    start: np.ndarray | None = None,
+    *,
+    forest_deadline: float | None = None,
 ) -> np.ndarray:
     """Core choice minimising ``cost + lam * usage`` (memory limit ignored).
 
     Large cores are reduced again first (with memory priced in, every node is
-    memory-free, so the eliminations collapse them); small ones are searched
-    directly, from ``start`` when given.
+    memory-free, so the eliminations collapse them), get a greedy pass that is
+    always finished, then forest descents until ``forest_deadline``; small ones
+    are searched directly, from ``start`` when given.
     """
     costs = []
     for c, m in zip(red.node_costs, red.node_memory, strict=True):
@@ -62,9 +70,12 @@ def penalised_choice(
         return state.choice
     sub = ShardingProblem(node_costs=tuple(costs), edges=red.edges, edge_costs=red.edge_costs)
     sub_red = reduce_problem(sub, with_memory=False)
-    # Forest descents here left M and S (contest) without any fitting penalty in
-    # time; the greedy pass is what those runs were feasible with.
     state = greedy(sub_red, None, deadline, seed)
+    if forest_deadline is not None:
+        # Descents from the greedy choice roughly halve the penalised cost on the
+        # contest cores (M: 1.8e11 -> 8.8e10 unpenalised) and clear the forbidden
+        # pairs greedy leaves on A.
+        ForestSearch(state, seed).run(forest_deadline, patience=FOREST_PATIENCE)
     return sub_red.expand(state.choice, red.num_core)
 
 
@@ -88,7 +99,7 @@ def penalty_search(
 
     small = red.num_core <= _REREDUCE_NODES
     if not small:
-        return _large_penalty_search(red, rows, base, deadline, seed, log)
+        return _large_penalty_search(red, rows, base, deadline, give_up, seed, log)
 
     last = 0.0  # seconds the last attempt took: no attempt starts that cannot finish
     # a bisection needs several attempts; none may eat the whole budget
@@ -136,31 +147,41 @@ def penalty_search(
 
 
 def _large_penalty_search(
-    red: Reduction, rows: MemoryRows, base: float, deadline: float, seed: int, log
+    red: Reduction, rows: MemoryRows, base: float, deadline: float, give_up: float, seed: int, log
 ) -> CoreState | None:
-    """The penalty search of large cores, as it was when contest M reached 5.76x best.
+    """The penalty search of large cores.
 
-    Each attempt re-reduces the penalised core and runs the greedy pass to the
-    end (a large core's choice must be finished to clear forbidden pairs). The
-    exponent starts at the plain cost/usage scale and moves in steps of 4, then
-    bisects to 0.5; the node-only guess fell 4 to 40 doublings short here.
+    Each attempt re-reduces the penalised core, runs the greedy pass to the end
+    and then forest descents for at most a quarter of the time left. The exponent
+    starts at the plain cost/usage scale (the node-only guess fell 4 to 40
+    doublings short on the contest cores) and grows by doubling steps until a
+    choice fits, then bisects to 0.5. While nothing fits the search goes on
+    until ``give_up``.
     """
     best: CoreState | None = None
     lo, hi = None, None
+    last = 0.0
 
     def attempt(e: float) -> bool:
-        nonlocal best
+        nonlocal best, last
         t0 = time.perf_counter()
-        choice = penalised_choice(red, rows, base * 2.0**e, deadline, seed)
+        until = deadline if best is not None else max(deadline, give_up)
+        cap = t0 + max(0.25 * (until - t0), 1.0)
+        choice = penalised_choice(red, rows, base * 2.0**e, until, seed, forest_deadline=min(until, cap))
         state = CoreState(red, rows, choice)
         cost, ok = state.total_cost(), state.overflow() <= 0
-        log(f"penalty 2^{e:g}: cost {cost:.6g}, overflow {state.overflow():.3g} ({time.perf_counter() - t0:.1f}s)")
+        last = time.perf_counter() - t0
+        log(f"penalty 2^{e:g}: cost {cost:.6g}, overflow {state.overflow():.3g} ({last:.1f}s)")
         if ok and (best is None or cost < best.total_cost()):
             best = state
         return ok
 
+    def time_left() -> bool:
+        until = deadline if best is not None else max(deadline, give_up)
+        return time.perf_counter() + 0.5 * last < until
+
     e, step = 0.0, 4.0
-    while time.perf_counter() < deadline:
+    while time_left():
         if attempt(e):
             hi = e
             if lo is not None:
@@ -171,7 +192,8 @@ def _large_penalty_search(
             if hi is not None:
                 break
             e += step
-    while lo is not None and hi is not None and hi - lo > 0.5 and time.perf_counter() < deadline:
+        step *= 2
+    while lo is not None and hi is not None and hi - lo > 0.5 and time_left():
         mid = 0.5 * (lo + hi)
         if attempt(mid):
             hi = mid

@@ -65,6 +65,10 @@ class Partition:
     forward: frozenset               # top-level positions of forward ops
     op_tasks: tuple                  # position -> tuple of task keys
 
+    @property
+    def frontier_values(self) -> frozenset:
+        return frozenset(v for t in self.tasks.values() for v in t.frontier)
+
     def micro_tasks(self, stage: int) -> tuple[Task, ...]:
         return tuple(self.tasks[k] for k in (("F", stage), ("B", stage)) if k in self.tasks)
 

@@ -19,6 +19,7 @@ import math
 import time
 
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from autoshard.capture import CapturedProgram, OpGraph
 from autoshard.cluster import make_mesh
@@ -65,7 +66,11 @@ def stage_program(analysis: StepAnalysis, part: Partition, stage: int) -> Captur
     outvars = [v for t in tasks for v in t.outvars if v not in internal]
     full = analysis.full
     pos = {v: i for i, v in enumerate(full.graph.invars)}
-    paths = tuple(full.in_paths[pos[v]] if v in pos else f"<value {v}>" for v in invars)
+    batch = {full.graph.invars[p] for p in analysis.batch_inputs}
+    # Activations, cotangents and batch slices arrive from outside the stage: name them "<boundary>" so
+    # that planning can pin them to the layout stages exchange.
+    paths = tuple(f"<boundary {v}> {full.in_paths[pos[v]]}" if v in batch else full.in_paths[pos[v]] if v in pos
+                  else f"<boundary {v}>" if v in part.producer_task else f"<value {v}>" for v in invars)
     producer, uses = {}, {}
     for op in ops:
         for k, v in enumerate(op.outputs):
@@ -77,6 +82,41 @@ def stage_program(analysis: StepAnalysis, part: Partition, stage: int) -> Captur
                            avals=analysis.micro.avals, ops=analysis.micro.ops, in_tree=None, out_tree=None,
                            in_paths=paths, out_paths=tuple(f"<value {v}>" for v in dict.fromkeys(outvars)),
                            consts={}, producer=producer, uses=uses)
+
+
+BOUNDARY_LAYOUT = {"^<boundary": PartitionSpec("data")}
+"""Values crossing layers or stages: batch split over "data", replicated over "model" (Megatron + DP)."""
+
+
+def boundary_ties(program: CapturedProgram, part: Partition) -> dict[int, int]:
+    """Outputs sent to another layer keep the layout of a same-shaped boundary input (h_out like h_in).
+
+    A layer planned alone would otherwise hand its successor any layout for free; tying prices the
+    conversion back to the boundary layout inside the layer, so per-layer costs add up honestly."""
+    free = [i for i, p in enumerate(program.in_paths) if p.startswith("<boundary")]
+    ties = {}
+    for j, v in enumerate(program.graph.outvars):
+        if not isinstance(v, int) or v in part.frontier_values:
+            continue
+        a = program.avals[v]
+        for i in free:
+            b = program.avals[program.graph.invars[i]]
+            if tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype:
+                ties[j] = i
+                free.remove(i)
+                break
+    return ties
+
+
+def plan_boundaries(program: CapturedProgram, part: Partition, mesh, cluster, time_limit):
+    """The intra-op plan of a layer or stage with its boundary values in the exchange layout."""
+    from autoshard.api import plan_program
+
+    try:
+        return plan_program(program, mesh=mesh, cluster=cluster, time_limit=time_limit, hints=BOUNDARY_LAYOUT,
+                            ties=boundary_ties(program, part))
+    except (MeshError, InputError, ValueError):  # e.g. a microbatch the data axis does not divide
+        return plan_program(program, mesh=mesh, cluster=cluster, time_limit=time_limit)
 
 
 def residual_bytes(analysis: StepAnalysis, part: Partition, stage: int) -> float:
@@ -107,8 +147,14 @@ def cluster_for(cluster, option: SubmeshOption, grid_shape):
     """The sub-mesh's per-axis links: within a row (host), the row's; across rows, the slower axis."""
     c = cluster.for_mesh(grid_shape if len(grid_shape) == 2 else (1, grid_shape[0]))
     bw, lat = c.bandwidth, c.latency
-    inner = (bw[-1], lat[-1])
-    outer = (bw[0], lat[0]) if option.physical[0] > 1 else inner
+    inner, slow = (bw[-1], lat[-1]), (bw[0], lat[0])
+    rows, per_row = option.physical
+    a, b = option.logical
+    # Devices are laid out row-major: the minor axis leaves a row once it is longer than one; the major
+    # axis crosses rows whenever the sub-mesh has several.
+    inner_axis = slow if (rows > 1 and b > per_row) else inner
+    outer = slow if (rows > 1 and a > 1) else inner
+    inner = inner_axis
     # A stage's inputs are its parameters (resident) and other stages' activations (device to device):
     # none is fed from the host each microbatch, which the planner would otherwise charge for.
     return dataclasses.replace(c, bandwidth=(outer[0], inner[0]), latency=(outer[1], inner[1]), host_bandwidth=1e30)
@@ -152,10 +198,9 @@ class _CostTable:
             allreduce = 0.0 if d == 1 else 2 * (d - 1) / d * params / min(sub_cluster.bandwidth)
             hit = _LayerCost(flops / (n * sub_cluster.flops) + allreduce, params * 4 / n + act, act)
         else:
-            from autoshard.api import plan_program
             mesh = make_mesh(option.logical, AXES)
             try:
-                plan = plan_program(prog, mesh=mesh, cluster=sub_cluster, time_limit=self.options.solver_time_limit)
+                plan = plan_boundaries(prog, self.part, mesh, sub_cluster, self.options.solver_time_limit)
                 self.plans_made += 1
                 hit = _LayerCost(plan.cost.total_seconds, plan.cost.peak_memory_bytes, act)
             except Exception:  # an infeasible layer on this option
@@ -201,8 +246,6 @@ def _layer_bounds(analysis, options: PipelineOptions, num_devices: int):
 
 def plan_stages(analysis: StepAnalysis, mesh, cluster, options: PipelineOptions, memory_budget=None):
     """Search the pipeline; returns ``(partition, meshes, plans, PipelinePlan)``."""
-    from autoshard.api import plan_program
-
     t0 = time.perf_counter()
     k = analysis.num_microbatches
     grid = physical_grid(mesh)
@@ -276,8 +319,8 @@ def plan_stages(analysis: StepAnalysis, mesh, cluster, options: PipelineOptions,
         o = chosen[s]
         m_ = make_mesh(o.logical, AXES, devices=list(devices[s]))
         prog = stage_program(analysis, part, s)
-        plan = plan_program(prog, mesh=m_, cluster=cluster_for(cluster, o, grid.shape),
-                            time_limit=options.solver_time_limit) if prog.graph.ops else None
+        plan = plan_boundaries(prog, part, m_, cluster_for(cluster, o, grid.shape),
+                               options.solver_time_limit) if prog.graph.ops else None
         act = residual_bytes(analysis, part, s) / o.size
         live = max_in_flight(orders[s])
         t = plan.cost.total_seconds if plan is not None else 0.0

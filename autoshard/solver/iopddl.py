@@ -15,6 +15,7 @@ above ``inf_cost`` become ``inf`` so that the solver treats them as forbidden.
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import os
 
@@ -40,11 +41,22 @@ def read_iopddl(path: str | os.PathLike, *, inf_cost: float = CONTEST_INFINITY) 
     path = os.fspath(path)
     opener = gzip.open if path.endswith(".gz") else open
     try:
-        with opener(path, "rt") as f:
-            data = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError, gzip.BadGzipFile, EOFError) as e:
+        with opener(path, "rb") as f:
+            raw = f.read()
+        data = _loads(raw)
+    except (ValueError, UnicodeDecodeError, gzip.BadGzipFile, EOFError) as e:
+        # json.JSONDecodeError and orjson.JSONDecodeError are both ValueErrors
         raise ProblemFormatError(f"{path}: not a JSON problem file ({e})") from e
     return parse_iopddl(data, inf_cost=inf_cost, source=path)
+
+
+def _loads(raw: bytes):
+    """Decode JSON with orjson when installed (about 3x faster on the contest files)."""
+    try:
+        import orjson
+    except ImportError:
+        return json.loads(raw)
+    return orjson.loads(raw)
 
 
 def parse_iopddl(data, *, inf_cost: float = CONTEST_INFINITY, source: str = "<problem>") -> ShardingProblem:
@@ -54,7 +66,7 @@ def parse_iopddl(data, *, inf_cost: float = CONTEST_INFINITY, source: str = "<pr
     edges = _field(prob, "edges", "problem", source)
     costs = _list(_field(nodes, "costs", "problem.nodes", source), "problem.nodes.costs", source)
     n = len(costs)
-    node_costs = tuple(_vector(c, f"problem.nodes.costs[{i}]", source, inf_cost) for i, c in enumerate(costs))
+    node_costs = _vectors(costs, "problem.nodes.costs", source, inf_cost)
     for i, c in enumerate(node_costs):
         if c.size == 0:
             raise ProblemFormatError(f"{source}: problem.nodes.costs[{i}] is empty; every node needs a strategy")
@@ -66,7 +78,7 @@ def parse_iopddl(data, *, inf_cost: float = CONTEST_INFINITY, source: str = "<pr
         for name, seq in (("usages", usages), ("intervals", ivs)):
             if len(seq) != n:
                 raise ProblemFormatError(f"{source}: problem.nodes.{name} has {len(seq)} entries for {n} nodes")
-        node_memory = tuple(_vector(u, f"problem.nodes.usages[{i}]", source) for i, u in enumerate(usages))
+        node_memory = _vectors(usages, "problem.nodes.usages", source)
         for i, (u, c) in enumerate(zip(node_memory, node_costs, strict=True)):
             if u.size != c.size:
                 raise ProblemFormatError(
@@ -94,9 +106,11 @@ def parse_iopddl(data, *, inf_cost: float = CONTEST_INFINITY, source: str = "<pr
         k = int(np.flatnonzero((edge_arr < 0).any(1) | (edge_arr >= n).any(1))[0])
         raise ProblemFormatError(f"{source}: problem.edges.nodes[{k}] = {pairs[k]} names a node outside [0, {n})")
     edge_costs = []
-    for k, ((u, v), m) in enumerate(zip(edge_arr, mats, strict=True)):
-        vec = _vector(m, f"problem.edges.costs[{k}]", source, inf_cost)
-        su, sv = node_costs[u].size, node_costs[v].size
+    sizes = np.array([c.size for c in node_costs], dtype=np.int64)
+    for k, (u, v, vec) in enumerate(
+        zip(edge_arr[:, 0].tolist(), edge_arr[:, 1].tolist(), _vectors(mats, "problem.edges.costs", source, inf_cost), strict=True)
+    ):
+        su, sv = int(sizes[u]), int(sizes[v])
         if vec.size != su * sv:
             raise ProblemFormatError(
                 f"{source}: problem.edges.costs[{k}] has {vec.size} entries; edge {u}->{v} needs {su}*{sv}"
@@ -125,6 +139,23 @@ def _list(obj, path: str, source: str) -> list:
     if not isinstance(obj, list):
         raise ProblemFormatError(f"{source}: {path} must be a list, got {type(obj).__name__}")
     return obj
+
+
+def _vectors(seq: list, path: str, source: str, inf_cost: float | None = None) -> tuple[np.ndarray, ...]:
+    """``_vector`` of every item of ``seq``, converted in one pass when all are flat number lists."""
+    try:
+        lengths = np.fromiter(map(len, seq), dtype=np.int64, count=len(seq))
+        flat = np.fromiter(itertools.chain.from_iterable(seq), dtype=np.float64, count=int(lengths.sum()))
+    except (TypeError, ValueError):
+        # something is malformed: convert one by one to name the offending item
+        return tuple(_vector(x, f"{path}[{i}]", source, inf_cost) for i, x in enumerate(seq))
+    if not all(isinstance(x, list) for x in seq):
+        return tuple(_vector(x, f"{path}[{i}]", source, inf_cost) for i, x in enumerate(seq))
+    if inf_cost is not None:
+        flat[flat >= inf_cost] = np.inf
+    ends = np.cumsum(lengths).tolist()
+    starts = [0, *ends[:-1]]
+    return tuple(flat[a:b] for a, b in zip(starts, ends, strict=True))
 
 
 def _vector(obj, path: str, source: str, inf_cost: float | None = None) -> np.ndarray:

@@ -35,6 +35,7 @@ def test_mlp_accumulation_equals_full_batch(k):
     _check(get_model("mlp", "tiny", batch_size=16), k)
 
 
+@pytest.mark.slow
 def test_gpt_accumulation_equals_full_batch():
     step, state, batch = _check(gpt.build(SMALL_GPT, 8), 4)
     plan = step.plan(state, batch)

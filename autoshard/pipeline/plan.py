@@ -45,6 +45,7 @@ class PipelinePlan:
       step_time_s: predicted step latency, Σ stage times + (k − 1) × the slowest (Alpa eq. 2).
       simulated_step_s, bubble_fraction: from list-scheduling the schedule with the stage times.
       stats: search timings and sizes.
+      cut_sources: for each stage, the user source line of its first forward op (where the cut is).
     """
 
     stages: tuple[StagePlan, ...]
@@ -55,6 +56,7 @@ class PipelinePlan:
     simulated_step_s: float
     bubble_fraction: float
     stats: dict = dataclasses.field(default_factory=dict)
+    cut_sources: tuple[str, ...] = ()
 
     @property
     def num_stages(self) -> int:
@@ -81,6 +83,8 @@ class PipelinePlan:
             lines.append(f"{s.index:>5} {str(s.layers[0]) + '-' + str(s.layers[1] - 1):>9} {devs:>18} "
                          f"{'x'.join(map(str, s.mesh_shape)):>7} {s.time_s * 1e3:>11.4f} "
                          f"{s.memory_bytes / 1e6:>9.2f} {s.in_flight:>9}")
+        if self.cut_sources:
+            lines.append("stage starts: " + "; ".join(f"{i}: {src}" for i, src in enumerate(self.cut_sources)))
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -330,11 +330,15 @@ def plan_stages(analysis: StepAnalysis, mesh, cluster, options: PipelineOptions,
         stage_plans.append(StagePlan(s, tuple(int(d.id) for d in devices[s]), o.logical, stages[s][:2], plan, t,
                                      mem, act, live))
     times = [sp.time_s for sp in stage_plans]
+    first = {}
+    for p_ in sorted(layer_of):
+        first.setdefault(stage_of_layer[layer_of[p_]], analysis.full.graph.ops[p_].source())
     sim = simulate(orders, [t / 3 for t in times], [2 * t / 3 for t in times], chain_deps(S))
     pplan = PipelinePlan(
         stages=tuple(stage_plans), schedule=options.schedule, num_microbatches=k, layer_flops=layer_flops,
         step_time_s=float(sum(times) + (k - 1) * max(times)), simulated_step_s=sim.makespan,
         bubble_fraction=sim.bubble_fraction,
         stats={"search_s": search_s, "total_s": time.perf_counter() - t0, "layer_plans": table.plans_made,
-               "num_layers": L, "manual_cut": manual, "distinct_layers": len(set(table.fingerprints.values()))})
+               "num_layers": L, "manual_cut": manual, "distinct_layers": len(set(table.fingerprints.values()))},
+        cut_sources=tuple(first.get(s, "<none>") for s in range(S)))
     return part, meshes, plans, pplan

@@ -54,6 +54,14 @@ class CostModel:
         return cls(mesh, float(cluster.flops), tuple(lat), tuple(1.0 / b for b in bw),
                    reduce_scatter_as_all_reduce=platform == "cpu")
 
+    def without_latency(self) -> CostModel:
+        """The same model with zero alpha: for collectives that XLA will combine with others."""
+        hit = self._memo.get("without_latency")
+        if hit is None:
+            hit = self._memo["without_latency"] = dataclasses.replace(
+                self, alpha=(0.0,) * len(self.alpha), _memo={})
+        return hit
+
     def _ring(self, axes) -> tuple[int, float, float]:
         axes = tuple(a for a in axes if self.mesh.shape[a] > 1)
         if not axes:

@@ -137,13 +137,16 @@ def enumerate_strategies(program: CapturedProgram, cost: CostModel, *, pinned=No
     for v in program.consts:
         add_node(_Node("input", spec_strategies(_aval_shape(avals[v])), (v,), weak=True, label="<const>"))
 
+    terminal = _terminal_ops(program)
+    quiet = cost.without_latency()
+
     def op_context(op: Op) -> RuleContext:
         in_shapes = tuple(x.shape if isinstance(x, Const) else _aval_shape(avals[x]) for x in op.inputs)
         in_dtypes = tuple(np.asarray(x.value).dtype if isinstance(x, Const) else getattr(avals[x], "dtype", None)
                           for x in op.inputs)
         return RuleContext(
             mesh=mesh,
-            cost=cost,
+            cost=quiet if op.index in terminal else cost,
             in_shapes=in_shapes,
             in_dtypes=in_dtypes,
             out_shapes=tuple(_aval_shape(avals[v]) for v in op.outputs),
@@ -158,7 +161,8 @@ def enumerate_strategies(program: CapturedProgram, cost: CostModel, *, pinned=No
             flops = sum(math.prod(s) for s in ctx.out_shapes)
             return [replicated_strategy(ctx, flops)], False
         pkey = _params_key(op.params)
-        key = None if pkey is None else (op.name, ctx.in_shapes, ctx.out_shapes, ctx.const_inputs,
+        key = None if pkey is None else (op.index in terminal, op.name, ctx.in_shapes, ctx.out_shapes,
+                                          ctx.const_inputs,
                                           ctx.in_dtypes, ctx.out_dtypes, pkey)
         if key is not None and key in cache:
             return cache[key], entry.follows
@@ -237,6 +241,25 @@ def enumerate_strategies(program: CapturedProgram, cost: CostModel, *, pinned=No
             n.kind = "follower"
     return StrategyGraph(tuple(nodes), tuple(edges), producer, tuple(input_nodes), ties,
                          tuple(f"{k} (at {v})" for k, v in unsupported.items()))
+
+
+_CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def _terminal_ops(program: CapturedProgram) -> frozenset[int]:
+    """Top-level ops with no contraction downstream: weight gradients and the optimizer update.
+
+    Their collectives do not depend on one another, so XLA's combiners merge them into a few
+    large ones; the planner prices them without per-collective latency."""
+    feeds_contraction: set[int] = set()
+    terminal = set()
+    for op in reversed(program.graph.ops):
+        downstream = any(v in feeds_contraction for v in op.outputs)
+        if not downstream and op.body is None:
+            terminal.add(op.index)
+        if downstream or op.name in _CONTRACTIONS or op.body is not None:
+            feeds_contraction.update(x for x in op.inputs if isinstance(x, int))
+    return frozenset(terminal)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

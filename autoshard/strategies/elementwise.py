@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from autoshard.cost import ELEMENTWISE_FLOPS_PER_ELEMENT
-from autoshard.spec import candidate_specs, replicated
+from autoshard.spec import ShardingSpec, candidate_specs, replicated
 from autoshard.strategies.base import RuleContext, Strategy, register_strategy
 
 ELEMENTWISE = (
@@ -18,6 +18,15 @@ ELEMENTWISE = (
 ).split()
 
 
+def _operand_spec(spec: ShardingSpec, in_shape, out_shape) -> ShardingSpec:
+    """The output's layout for an operand; dims it broadcasts (size 1, as lax allows) stay whole."""
+    if in_shape == out_shape:
+        return spec
+    if len(in_shape) != len(out_shape):
+        return replicated(len(in_shape))
+    return ShardingSpec(tuple(d if n == m else () for d, n, m in zip(spec.dims, in_shape, out_shape, strict=True)))
+
+
 def elementwise_strategies(op, ctx: RuleContext) -> list[Strategy]:
     """One strategy per candidate layout of the output."""
     shape = ctx.out_shapes[0]
@@ -25,7 +34,7 @@ def elementwise_strategies(op, ctx: RuleContext) -> list[Strategy]:
     out = []
     for spec in candidate_specs(shape, ctx.mesh):
         ins = tuple(
-            None if const else (spec if s == shape else replicated(len(s)))
+            None if const else _operand_spec(spec, s, shape)
             for s, const in zip(ctx.in_shapes, ctx.const_inputs, strict=True)
         )
         out.append(

@@ -113,13 +113,15 @@ class Parallelized:
         if num_microbatches != 1 or pipeline is not None:
             from autoshard.pipeline import PipelinedStep
 
+            kwargs.pop("progress", None)  # the pipeline planner reports no progress yet
             return PipelinedStep(fun, *args, num_microbatches=num_microbatches, pipeline=pipeline, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, fun, *, mesh=None, cluster=None, memory_budget=None, static_argnums=(),
                  donate_argnums=(), plan=None, hints=None, solver_time_limit=10.0, tie_layers="auto",
-                 num_microbatches=1, pipeline=None):
+                 num_microbatches=1, pipeline=None, progress="auto"):
         self.fun = fun
+        self.progress = progress
         self.tie_layers = tie_layers
         self.mesh = mesh
         self.cluster = cluster
@@ -213,7 +215,8 @@ class Parallelized:
         else:
             plan = plan_program(program, mesh=self.mesh, cluster=self.cluster, memory_budget=self.memory_budget,
                                 hints=self.hints, donated=donated, ties=ties, time_limit=self.solver_time_limit,
-                                timings=timings, tie_layers=self.tie_layers)
+                                timings=timings, tie_layers=self.tie_layers,
+                                progress=_progress_callback(self.progress))
         plan = dataclasses.replace(plan, in_tree=jax.tree_util.tree_structure(abstract),
                                    out_tree=program.out_tree)
         flat = make_flat_function(program, plan.value_specs, plan.operand_specs, plan.mesh, plan.out_specs)
@@ -269,7 +272,8 @@ class Parallelized:
 
 
 def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static_argnums=(), donate_argnums=(),
-                plan=None, hints=None, solver_time_limit=10.0, tie_layers="auto", num_microbatches=1, pipeline=None):
+                plan=None, hints=None, solver_time_limit=10.0, tie_layers="auto", num_microbatches=1, pipeline=None,
+                progress="auto"):
     """Plan and run a single-device step function sharded over a device mesh.
 
     Works bare (``@parallelize``) and with arguments (``@parallelize(mesh=...)``).
@@ -290,6 +294,8 @@ def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static
         ``TIE_LAYERS_ABOVE`` nodes after follower merging.
       num_microbatches: split the batch arguments on their leading axis into this many microbatches,
         accumulate the gradients, and apply the update once (see :mod:`autoshard.pipeline`).
+      progress: planning progress bar: ``"auto"`` (tqdm or rich, in a terminal or notebook), ``"tqdm"``,
+        ``"rich"``, a ``callback(stage, done, total)``, or None to silence it.
       pipeline: an :class:`autoshard.PipelineOptions`: run the step as a pipeline of stages on
         sub-meshes (inter-operator parallelism). None: no pipeline.
 
@@ -303,7 +309,7 @@ def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static
     """
     kw = dict(mesh=mesh, cluster=cluster, memory_budget=memory_budget, static_argnums=static_argnums,
               donate_argnums=donate_argnums, plan=plan, hints=hints, solver_time_limit=solver_time_limit,
-              tie_layers=tie_layers, num_microbatches=num_microbatches, pipeline=pipeline)
+              tie_layers=tie_layers, num_microbatches=num_microbatches, pipeline=pipeline, progress=progress)
     if fun is None:
         return lambda f: Parallelized(f, **kw)
     return Parallelized(fun, **kw)
@@ -346,21 +352,47 @@ def _pinned_from_hints(program, hints, info: MeshInfo) -> dict[int, ShardingSpec
     return pinned
 
 
+def _progress_callback(progress):
+    """Resolve ``parallelize(progress=...)`` to a ``callback(stage, done, total)`` or None."""
+    if progress is None or progress is False or callable(progress):
+        return progress or None
+    if progress == "auto":
+        import sys
+
+        interactive = "ipykernel" in sys.modules or (hasattr(sys.stderr, "isatty") and sys.stderr.isatty())
+        if not interactive:
+            return None
+    from autoshard.report import progress_callback
+
+    return progress_callback(progress)
+
+
+_PASSES = ("capture", "strategies", "problem", "solve")
+
+
 def plan_program(program, *, mesh=None, cluster=None, memory_budget=None, hints=None, donated=(), ties=None,
-                 time_limit=10.0, timings=None, tie_layers="auto"):
+                 time_limit=10.0, timings=None, tie_layers="auto", progress=None):
     """Plan a captured program. With ``mesh=None``, try every 2-D factorization of all devices."""
     from autoshard.cluster import make_mesh
     from autoshard.planner import warn_unsupported
 
     timings = {} if timings is None else timings
+    meshes = [None] if mesh is not None else _factorizations(len(jax.devices()))
+    total, done = 1 + 3 * len(meshes), [1]
+
+    def report(stage: str):
+        if progress is not None:
+            progress(stage, done[0], total)
+            done[0] += 1
+
+    report("captured")
     if mesh is None:
-        n = len(jax.devices())
         best, infeasible = None, []
-        for shape in _factorizations(n):
+        for shape in meshes:
             m = make_mesh(shape, ("data", "model"))
             try:
                 p = _plan_on_mesh(program, m, cluster, memory_budget, hints, donated, ties, time_limit,
-                                  dict(timings), tie_layers)
+                                  dict(timings), tie_layers, report)
             except InfeasibleError as e:  # another factorization may fit the memory budget
                 infeasible.append(e)
                 continue
@@ -370,14 +402,16 @@ def plan_program(program, *, mesh=None, cluster=None, memory_budget=None, hints=
             raise min(infeasible, key=lambda e: math.inf if e.smallest_memory is None else e.smallest_memory)
     else:
         best = _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings,
-                             tie_layers)
+                             tie_layers, report)
+    if progress is not None:
+        progress("done", total, total)
     # Warn here, once per plan, not once per candidate mesh.
     warn_unsupported(best.warnings)
     return best
 
 
 def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings,
-                  tie_layers="auto"):
+                  tie_layers="auto", report=lambda stage: None):
     from autoshard.cost import CostModel
     from autoshard.memory import estimate_memory
     from autoshard.plan import Plan, PlanCost
@@ -393,6 +427,7 @@ def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, t
     sgraph = enumerate_strategies(program, cost, pinned=pinned, donated=donated, tie_outputs=ties,
                                   host_bandwidth=getattr(cluster, "host_bandwidth", None))
     timings["strategies"] = time.perf_counter() - t
+    report(f"strategies {info.shape}")
     t = time.perf_counter()
     merged = merge_followers(sgraph, cost, program.avals)
     if tie_layers == "auto":
@@ -402,6 +437,7 @@ def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, t
     built = build_problem(merged, program, cost, memory_limit=budget, donated_inputs=donated,
                           ties=layer_ties, carried=ties)
     timings["problem"] = time.perf_counter() - t
+    report(f"problem {info.shape}: {built.problem.num_nodes} nodes")
     t = time.perf_counter()
     # Solve without the memory row first: it is much faster, and when its answer fits the budget
     # it is also the constrained optimum. Only otherwise solve again with the budget.
@@ -425,6 +461,7 @@ def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, t
                 f"(best peak {sol.peak_memory:.4g}). Fix: raise memory_budget or solver_time_limit.",
                 smallest_memory=sol.peak_memory)
     timings["solve"] = time.perf_counter() - t
+    report(f"solved {info.shape}")
     dec = decode(built, sol.choice, program, cost)
     in_specs = tuple(dec.value_specs[v] for v in program.graph.invars)
     out_specs = []

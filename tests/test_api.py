@@ -454,3 +454,20 @@ def test_unsupported_primitive_runs_replicated_and_warns_once():
     with warnings.catch_warnings():  # cached: no second warning
         warnings.simplefilter("error", autoshard.AutoshardWarning)
         f(x)
+
+
+def test_progress_callback_sees_every_pass_and_can_be_silenced(mesh):
+    import jax.numpy as jnp
+
+    seen = []
+
+    def step(w, x):
+        return jnp.tanh(x @ w).sum()
+
+    w, x = jnp.ones((8, 8)), jnp.ones((16, 8))
+    autoshard.parallelize(step, mesh=mesh, progress=lambda s, d, t: seen.append((s, d, t))).plan(w, x)
+    stages = [s for s, _, _ in seen]
+    assert stages[0] == "captured" and stages[-1] == "done"
+    assert any(s.startswith("solved") for s in stages)
+    assert seen[-1][1] == seen[-1][2]
+    autoshard.parallelize(step, mesh=mesh, progress=None).plan(w, x)  # silent: nothing to assert but no error

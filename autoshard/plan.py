@@ -197,7 +197,8 @@ class Plan:
         rows = self.parameter_table()
         lines.append(f"\n  {'argument':<50} {'shape':<18} {'spec':<28} {'bytes/dev':>10}")
         for path, shape, _, spec, nbytes in rows[:max_rows]:
-            lines.append(f"  {path[:50]:<50} {str(shape):<18} {spec:<28} {_fmt_bytes(nbytes):>10}")
+            shown = path if len(path) <= 50 else "…" + path[-49:]
+            lines.append(f"  {shown:<50} {str(shape):<18} {spec:<28} {_fmt_bytes(nbytes):>10}")
         if len(rows) > max_rows:
             lines.append(f"  ... and {len(rows) - max_rows} more")
         agg: dict[tuple[str, tuple[str, ...]], list[float]] = {}

@@ -36,6 +36,22 @@ def _finish(ctx, name, lhs_spec, rhs_spec, out_placements, k_axes, flops, shards
     return out
 
 
+def _place(roles, axes, choice):
+    """Turn one role per mesh axis into (lhs, rhs, out) placements and the contracted axes."""
+    lp, rp, op_, k_axes = [], [], [], []
+    for a, ri in zip(axes, choice, strict=True):
+        l, r, o, is_k = roles[ri][:4]
+        if l is not None:
+            lp.append((l, a))
+        if r is not None:
+            rp.append((r, a))
+        if o is not None:
+            op_.append((o, a))
+        if is_k:
+            k_axes.append(a)
+    return lp, rp, op_, k_axes
+
+
 @register_strategy("dot_general")
 def _dot_general(op, ctx: RuleContext) -> list[Strategy]:
     (lc, rc), (lb, rb) = op.params["dimension_numbers"]
@@ -52,17 +68,7 @@ def _dot_general(op, ctx: RuleContext) -> list[Strategy]:
     axes = ctx.mesh.active_axes
     out = []
     for choice in itertools.product(range(len(roles)), repeat=len(axes)):
-        lp, rp, op_, k_axes = [], [], [], []
-        for a, ri in zip(axes, choice, strict=True):
-            l, r, o, is_k = roles[ri]
-            if l is not None:
-                lp.append((l, a))
-            if r is not None:
-                rp.append((r, a))
-            if o is not None:
-                op_.append((o, a))
-            if is_k:
-                k_axes.append(a)
+        lp, rp, op_, k_axes = _place(roles, axes, choice)
         lhs_spec, rhs_spec = assign_axes(len(lshape), lp), assign_axes(len(rshape), rp)
         if not (divides(lshape, lhs_spec, ctx.mesh) and divides(rshape, rhs_spec, ctx.mesh)):
             continue
@@ -98,23 +104,10 @@ def _conv(op, ctx: RuleContext) -> list[Strategy]:
     axes = ctx.mesh.active_axes
     out = []
     for choice in itertools.product(range(len(roles)), repeat=len(axes)):
-        lp, rp, op_, k_axes, ok = [], [], [], [], True
-        for ri in set(choice):
-            n = ctx.mesh.axes_size([a for a, c in zip(axes, choice, strict=True) if c == ri])
-            if roles[ri][4] % n and roles[ri][4] != 1:
-                ok = False
-        if not ok:
-            continue
-        for a, ri in zip(axes, choice, strict=True):
-            l, r, o, is_k, _ = roles[ri]
-            if l is not None:
-                lp.append((l, a))
-            if r is not None:
-                rp.append((r, a))
-            if o is not None:
-                op_.append((o, a))
-            if is_k:
-                k_axes.append(a)
+        if any(roles[ri][4] != 1 and roles[ri][4] % ctx.mesh.axes_size(
+                [a for a, c in zip(axes, choice, strict=True) if c == ri]) for ri in set(choice)):
+            continue  # a grouped role must split its groups evenly
+        lp, rp, op_, k_axes = _place(roles, axes, choice)
         lhs_spec, rhs_spec = assign_axes(len(lshape), lp), assign_axes(len(rshape), rp)
         if not (divides(lshape, lhs_spec, ctx.mesh) and divides(rshape, rhs_spec, ctx.mesh)):
             continue

@@ -46,36 +46,39 @@ def violations(state: CoreState) -> np.ndarray:
 def penalised_choice(
     red: Reduction,
     rows: MemoryRows,
-    lam: float,
+    lam: float | np.ndarray,
     deadline: float,
     seed: int,
     start: np.ndarray | None = None,
     *,
-    forest_deadline: float | None = None,
+    forest_seconds: float = 0.0,
 ) -> np.ndarray:
     """Core choice minimising ``cost + lam * usage`` (memory limit ignored).
 
+    ``lam`` is one multiplier, or one per core node.
+
     Large cores are reduced again first (with memory priced in, every node is
     memory-free, so the eliminations collapse them), get a greedy pass that is
-    always finished, then forest descents until ``forest_deadline``; small ones
+    always finished, then forest descents for up to ``forest_seconds``; small ones
     are searched directly, from ``start`` when given.
     """
+    lam = np.broadcast_to(np.asarray(lam, dtype=np.float64), (red.num_core,))
     costs = []
-    for c, m in zip(red.node_costs, red.node_memory, strict=True):
-        costs.append(c if m is None else c + lam * m)
+    for c, m, x in zip(red.node_costs, red.node_memory, lam, strict=True):
+        costs.append(c if m is None or x == 0 else c + x * m)
     if red.num_core <= _REREDUCE_NODES:
         pen = dataclasses.replace(red, node_costs=tuple(costs))
         state = CoreState(pen, None, min_cost_choice(pen) if start is None else start)
         ForestSearch(state, seed).run(deadline, patience=FOREST_PATIENCE)
         return state.choice
     sub = ShardingProblem(node_costs=tuple(costs), edges=red.edges, edge_costs=red.edge_costs)
-    sub_red = reduce_problem(sub, with_memory=False)
+    sub_red = reduce_problem(sub, with_memory=False, deadline=deadline)
     state = greedy(sub_red, None, deadline, seed)
-    if forest_deadline is not None:
+    if forest_seconds > 0:
         # Descents from the greedy choice roughly halve the penalised cost on the
         # contest cores (M: 1.8e11 -> 8.8e10 unpenalised) and clear the forbidden
         # pairs greedy leaves on A.
-        ForestSearch(state, seed).run(forest_deadline, patience=FOREST_PATIENCE)
+        ForestSearch(state, seed).run(min(deadline, time.perf_counter() + forest_seconds), patience=FOREST_PATIENCE)
     return sub_red.expand(state.choice, red.num_core)
 
 
@@ -90,9 +93,7 @@ def penalty_search(
     ``red`` should be :func:`soften`-ed: the returned state may still use priced
     forbidden pairs, which the window search then removes.
     """
-    usage_scale = np.median([m.mean() for m in red.node_memory if m is not None] or [1.0])
-    cost_scale = np.median([np.abs(c[np.isfinite(c)]).mean() + 1.0 for c in red.node_costs])
-    base = cost_scale / max(usage_scale, 1e-30)
+    base = _plain_scale(red)
     best: CoreState | None = None
     give_up = deadline if give_up is None else give_up
     lo, hi = None, None  # largest infeasible lam, smallest feasible lam (log2 scale)
@@ -166,8 +167,8 @@ def _large_penalty_search(
         nonlocal best, last
         t0 = time.perf_counter()
         until = deadline if best is not None else max(deadline, give_up)
-        cap = t0 + max(0.25 * (until - t0), 1.0)
-        choice = penalised_choice(red, rows, base * 2.0**e, until, seed, forest_deadline=min(until, cap))
+        forest = max(0.2 * (until - t0), 1.0)
+        choice = penalised_choice(red, rows, base * 2.0**e, until, seed, forest_seconds=forest)
         state = CoreState(red, rows, choice)
         cost, ok = state.total_cost(), state.overflow() <= 0
         last = time.perf_counter() - t0
@@ -200,6 +201,82 @@ def _large_penalty_search(
         else:
             lo = mid
     return best
+
+
+def guarded_descent(state: CoreState, deadline: float, seed: int, log=None) -> CoreState:
+    """Forest descents on the memory-feasible ``state`` that keep it feasible.
+
+    Each round solves one random induced forest exactly (:mod:`forest`) for
+    ``cost + w * usage``, where node ``k`` pays ``w[k]``, the largest multiplier
+    of the time points it is live at. The new choice is kept when it fits and
+    is cheaper. A round that overflows raises the multipliers of the points it
+    overflowed (x4, at least the plain cost/usage scale), so memory is priced
+    only where it binds. On contest M this took a fitting choice from 1.97e11
+    to 8.97e10 in 60 s, where MILP windows gained ~5%.
+    """
+    red, rows = state.red, state.rows
+    n = red.num_core
+    if n == 0 or state.overflow() > 0:
+        return state
+    base = _plain_scale(red)
+    mem = np.array([m is not None for m in red.node_memory]) & (rows.hi > rows.lo)
+    mult = np.zeros(rows.num_points)
+    rng = np.random.default_rng(seed)
+    cost = state.total_cost()
+    kept = over = 0
+    last = 0.0
+    while time.perf_counter() + last < deadline:
+        t0 = time.perf_counter()
+        w = np.where(mem, _range_max(mult, rows.lo, rows.hi), 0.0)
+        pen_costs = tuple(
+            c if m is None or x == 0 else c + x * m for c, m, x in zip(red.node_costs, red.node_memory, w, strict=True)
+        )
+        pen = CoreState(dataclasses.replace(red, node_costs=pen_costs), None, state.choice)
+        search = ForestSearch(pen, int(rng.integers(2**31)))
+        search.solve_forest(search.forest(rng.permutation(n)))
+        cand = CoreState(red, rows, pen.choice)
+        hot = cand.usage - cand.cap > cand.tol
+        if hot.any():
+            over += 1
+            mult[hot] = np.maximum(4 * mult[hot], base)
+        else:
+            new = cand.total_cost()
+            if new < cost:
+                state, cost = cand, new
+                kept += 1
+        last = time.perf_counter() - t0
+    if log is not None:
+        log(f"guarded descent: {kept} rounds kept, {over} overflowed, cost {cost:.6g}")
+    return state
+
+
+def _plain_scale(red: Reduction) -> float:
+    """Typical node cost over typical usage: the penalty that makes them comparable."""
+    usage_scale = np.median([m.mean() for m in red.node_memory if m is not None] or [1.0])
+    cost_scale = np.median([np.abs(c[np.isfinite(c)]).mean() + 1.0 for c in red.node_costs])
+    return cost_scale / max(usage_scale, 1e-30)
+
+
+def _range_max(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """``max(values[lo[k]:hi[k]])`` per k (0 for empty ranges), by a sparse table."""
+    n = values.size
+    out = np.zeros(lo.size)
+    ok = hi > lo
+    if not n or not ok.any():
+        return out
+    table = [values]
+    while 2 * len(table[-1]) > 0 and (1 << len(table)) <= n:
+        prev, half = table[-1], 1 << (len(table) - 1)
+        table.append(np.maximum(prev[:-half], prev[half:]))
+    a, b = lo[ok], hi[ok]
+    level = np.floor(np.log2(b - a)).astype(np.int64)
+    res = np.empty(a.size)
+    for j in np.unique(level):
+        sel = level == j
+        t = table[j]
+        res[sel] = np.maximum(t[a[sel]], t[b[sel] - (1 << j)])
+    out[ok] = res
+    return out
 
 
 def _node_only_exponent(red: Reduction, rows: MemoryRows, base: float) -> float:

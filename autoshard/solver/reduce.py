@@ -21,6 +21,7 @@ memory capacity at the time points where the node is live.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import deque
 
 import numpy as np
@@ -84,18 +85,20 @@ class Reduction:
         return choice
 
 
-def reduce_problem(problem: ShardingProblem, *, with_memory: bool) -> Reduction:
-    """Apply the exact reductions to a fixpoint.
+def reduce_problem(problem: ShardingProblem, *, with_memory: bool, deadline: float | None = None) -> Reduction:
+    """Apply the exact reductions to a fixpoint, or until ``deadline``.
 
     Args:
       problem: the problem to reduce.
       with_memory: whether the memory limit is active; when it is, only nodes
         whose usage is strategy-independent are eliminated.
+      deadline: a ``time.perf_counter()`` value; past it the reductions stop
+        early and leave a larger (still exact) core.
 
     Raises:
       InfeasibleError: a node is left without any allowed strategy.
     """
-    return _Reducer(problem, with_memory).run()
+    return _Reducer(problem, with_memory).run(deadline)
 
 
 class _Reducer:
@@ -286,7 +289,7 @@ class _Reducer:
         self.removed[i] = True
         return nbrs
 
-    def run(self) -> Reduction:
+    def run(self, deadline: float | None = None) -> Reduction:
         n = len(self.cost)
         queue = deque(range(n))
         queued = np.ones(n, dtype=bool)
@@ -297,7 +300,12 @@ class _Reducer:
                     queued[x] = True
                     queue.append(x)
 
+        steps = 0
         while queue:
+            steps += 1
+            if deadline is not None and steps % 256 == 0 and time.perf_counter() > deadline:
+                self.stats["stopped_early"] = 1
+                break
             i = queue.popleft()
             queued[i] = False
             if self.removed[i]:

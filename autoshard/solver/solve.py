@@ -18,7 +18,7 @@ from autoshard.solver.lns import WindowSearch
 from autoshard.solver.local import CoreState, greedy, min_memory_choice
 from autoshard.solver.memory import MemoryRows, memory_rows
 from autoshard.solver.milp import solve_milp
-from autoshard.solver.penalty import penalty_search, soften, violations
+from autoshard.solver.penalty import guarded_descent, penalty_search, soften, violations
 from autoshard.solver.problem import ShardingProblem, ShardingSolution
 from autoshard.solver.reduce import Reduction, reduce_problem
 
@@ -81,7 +81,7 @@ def solve(
     with_memory = (
         problem.memory_limit is not None and problem.node_memory is not None and problem.intervals is not None
     )
-    red = reduce_problem(problem, with_memory=with_memory)
+    red = reduce_problem(problem, with_memory=with_memory, deadline=deadline)
     rows = None
     if with_memory and red.num_core:
         nonneg = all((m >= 0).all() for m in problem.node_memory)
@@ -150,6 +150,12 @@ def _solve_core(
         if cand is not None and cand.total_cost() < state.total_cost():
             state = cand
         feasible = state.overflow() <= 0
+        if feasible and red.num_core > _FULL_MILP_NODES:
+            # Guarded forest descents gain far more than MILP windows on these
+            # cores; the windows get the last sixth (they clear forbidden pairs
+            # the descents leave around hot spots).
+            now = time.perf_counter()
+            state = guarded_descent(state, now + 0.85 * max(deadline - _MARGIN - now, 0.0), seed, log)
     if not big and deadline - time.perf_counter() > _MARGIN:
         remaining = deadline - time.perf_counter() - _MARGIN
         res = solve_milp(red, rows, time_limit=0.6 * remaining if feasible else remaining)

@@ -57,6 +57,8 @@ def test_timeline_and_memory_1f1b_vs_gpipe(tmp_path):
             b_start = {e[2]: e[3] for e in fb if e[1] == s and e[0] == "B"}
             assert sorted(f_end) == sorted(b_start) == list(range(8))
             assert all(f_end[m] <= b_start[m] + 1e-9 for m in range(8))
+            # Measured: no more microbatches alive on a stage than the schedule allows.
+            assert tl.in_flight(s) <= (4 - s if schedule == "1f1b" else 8)
         mem[schedule] = step.stage_memory(params, batch)
         if schedule == "1f1b":
             path = tl.save_png(str(tmp_path / "timeline.png"))

@@ -211,12 +211,21 @@ class WindowSearch:
         ``hot``, when given, returns nodes to seed windows at (refreshed every
         few windows), e.g. the endpoints of forbidden pairs still in use.
         """
-        while time.perf_counter() + 0.05 < deadline:
+        # seconds a window spends outside HiGHS's time limit (building the
+        # model, reading the answer): on a loaded machine, large cores ran a
+        # full second past the deadline without this
+        overhead = 0.05
+        while time.perf_counter() + 2 * overhead + 0.05 < deadline:
+            t0 = time.perf_counter()
             if hot is not None and self.windows % 5 == 0:
                 self.hot = hot()
             free = self.window(window_size)
-            left = deadline - time.perf_counter()
-            self.solve_window(free, min(window_time, left))
+            limit = min(window_time, deadline - time.perf_counter() - 1.5 * overhead)
+            if limit <= 0.05:
+                break
+            self.solve_window(free, limit)
+            spent = time.perf_counter() - t0
+            overhead = max(overhead, 0.5 * overhead + 0.5 * max(spent - limit, 0.0))
             if log is not None and self.windows % 20 == 0:
                 log(f"lns: {self.windows} windows, {self.improved} improved, cost {self.state.total_cost():.6g}")
 

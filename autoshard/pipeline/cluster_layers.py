@@ -2,8 +2,14 @@
 
 Alpa (§5.2) clusters the forward ops into layers with a DP over contiguous op ranges. Here the
 forward ops are taken in program order; the traffic of a cut is the bytes of forward values made
-before it and read after it. Among the cuts whose every layer stays within ``(1 + δ)`` of the mean
-flops, the DP picks the cheapest in total traffic; δ grows until a cut exists.
+before it and read after it. Among the cuts whose every layer stays within ``(1 + δ)`` of the
+balanced layer flops, the DP picks the cheapest in total traffic; δ grows until a cut exists.
+
+The balanced layer flops are the mean, or, when one op alone outweighs the mean (a 4× wider
+matmul), the least achievable maximum: measured against the mean, such a model only fits at a
+large δ, and the traffic-only DP would then pile the narrow ops into one layer and leave others
+nearly empty, which no stage cut can balance later. Cuts of equal traffic (every cut of an MLP
+carries one activation) are told apart by a small penalty on uneven layers.
 """
 
 from __future__ import annotations
@@ -97,23 +103,46 @@ def cluster_layers(ops: list[Op], avals, num_layers: int) -> list[int]:
             keep.update(window[np.argsort(traffic[window], kind="stable")[:4]].tolist())
         cand = np.array(sorted(keep))
     points = np.concatenate([[0], cand, [n]])
-    mean = prefix[-1] / L
+    target = max(prefix[-1] / L, _least_max(points, prefix, L))
     for tol in BALANCE_TOLERANCES:
-        cuts = _dp(points, prefix, traffic, L, mean * (1 + tol) if math.isfinite(tol) else math.inf)
+        cuts = _dp(points, prefix, traffic, L, target * (1 + tol) if math.isfinite(tol) else math.inf, target)
         if cuts is not None:
             return cuts
     return [round(i * n / L) for i in range(1, L)]
 
 
-def _dp(points, prefix, traffic, L, cap):
+def _least_max(points, prefix, L) -> float:
+    """The least maximum layer flops over cuts of ``points`` into at most ``L`` layers (bisection, greedy)."""
+    at = prefix[points]
+    lo, hi = float(np.max(np.diff(at))), float(at[-1])
+    for _ in range(60):
+        if hi - lo <= 1e-6 * max(hi, 1.0):
+            break
+        mid = (lo + hi) / 2
+        count, start = 1, at[0]
+        for x_prev, x in zip(at[:-1], at[1:], strict=True):
+            if x - start > mid:
+                count, start = count + 1, x_prev
+        lo, hi = (lo, mid) if count <= L else (mid, hi)
+    return hi
+
+
+UNEVEN_PENALTY = 0.05
+"""Weight of ``Σ (layer flops / target − 1)²`` in units of the median cut traffic: a tie-breaker."""
+
+
+def _dp(points, prefix, traffic, L, cap, target):
     P = len(points)
     seg = prefix[points][None, :] - prefix[points][:, None]       # seg[i, j]: flops of points[i]..points[j]
     ok = (seg <= cap) & (np.arange(P)[None, :] > np.arange(P)[:, None])
+    inner = traffic[points[1:-1]]
+    scale = UNEVEN_PENALTY * (float(np.median(inner)) if len(inner) else 0.0)
+    uneven = scale * (seg / max(target, 1.0) - 1.0) ** 2 if target > 0 else np.zeros_like(seg)
     cost = np.full(P, np.inf)
     cost[0] = 0.0
     back = np.zeros((L + 1, P), dtype=int)
     for layer in range(1, L + 1):
-        trans = np.where(ok, cost[:, None], np.inf)               # from i to j
+        trans = np.where(ok, cost[:, None] + uneven, np.inf)      # from i to j
         best_i = np.argmin(trans, axis=0)
         new = trans[best_i, np.arange(P)] + np.where(np.arange(P) < P - 1, traffic[points], 0.0)
         back[layer] = best_i

@@ -52,7 +52,7 @@ class CoreState:
     def total_cost(self) -> float:
         flat = self._flat
         if flat is None:
-            flat = self._flat = _FlatCosts(self.red)
+            flat = self._flat = FlatCosts(self.red)
         return flat.cost(self.choice)
 
     def overflow(self) -> float:
@@ -128,7 +128,7 @@ class CoreState:
         return False
 
 
-class _FlatCosts:
+class FlatCosts:
     """Every node cost vector and edge matrix in one flat array, for vectorised totals."""
 
     def __init__(self, red: Reduction):

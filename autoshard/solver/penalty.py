@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from autoshard.solver.forest import ForestSearch, min_cost_choice
-from autoshard.solver.local import CoreState, greedy
+from autoshard.solver.local import CoreState, FlatCosts, greedy
 from autoshard.solver.memory import MemoryRows
 from autoshard.solver.problem import ShardingProblem
 from autoshard.solver.reduce import Reduction, reduce_problem
@@ -223,28 +223,37 @@ def guarded_descent(state: CoreState, deadline: float, seed: int, log=None) -> C
     mult = np.zeros(rows.num_points)
     rng = np.random.default_rng(seed)
     cost = state.total_cost()
+    flat = FlatCosts(red)
+    cur = state.choice.copy()
+    # one penalised state whose costs are swapped each round (building a
+    # CoreState's adjacency took a third of each round)
+    pen = CoreState(red, None, cur)
     kept = over = 0
     last = 0.0
     while time.perf_counter() + last < deadline:
         t0 = time.perf_counter()
         w = np.where(mem, _range_max(mult, rows.lo, rows.hi), 0.0)
-        pen_costs = tuple(
-            c if m is None or x == 0 else c + x * m for c, m, x in zip(red.node_costs, red.node_memory, w, strict=True)
+        pen.red = dataclasses.replace(
+            red,
+            node_costs=tuple(
+                c if m is None or x == 0 else c + x * m
+                for c, m, x in zip(red.node_costs, red.node_memory, w, strict=True)
+            ),
         )
-        pen = CoreState(dataclasses.replace(red, node_costs=pen_costs), None, state.choice)
+        pen.choice = cur.copy()
         search = ForestSearch(pen, int(rng.integers(2**31)))
         search.solve_forest(search.forest(rng.permutation(n)))
-        cand = CoreState(red, rows, pen.choice)
-        hot = cand.usage - cand.cap > cand.tol
+        hot = rows.usage(red.node_memory, pen.choice) - state.cap > state.tol
         if hot.any():
             over += 1
             mult[hot] = np.maximum(4 * mult[hot], base)
         else:
-            new = cand.total_cost()
+            new = flat.cost(pen.choice)
             if new < cost:
-                state, cost = cand, new
+                cur, cost = pen.choice.copy(), new
                 kept += 1
         last = time.perf_counter() - t0
+    state = CoreState(red, rows, cur)
     if log is not None:
         log(f"guarded descent: {kept} rounds kept, {over} overflowed, cost {cost:.6g}")
     return state

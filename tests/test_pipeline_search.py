@@ -94,6 +94,25 @@ def test_auto_search_balances_unbalanced_layers():
     assert auto.step_time_s <= plan.step_time_s * 1.05, (auto.summary(), plan.summary())
 
 
+# Two hosts joined by a link 100x slower than the one inside a host: data parallelism across hosts is dear.
+SLOW_HOSTS = autoshard.ClusterSpec(flops=1e11, bandwidth=(1e8, 1e10), latency=(1e-4, 1e-5), memory=4 * 2**30)
+
+
+def test_auto_stage_count_balances_wide_layers():
+    # num_stages="auto" on 4x-wide layers: the search pipelines over the slow link, and the cut
+    # balances the predicted stage times although the layers are not.
+    params, batch = _wide_then_narrow()
+    plan = autoshard.parallelize(_mlp_step, mesh=mesh("2x4"), num_microbatches=8, cluster=SLOW_HOSTS,
+                                 pipeline=autoshard.PipelineOptions(layers=8, solver_time_limit=0.5)).plan(params, batch)
+    times = [s.time_s for s in plan.stages]
+    assert len(plan.stages) >= 2, plan.summary()
+    assert max(times) <= 1.25 * min(times), plan.summary()
+    assert max(plan.layer_flops) > 3 * min(f for f in plan.layer_flops if f > 1e6), plan.summary()
+    # Layers are cut against the heaviest op, not the mean: no layer holds more than one wide matmul's worth.
+    wide = 2 * 256 * 256 * 1024
+    assert max(plan.layer_flops) <= 1.1 * wide, plan.layer_flops
+
+
 def test_more_stages_than_layers():
     params = _unbalanced_params()
     batch = {"x": jnp.ones((16, 128)), "y": jnp.zeros((16, 128))}

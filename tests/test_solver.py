@@ -80,13 +80,14 @@ def test_matches_brute_force_with_memory(p):
     check_against_brute_force(p)
 
 
+@pytest.mark.parametrize("stop", ["never", "at once"])
 @settings(max_examples=100, deadline=None)
 @given(small_problems(memory=True))
-def test_reductions_keep_the_optimum(p):
-    """Expanding the reduced core's best choice gives the original optimum."""
+def test_reductions_keep_the_optimum(stop, p):
+    """Expanding the reduced core's best choice gives the original optimum (also when stopped early)."""
     best, _ = brute_force(p)
     try:
-        red = reduce_problem(p, with_memory=True)
+        red = reduce_problem(p, with_memory=True, deadline=None if stop == "never" else 0.0)
     except InfeasibleError:
         assert not np.isfinite(best)
         return

@@ -1,0 +1,67 @@
+"""Memory-penalised search: guarded descents stay feasible and never get worse."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+
+from autoshard.solver.local import CoreState, min_memory_choice
+from autoshard.solver.memory import MemoryRows
+from autoshard.solver.penalty import _range_max, guarded_descent
+from autoshard.solver.reduce import Reduction
+
+
+def _memory_core(rng, n=60, s=4, points=30):
+    """A random core with memory rows whose least-memory choice fits."""
+    node_costs = tuple(rng.random(s) * 10 for _ in range(n))
+    edges = [(int(rng.integers(i)), i) for i in range(1, n)] + [(0, n - 1), (3, n // 2)]
+    mats = tuple(rng.random((s, s)) * 5 for _ in edges)
+    memory = tuple(rng.integers(1, 10, s).astype(np.float64) for _ in range(n))
+    lo = rng.integers(0, points - 1, n)
+    hi = np.minimum(lo + rng.integers(1, 8, n), points)
+    red = Reduction(
+        core_nodes=np.arange(n),
+        alive=tuple(np.arange(s) for _ in range(n)),
+        node_costs=node_costs,
+        edges=np.array(edges, dtype=np.int64),
+        edge_costs=mats,
+        node_memory=memory,
+        base_usage=np.zeros(n),
+        records=(),
+        stats={},
+    )
+    rows = MemoryRows(base=np.zeros(points), limit=0.0, lo=lo, hi=hi)
+    least = rows.usage(memory, min_memory_choice(red))
+    rows = dataclasses.replace(rows, limit=float(least.max()) * 1.3)
+    return red, rows
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_guarded_descent_stays_feasible_and_never_worse(seed):
+    red, rows = _memory_core(np.random.default_rng(seed))
+    start = CoreState(red, rows, min_memory_choice(red))
+    assert start.overflow() <= 0
+    before = start.total_cost()
+    out = guarded_descent(start, time.perf_counter() + 2.0, seed)
+    assert out.overflow() <= 0
+    assert out.total_cost() <= before
+    assert out.total_cost() == pytest.approx(CoreState(red, rows, out.choice).total_cost())
+
+
+def test_guarded_descent_returns_an_infeasible_start_unchanged():
+    red, rows = _memory_core(np.random.default_rng(0))
+    rows = dataclasses.replace(rows, limit=0.0)
+    start = CoreState(red, rows, min_memory_choice(red))
+    assert guarded_descent(start, time.perf_counter() + 1.0, 0) is start
+
+
+def test_range_max_matches_slices():
+    rng = np.random.default_rng(0)
+    values = rng.random(257)
+    lo = rng.integers(0, 257, 400)
+    hi = np.minimum(lo + rng.integers(0, 100, 400), 257)
+    want = [values[a:b].max() if b > a else 0.0 for a, b in zip(lo, hi, strict=True)]
+    np.testing.assert_allclose(_range_max(values, lo, hi), want)

@@ -25,12 +25,22 @@ def _set_device_count(n: int) -> None:
     if "jax" in sys.modules:
         return  # already imported (e.g. under pytest): run_suite checks there are enough devices
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    flags = [
+        f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f
+    ]
     os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={n}"])
 
 
-def run_suite(suite: str = "all", devices: int = 8, *, quick: bool = False, configs=None, execute: bool = True,
-              progress: bool = True, on_case=None) -> dict:
+def run_suite(
+    suite: str = "all",
+    devices: int = 8,
+    *,
+    quick: bool = False,
+    configs=None,
+    execute: bool = True,
+    progress: bool = True,
+    on_case=None,
+) -> dict:
     """Measure a suite in this process; returns the JSON-ready result (``meta``, ``rows``, ...).
 
     ``on_case(partial_result)`` is called after every model, e.g. to save partial results.
@@ -44,7 +54,8 @@ def run_suite(suite: str = "all", devices: int = 8, *, quick: bool = False, conf
         raise RuntimeError(
             f"--devices {devices} but jax has {len(jax.devices())} devices. The simulated device count is fixed "
             "when jax starts: run `python -m benchmarks.run` in a fresh process, or set "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={devices} before importing jax.")
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={devices} before importing jax."
+        )
     selected = cases.select_cases(suite, quick=quick, configs=tuple(configs) if configs else None)
     # --quick: Megatron and autoshard on the one mesh (2, n/2) instead of sweeping every factorization.
     meshes = (cases.data_parallel_mesh(devices),) if quick else None
@@ -67,7 +78,9 @@ def run_suite(suite: str = "all", devices: int = 8, *, quick: bool = False, conf
         if c.tiny and execute:
             if bar is not None:
                 bar.update(f"{c.name}: execute")
-            executions.extend(execute_mod.execute_case(c, devices, res.steps, res.megatron_mesh))
+            executions.extend(
+                execute_mod.execute_case(c, devices, res.steps, res.megatron_mesh, res.executables)
+            )
         case_times[c.name] = time.perf_counter() - tc
         jax.clear_caches()
         if on_case is not None:
@@ -96,7 +109,9 @@ def _result(suite, quick, devices, t0, case_times, rows, executions) -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "wall_s": time.perf_counter() - t0,
             "case_wall_s": dict(case_times),
-            "presets": {p.name: __import__("autoshard").cluster_preset(p.name).to_dict() for p in cases.PRESETS},
+            "presets": {
+                p.name: __import__("autoshard").cluster_preset(p.name).to_dict() for p in cases.PRESETS
+            },
             "step_time_formula": "autoshard.hlo.estimate_step_time(compiled, cluster, mesh)['time_s']",
         },
         "rows": list(rows),
@@ -116,8 +131,12 @@ def merge_results(results: list[dict]) -> dict:
     meta["wall_s"] = sum(r["meta"]["wall_s"] for r in results)
     meta["case_wall_s"] = {k: v for r in results for k, v in r["meta"]["case_wall_s"].items()}
     rows = [row for r in results for row in r["rows"]]
-    return {"meta": meta, "rows": rows, "comparisons": report.comparisons(rows),
-            "executions": [e for r in results for e in r["executions"]]}
+    return {
+        "meta": meta,
+        "rows": rows,
+        "comparisons": report.comparisons(rows),
+        "executions": [e for r in results for e in r["executions"]],
+    }
 
 
 def _merge(args) -> int:
@@ -145,8 +164,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="results.json", help="JSON output path (the PNG goes beside it)")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--no-execute", action="store_true", help="skip running the tiny configs")
-    ap.add_argument("--merge", nargs="+", metavar="JSON", help="merge earlier results (e.g. one run per suite) "
-                    "into --out and print their tables; measures nothing")
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="merge earlier results (e.g. one run per suite) "
+        "into --out and print their tables; measures nothing",
+    )
     args = ap.parse_args(argv)
     if args.merge:
         return _merge(args)
@@ -157,12 +181,14 @@ def main(argv=None) -> int:
     from benchmarks.suite import report
 
     configs = [c for c in args.configs.split(",") if c] if args.configs else None
+
     def save(result):
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1, default=float)
 
-    result = run_suite(args.suite, args.devices, quick=args.quick, configs=configs, execute=not args.no_execute,
-                       on_case=save)
+    result = run_suite(
+        args.suite, args.devices, quick=args.quick, configs=configs, execute=not args.no_execute, on_case=save
+    )
     print(report.markdown(result))
     save(result)
     print(f"\nwrote {args.out}", file=sys.stderr)

@@ -51,7 +51,9 @@ def test_quick_suite_autoshard_fields(quick):
         a = r["autoshard"]
         assert {"capture", "strategies", "problem", "solve"} <= set(a["timings"])
         assert a["planning_s"] > 0 and a["planning_by_mesh"]
-        assert {"compute_s", "communication_s", "communication_bytes", "peak_memory_bytes"} <= set(a["predicted"])
+        assert {"compute_s", "communication_s", "communication_bytes", "peak_memory_bytes"} <= set(
+            a["predicted"]
+        )
         assert a["verify"]["compiled_bytes"] >= 0 and a["memory_ratio"] > 0
 
 
@@ -91,7 +93,10 @@ def test_two_node_meshes_keep_the_model_axis_inside_a_node():
 
 def test_select_cases():
     assert [c.name for c in cases.select_cases("all", quick=True)] == ["gpt-tiny", "moe-tiny", "wresnet-tiny"]
-    assert [c.config for c in cases.select_cases("gpt", quick=False, configs=("125M", "1.3B"))] == ["125M", "1.3B"]
+    assert [c.config for c in cases.select_cases("gpt", quick=False, configs=("125M", "1.3B"))] == [
+        "125M",
+        "1.3B",
+    ]
     assert cases.SUITES["gpt"][0].batch_size(8) == 16
     with pytest.raises(ValueError, match="not in suite"):
         cases.select_cases("moe", quick=False, configs=("125M",))

@@ -1,9 +1,9 @@
 """The comparison suite behind ``python -m benchmarks.run``: autoshard against hand-written shardings.
 
-    cases    models, batch sizes, presets and the meshes each method may use
-    measure  compile every method from abstract shapes; read collectives, memory and step time
-    execute  run the tiny configs and compare their losses with a single-device reference
-    report   markdown tables, the plot, the progress bar
+cases    models, batch sizes, presets and the meshes each method may use
+measure  compile every method from abstract shapes; read collectives, memory and step time
+execute  run the tiny configs and compare their losses with a single-device reference
+report   markdown tables, the plot, the progress bar
 """
 
 from benchmarks.suite.cases import METHODS as METHODS

@@ -101,7 +101,9 @@ def select_cases(suite: str, *, quick: bool, configs: tuple[str, ...] | None = N
     if configs:
         unknown = set(configs) - {c.config for c in cases}
         if unknown:
-            raise ValueError(f"--configs {sorted(unknown)} not in suite {suite!r}: "
-                             f"choose from {sorted({c.config for c in cases})}")
+            raise ValueError(
+                f"--configs {sorted(unknown)} not in suite {suite!r}: "
+                f"choose from {sorted({c.config for c in cases})}"
+            )
         cases = [c for c in cases if c.config in configs]
     return cases

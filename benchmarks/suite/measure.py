@@ -41,8 +41,11 @@ class CaseResult:
     """The rows of one model, and what the execution check needs afterwards."""
 
     rows: tuple[dict, ...]
-    steps: dict  # preset name -> the autoshard Parallelized that was measured (tiny cases only)
+    steps: dict  # preset -> (Parallelized, Plan, Compiled) that autoshard was measured with (tiny cases only)
     megatron_mesh: tuple[int, int] | None  # the best Megatron mesh under the first preset
+    executables: (
+        dict  # (method, mesh) -> the baseline's Compiled (tiny cases only), run by the execution check
+    )
 
 
 def make_mesh(shape: tuple[int, int], devices) -> jax.sharding.Mesh:
@@ -54,7 +57,9 @@ def read_compiled(compiled) -> dict[str, Any]:
     stats = collective_stats(compiled)
     mem = memory_stats(compiled)
     return {
-        "collectives": {k: {"count": int(v["count"]), "bytes": float(v["bytes"])} for k, v in stats.by_kind().items()},
+        "collectives": {
+            k: {"count": int(v["count"]), "bytes": float(v["bytes"])} for k, v in stats.by_kind().items()
+        },
         "collective_bytes": stats.bytes(),
         "memory": mem,
         "peak_bytes": mem["peak"],
@@ -87,8 +92,14 @@ def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
 
-def measure_case(case: Case, num_devices: int, *, presets=PRESETS, progress=None,
-                 meshes: tuple[tuple[int, int], ...] | None = None) -> CaseResult:
+def measure_case(
+    case: Case,
+    num_devices: int,
+    *,
+    presets=PRESETS,
+    progress=None,
+    meshes: tuple[tuple[int, int], ...] | None = None,
+) -> CaseResult:
     """Every method of ``case`` on ``num_devices`` simulated devices, under every preset.
 
     ``meshes`` restricts the Megatron sweep and autoshard's planning to those 2-D meshes (``--quick``).
@@ -119,14 +130,26 @@ def measure_case(case: Case, num_devices: int, *, presets=PRESETS, progress=None
 
     # ---- baselines: one compile per (method, mesh) --------------------------------------------------
     compiled_runs: dict[tuple[str, tuple[int, int]], dict] = {}
+    executables: dict[tuple[str, tuple[int, int]], Any] = {}
 
     def run_baseline(method, shape, **kw):
         mesh = make_mesh(shape, devices)
         try:
-            compiled, lower_s, compile_s = _compile(lambda: baselines.lower_baseline(
-                spec.train_step, state, batch, mesh, method, donate=True, **kw))
-            run = {"lower_s": lower_s, "compile_s": compile_s, **read_compiled(compiled),
-                   "scores": {p.name: score(compiled, clusters[p.name], shape) for p in presets if p.valid(shape)}}
+            compiled, lower_s, compile_s = _compile(
+                lambda: baselines.lower_baseline(
+                    spec.train_step, state, batch, mesh, method, donate=True, **kw
+                )
+            )
+            run = {
+                "lower_s": lower_s,
+                "compile_s": compile_s,
+                **read_compiled(compiled),
+                "scores": {
+                    p.name: score(compiled, clusters[p.name], shape) for p in presets if p.valid(shape)
+                },
+            }
+            if case.tiny:
+                executables[(method, shape)] = compiled
             del compiled
         except Exception as e:  # noqa: BLE001 - a failed compile is a result, not a crash
             run = {"error": _error(e)}
@@ -137,7 +160,9 @@ def measure_case(case: Case, num_devices: int, *, presets=PRESETS, progress=None
     for method in ("data_parallel", "zero2", "fsdp"):
         tick(f"{method} {dp_shape[0]}x{dp_shape[1]}")
         run_baseline(method, dp_shape)
-    mega_shapes = sorted({s for p in presets for s in allowed(megatron_meshes(num_devices, p))}, key=lambda s: s[1])
+    mega_shapes = sorted(
+        {s for p in presets for s in allowed(megatron_meshes(num_devices, p))}, key=lambda s: s[1]
+    )
     for shape in mega_shapes:
         tick(f"megatron {shape[0]}x{shape[1]}")
         run_baseline("megatron", shape, rules=rules)
@@ -150,7 +175,9 @@ def measure_case(case: Case, num_devices: int, *, presets=PRESETS, progress=None
             if method == "megatron":
                 # tp = 1 is data parallelism: the sweep includes it without a second compile.
                 cands = [((num_devices, 1), compiled_runs[("data_parallel", dp_shape)])]
-                cands += [(s, compiled_runs[("megatron", s)]) for s in allowed(megatron_meshes(num_devices, preset))]
+                cands += [
+                    (s, compiled_runs[("megatron", s)]) for s in allowed(megatron_meshes(num_devices, preset))
+                ]
             else:
                 cands = [(dp_shape, compiled_runs[(method, dp_shape)])]
             summary = [_candidate(s, r, preset, mem_limit) for s, r in cands]
@@ -174,8 +201,9 @@ def measure_case(case: Case, num_devices: int, *, presets=PRESETS, progress=None
         for shape in allowed(autoshard_meshes(num_devices, preset)):
             tick(f"autoshard plan {preset.name} {shape[0]}x{shape[1]}")
             mesh = make_mesh(shape, devices)
-            step = autoshard.parallelize(spec.train_step, mesh=mesh, cluster=cluster, donate_argnums=(0,),
-                                         memory_budget=cluster.memory)
+            step = autoshard.parallelize(
+                spec.train_step, mesh=mesh, cluster=cluster, donate_argnums=(0,), memory_budget=cluster.memory
+            )
             t = time.perf_counter()
             try:
                 plan = step.plan(state, batch)
@@ -188,7 +216,7 @@ def measure_case(case: Case, num_devices: int, *, presets=PRESETS, progress=None
         gc.collect()
     if not case.tiny:
         steps = {}
-    return CaseResult(tuple(rows), steps, megatron_best_mesh)
+    return CaseResult(tuple(rows), steps, megatron_best_mesh, executables)
 
 
 def _candidate(shape, run, preset: Preset, mem_limit) -> dict:
@@ -208,9 +236,17 @@ def _row(base, method, preset: Preset, shape, run, mem_limit) -> dict:
         return {**row, "status": "error", "error": run["error"], "oom": False, "step_time_s": None}
     oom = run["peak_bytes"] > mem_limit
     sc = run["scores"][preset.name]
-    return {**row, "status": "oom" if oom else "ok", "error": None, "oom": oom, **sc,
-            **{k: run[k] for k in ("collectives", "collective_bytes", "memory", "peak_bytes", "lower_s",
-                                   "compile_s")}}
+    return {
+        **row,
+        "status": "oom" if oom else "ok",
+        "error": None,
+        "oom": oom,
+        **sc,
+        **{
+            k: run[k]
+            for k in ("collectives", "collective_bytes", "memory", "peak_bytes", "lower_s", "compile_s")
+        },
+    }
 
 
 def _autoshard_row(base, preset: Preset, plans, state, batch, cluster, steps) -> dict:
@@ -220,26 +256,51 @@ def _autoshard_row(base, preset: Preset, plans, state, batch, cluster, steps) ->
         if isinstance(plan, str):
             entry["error"] = plan
         else:
-            entry.update(objective_s=plan.cost.objective, timings=dict(plan.stats.get("timings", {})),
-                         predicted_peak_bytes=plan.cost.peak_memory_bytes, optimal=plan.stats.get("optimal"),
-                         nodes=plan.stats.get("nodes"))
+            entry.update(
+                objective_s=plan.cost.objective,
+                timings=dict(plan.stats.get("timings", {})),
+                predicted_peak_bytes=plan.cost.peak_memory_bytes,
+                optimal=plan.stats.get("optimal"),
+                nodes=plan.stats.get("nodes"),
+            )
         by_mesh.append(entry)
     feasible = [(s, st, p) for s, st, p, _ in plans if not isinstance(p, str)]
     info = {"planning_s": sum(p[3] for p in plans), "planning_by_mesh": by_mesh}
     if not feasible:
-        row = {**base, "method": "autoshard", "preset": preset.name, "mesh": None,
-               "memory_limit": cluster.memory, "autoshard": info}
-        return {**row, "status": "error", "error": "; ".join(e["error"] for e in by_mesh), "oom": False,
-                "step_time_s": None}
+        row = {
+            **base,
+            "method": "autoshard",
+            "preset": preset.name,
+            "mesh": None,
+            "memory_limit": cluster.memory,
+            "autoshard": info,
+        }
+        return {
+            **row,
+            "status": "error",
+            "error": "; ".join(e["error"] for e in by_mesh),
+            "oom": False,
+            "step_time_s": None,
+        }
     shape, step, plan = min(feasible, key=lambda f: f[2].cost.objective)
     try:
         compiled, lower_s, compile_s = _compile(lambda: step.lower(state, batch))
     except Exception as e:  # noqa: BLE001
-        row = {**base, "method": "autoshard", "preset": preset.name, "mesh": list(shape),
-               "memory_limit": cluster.memory, "autoshard": info}
+        row = {
+            **base,
+            "method": "autoshard",
+            "preset": preset.name,
+            "mesh": list(shape),
+            "memory_limit": cluster.memory,
+            "autoshard": info,
+        }
         return {**row, "status": "error", "error": _error(e), "oom": False, "step_time_s": None}
-    run = {"lower_s": lower_s, "compile_s": compile_s, **read_compiled(compiled),
-           "scores": {preset.name: score(compiled, cluster, shape)}}
+    run = {
+        "lower_s": lower_s,
+        "compile_s": compile_s,
+        **read_compiled(compiled),
+        "scores": {preset.name: score(compiled, cluster, shape)},
+    }
     check = plan.verify(compiled)
     c = plan.cost
     info.update(
@@ -247,17 +308,25 @@ def _autoshard_row(base, preset: Preset, plans, state, batch, cluster, steps) ->
         solver_optimal=plan.stats.get("optimal"),
         problem_nodes=plan.stats.get("nodes"),
         eqns=plan.stats.get("eqns"),
-        predicted={"compute_s": c.compute_seconds, "communication_s": c.communication_seconds,
-                   "communication_bytes": c.communication_bytes, "peak_memory_bytes": c.peak_memory_bytes,
-                   "objective_s": c.objective},
-        verify={"predicted": dict(check.predicted), "compiled": dict(check.compiled),
-                "predicted_bytes": check.predicted_bytes, "compiled_bytes": check.compiled_bytes,
-                "ratio": check.ratio},
+        predicted={
+            "compute_s": c.compute_seconds,
+            "communication_s": c.communication_seconds,
+            "communication_bytes": c.communication_bytes,
+            "peak_memory_bytes": c.peak_memory_bytes,
+            "objective_s": c.objective,
+        },
+        verify={
+            "predicted": dict(check.predicted),
+            "compiled": dict(check.compiled),
+            "predicted_bytes": check.predicted_bytes,
+            "compiled_bytes": check.compiled_bytes,
+            "ratio": check.ratio,
+        },
         memory_ratio=run["peak_bytes"] / c.peak_memory_bytes if c.peak_memory_bytes else None,
         warnings=list(plan.warnings),
     )
+    steps[preset.name] = (step, plan, compiled)
     del compiled
-    steps[preset.name] = step
     row = _row(base, "autoshard", preset, shape, run, cluster.memory)
     row["autoshard"] = info
     return row

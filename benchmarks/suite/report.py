@@ -26,8 +26,11 @@ class Progress:
             self.bar.set_postfix_str(label[:60])
             self.bar.update(1)
         else:
-            print(f"[{self.n}/{self.total} {time.perf_counter() - self.t0:6.0f}s] {label}", file=sys.stderr,
-                  flush=True)
+            print(
+                f"[{self.n}/{self.total} {time.perf_counter() - self.t0:6.0f}s] {label}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def close(self) -> None:
         if self.bar is not None:
@@ -66,15 +69,17 @@ def comparisons(rows: list[dict]) -> list[dict]:
     for (model, preset), methods in grouped(rows).items():
         auto, best = methods.get("autoshard"), best_baseline(methods)
         ok = auto is not None and auto["status"] == "ok"
-        out.append({
-            "model": model,
-            "preset": preset,
-            "best_baseline": None if best is None else best["method"],
-            "best_baseline_s": None if best is None else best["step_time_s"],
-            "autoshard_s": auto["step_time_s"] if ok else None,
-            "speedup": best["step_time_s"] / auto["step_time_s"] if ok and best else None,
-            "autoshard_oom_while_baseline_fits": bool(auto and auto["status"] == "oom" and best),
-        })
+        out.append(
+            {
+                "model": model,
+                "preset": preset,
+                "best_baseline": None if best is None else best["method"],
+                "best_baseline_s": None if best is None else best["step_time_s"],
+                "autoshard_s": auto["step_time_s"] if ok else None,
+                "speedup": best["step_time_s"] / auto["step_time_s"] if ok and best else None,
+                "autoshard_oom_while_baseline_fits": bool(auto and auto["status"] == "oom" and best),
+            }
+        )
     return out
 
 
@@ -91,45 +96,95 @@ def _cell(r: dict | None) -> str:
 
 def step_time_table(rows: list[dict]) -> str:
     """Estimated step time (ms) per method; the last column is best baseline ÷ autoshard."""
-    head = ["model", "params", "batch", "preset", *(METHOD_LABELS[m] for m in METHODS), "best baseline ÷ autoshard"]
+    head = [
+        "model",
+        "params",
+        "batch",
+        "preset",
+        *(METHOD_LABELS[m] for m in METHODS),
+        "best baseline ÷ autoshard",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     speed = {(c["model"], c["preset"]): c for c in comparisons(rows)}
     for (model, preset), methods in grouped(rows).items():
         any_row = next(iter(methods.values()))
         c = speed[(model, preset)]
         ratio = "—" if c["speedup"] is None else f"{c['speedup']:.2f}× vs {METHOD_LABELS[c['best_baseline']]}"
-        cells = [model, f"{any_row['params'] / 1e6:.0f}M", str(any_row["batch"]), preset,
-                 *(_cell(methods.get(m)) for m in METHODS), ratio]
+        cells = [
+            model,
+            f"{any_row['params'] / 1e6:.0f}M",
+            str(any_row["batch"]),
+            preset,
+            *(_cell(methods.get(m)) for m in METHODS),
+            ratio,
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def detail_table(rows: list[dict]) -> str:
     """Per row: flops, communication, memory, compile time."""
-    head = ["model", "preset", "method", "mesh", "TFLOP/dev", "compute ms", "comm ms", "AR/AG/RS/A2A/CP count",
-            "comm GiB/dev", "peak GiB/dev", "compile s"]
+    head = [
+        "model",
+        "preset",
+        "method",
+        "mesh",
+        "TFLOP/dev",
+        "compute ms",
+        "comm ms",
+        "AR/AG/RS/A2A/CP count",
+        "comm GiB/dev",
+        "peak GiB/dev",
+        "compile s",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r["status"] == "error":
-            lines.append(f"| {r['model']} | {r['preset']} | {r['method']} | {_mesh(r['mesh'])} | error: "
-                         f"{(r.get('error') or '')[:80]} |" + " |" * (len(head) - 5))
+            lines.append(
+                f"| {r['model']} | {r['preset']} | {r['method']} | {_mesh(r['mesh'])} | error: "
+                f"{(r.get('error') or '')[:80]} |" + " |" * (len(head) - 5)
+            )
             continue
         col = r["collectives"]
-        counts = "/".join(str(col.get(k, {}).get("count", 0)) for k in
-                          ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"))
-        lines.append("| " + " | ".join([
-            r["model"], r["preset"], METHOD_LABELS[r["method"]], _mesh(r["mesh"]),
-            f"{r['flops_per_device'] / 1e12:.2f}", _ms(r["compute_s"]), _ms(r["communication_s"]), counts,
-            _gb(r["collective_bytes"]), _gb(r["peak_bytes"]) + (" OOM" if r["oom"] else ""),
-            f"{r['compile_s']:.1f}"]) + " |")
+        counts = "/".join(
+            str(col.get(k, {}).get("count", 0))
+            for k in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+        )
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["model"],
+                    r["preset"],
+                    METHOD_LABELS[r["method"]],
+                    _mesh(r["mesh"]),
+                    f"{r['flops_per_device'] / 1e12:.2f}",
+                    _ms(r["compute_s"]),
+                    _ms(r["communication_s"]),
+                    counts,
+                    _gb(r["collective_bytes"]),
+                    _gb(r["peak_bytes"]) + (" OOM" if r["oom"] else ""),
+                    f"{r['compile_s']:.1f}",
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 
 def fidelity_table(rows: list[dict]) -> str:
     """autoshard's planning time per pass, XLA compile time, and predicted vs compiled cost."""
-    head = ["model", "preset", "mesh", "meshes planned", "planning s (all meshes)",
-            "chosen: capture/strategies/problem/solve s", "XLA compile s", "comm GiB pred → compiled",
-            "peak GiB pred → compiled"]
+    head = [
+        "model",
+        "preset",
+        "mesh",
+        "meshes planned",
+        "planning s (all meshes)",
+        "chosen: capture/strategies/problem/solve s",
+        "XLA compile s",
+        "comm GiB pred → compiled",
+        "peak GiB pred → compiled",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r["method"] != "autoshard" or "autoshard" not in r:
@@ -138,12 +193,34 @@ def fidelity_table(rows: list[dict]) -> str:
         t = a.get("timings", {})
         passes = "/".join(f"{t.get(k, 0):.1f}" for k in ("capture", "strategies", "problem", "solve"))
         v, p = a.get("verify"), a.get("predicted")
-        comm = "—" if v is None else f"{_gb(v['predicted_bytes'])} → {_gb(v['compiled_bytes'])} ({v['ratio']:.2f}×)"
-        peak = "—" if p is None or r["status"] == "error" else (
-            f"{_gb(p['peak_memory_bytes'])} → {_gb(r['peak_bytes'])} ({a['memory_ratio']:.2f}×)")
+        comm = (
+            "—"
+            if v is None
+            else f"{_gb(v['predicted_bytes'])} → {_gb(v['compiled_bytes'])} ({v['ratio']:.2f}×)"
+        )
+        peak = (
+            "—"
+            if p is None or r["status"] == "error"
+            else (f"{_gb(p['peak_memory_bytes'])} → {_gb(r['peak_bytes'])} ({a['memory_ratio']:.2f}×)")
+        )
         compile_s = f"{r['compile_s']:.1f}" if r.get("compile_s") is not None else "—"
-        lines.append("| " + " | ".join([r["model"], r["preset"], _mesh(r["mesh"]), str(len(a["planning_by_mesh"])),
-                                         f"{a['planning_s']:.1f}", passes, compile_s, comm, peak]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["model"],
+                    r["preset"],
+                    _mesh(r["mesh"]),
+                    str(len(a["planning_by_mesh"])),
+                    f"{a['planning_s']:.1f}",
+                    passes,
+                    compile_s,
+                    comm,
+                    peak,
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -153,9 +230,22 @@ def execution_table(records: list[dict]) -> str:
     for e in records:
         losses = "error: " + e["error"][:60] if e["error"] else ", ".join(f"{x:.6f}" for x in e["losses"])
         err = "—" if e["max_rel_err"] is None else f"{e['max_rel_err']:.1e}"
-        lines.append("| " + " | ".join([e["model"], METHOD_LABELS[e["method"]], e["preset"] or "—", _mesh(e["mesh"]),
-                                         losses, ", ".join(f"{x:.6f}" for x in e["reference_losses"]), err,
-                                         "yes" if e["ok"] else "**NO**"]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    e["model"],
+                    METHOD_LABELS[e["method"]],
+                    e["preset"] or "—",
+                    _mesh(e["mesh"]),
+                    losses,
+                    ", ".join(f"{x:.6f}" for x in e["reference_losses"]),
+                    err,
+                    "yes" if e["ok"] else "**NO**",
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -174,8 +264,12 @@ def markdown(result: dict) -> str:
         fidelity_table(result["rows"]),
     ]
     if result["executions"]:
-        parts += ["", "Execution on simulated devices vs single-device jax.jit (tiny configs):", "",
-                  execution_table(result["executions"])]
+        parts += [
+            "",
+            "Execution on simulated devices vs single-device jax.jit (tiny configs):",
+            "",
+            execution_table(result["executions"]),
+        ]
     return "\n".join(parts)
 
 

@@ -8,8 +8,9 @@ on one mesh axis with ``n`` devices, ``B`` bytes and link cost ``α + β·bytes`
 - reduce-scatter = α + β·(n−1)/n·B      (B: the buffer before scattering)
 - all-to-all     = α + β·(n−1)/n·B·p    (B: the buffer per device; p the penalty)
 
-A collective over several axes at once is priced as one ring over all of them at
-the slowest axis's bandwidth and the summed latency.
+A collective over several axes runs hierarchically, fastest axis first (see
+``CostModel.collective_time``); an all-to-all over several axes is one ring at the
+slowest axis's bandwidth and the summed latency.
 """
 
 from __future__ import annotations
@@ -70,17 +71,34 @@ class CostModel:
         return n, sum(self.alpha[a] for a in axes), max(self.beta[a] for a in axes)
 
     def collective_time(self, c: Collective) -> float:
-        n, alpha, beta = self._ring(c.axes)
-        if n == 1:
+        """Alpha-beta seconds of one collective.
+
+        Over several mesh axes, all-gather, reduce-scatter and all-reduce run
+        hierarchically, fastest axis first: axis ``k`` moves ``B / (n_0···n_{k−1})``
+        bytes, so slow links carry the least (as NCCL and XLA do across nodes, and as
+        :meth:`autoshard.ClusterSpec.collective_cost` scores them). An all-reduce pays
+        ``2α`` on every axis but the last. All-to-all is one ring on the slowest axis."""
+        axes = [a for a in c.axes if self.mesh.shape[a] > 1]
+        if not axes:
             return 0.0
-        frac = (n - 1) / n
-        if c.kind == "all-reduce" or (c.kind == "reduce-scatter" and self.reduce_scatter_as_all_reduce):
-            return alpha + 2 * beta * frac * c.bytes
-        if c.kind in ("all-gather", "reduce-scatter"):
-            return alpha + beta * frac * c.bytes
-        if c.kind == "all-to-all":
-            return alpha + beta * frac * c.bytes * ALL_TO_ALL_PENALTY
-        raise ValueError(f"unknown collective kind {c.kind!r}")
+        kind = c.kind
+        if kind == "reduce-scatter" and self.reduce_scatter_as_all_reduce:
+            kind = "all-reduce"
+        if kind == "all-to-all":
+            n, alpha, beta = self._ring(axes)
+            return alpha + beta * (n - 1) / n * c.bytes * ALL_TO_ALL_PENALTY
+        if kind not in ("all-reduce", "all-gather", "reduce-scatter"):
+            raise ValueError(f"unknown collective kind {c.kind!r}")
+        axes.sort(key=lambda a: (self.beta[a], a))
+        total, chunk = 0.0, float(c.bytes)
+        for k, a in enumerate(axes):
+            n = self.mesh.shape[a]
+            if kind == "all-reduce":
+                total += self.alpha[a] * (1 if k == len(axes) - 1 else 2) + 2 * self.beta[a] * (n - 1) / n * chunk
+            else:
+                total += self.alpha[a] + self.beta[a] * (n - 1) / n * chunk
+            chunk /= n
+        return total
 
     def compute_time(self, flops: float) -> float:
         return flops / self.flops

@@ -22,17 +22,19 @@ from autoshard.solver.memory import MemoryRows
 from autoshard.solver.problem import ShardingProblem
 from autoshard.solver.reduce import Reduction, reduce_problem
 
-_FORBIDDEN = 1e12
+FORBIDDEN = 1e12
 FOREST_PATIENCE = 3
 # guarded descent stops after this many rounds in a row without a kept choice
 GUARDED_PATIENCE = 12
+# lagrangian descent stops this many rounds after its best fit last improved
+LAGRANGE_PATIENCE = 25
 # Cores up to this many nodes are searched as they are for each penalty.
 _REREDUCE_NODES = 3000
 
 
 def soften(red: Reduction) -> Reduction:
     """The same core with forbidden edge pairs priced at a huge finite cost."""
-    soft = tuple(np.where(np.isfinite(m), m, _FORBIDDEN) for m in red.edge_costs)
+    soft = tuple(np.where(np.isfinite(m), m, FORBIDDEN) for m in red.edge_costs)
     return dataclasses.replace(red, edge_costs=soft)
 
 
@@ -40,7 +42,7 @@ def violations(state: CoreState) -> np.ndarray:
     """Indices of core edges whose chosen pair is forbidden (or priced as such)."""
     red, ch = state.red, state.choice
     return np.array(
-        [k for k, ((u, v), m) in enumerate(zip(red.edges, red.edge_costs, strict=True)) if m[ch[u], ch[v]] >= _FORBIDDEN],
+        [k for k, ((u, v), m) in enumerate(zip(red.edges, red.edge_costs, strict=True)) if m[ch[u], ch[v]] >= FORBIDDEN],
         dtype=np.int64,
     )
 
@@ -95,7 +97,7 @@ def penalty_search(
     ``red`` should be :func:`soften`-ed: the returned state may still use priced
     forbidden pairs, which the window search then removes.
     """
-    base = _plain_scale(red)
+    base = plain_scale(red)
     best: CoreState | None = None
     give_up = deadline if give_up is None else give_up
     lo, hi = None, None  # largest infeasible lam, smallest feasible lam (log2 scale)
@@ -205,75 +207,133 @@ def _large_penalty_search(
     return best
 
 
-def guarded_descent(state: CoreState, deadline: float, seed: int, log=None) -> CoreState:
-    """Forest descents on the memory-feasible ``state`` that keep it feasible.
+class _PenalisedRounds:
+    """One forest-DP round at a time for ``cost + w * usage`` with per-point multipliers.
 
-    Runs until ``deadline`` or ``GUARDED_PATIENCE`` rounds in a row keep nothing.
-
-    Each round solves one random induced forest exactly (:mod:`forest`) for
-    ``cost + w * usage``, where node ``k`` pays ``w[k]``, the largest multiplier
-    of the time points it is live at. The new choice is kept when it fits and
-    is cheaper. A round that overflows raises the multipliers of the points it
-    overflowed (x4, at least the plain cost/usage scale), so memory is priced
-    only where it binds. On contest M this took a fitting choice from 1.97e11
-    to 8.97e10 in 60 s, where MILP windows gained ~5%.
+    Node ``k`` pays ``w[k] * usage``, ``w[k]`` the largest multiplier of the
+    time points it is live at. One penalised state is reused and its costs
+    swapped each round (building a CoreState's adjacency took a third of a
+    round). Rounds alternate random node orders with hub-first ones: hubs join
+    a forest only before their neighbours link up (on contest A those rounds
+    took 2.36e10 to 2.04e10 where random orders stalled).
     """
-    red, rows = state.red, state.rows
-    n = red.num_core
-    if n == 0 or state.overflow() > 0:
-        return state
-    base = _plain_scale(red)
-    mem = np.array([m is not None for m in red.node_memory]) & (rows.hi > rows.lo)
-    mult = np.zeros(rows.num_points)
-    rng = np.random.default_rng(seed)
-    cost = state.total_cost()
-    flat = FlatCosts(red)
-    cur = state.choice.copy()
-    # one penalised state whose costs are swapped each round (building a
-    # CoreState's adjacency took a third of each round)
-    pen = CoreState(red, None, cur)
-    kept = over = pen_rounds = stale = 0
-    degree = np.bincount(red.edges.ravel(), minlength=n).astype(np.float64)
-    last = 0.0
-    while time.perf_counter() + last < deadline and stale < GUARDED_PATIENCE:
-        t0 = time.perf_counter()
-        stale += 1
-        w = np.where(mem, _range_max(mult, rows.lo, rows.hi), 0.0)
-        pen.red = dataclasses.replace(
+
+    def __init__(self, red: Reduction, rows: MemoryRows, choice: np.ndarray, seed: int):
+        self.red, self.rows = red, rows
+        self.n = red.num_core
+        self.mem = np.array([m is not None for m in red.node_memory]) & (rows.hi > rows.lo)
+        self.cap = rows.cap
+        self.tol = rows.tol
+        self.flat = FlatCosts(red)
+        self.pen = CoreState(red, None, choice)
+        self.rng = np.random.default_rng(seed)
+        self.degree = np.bincount(red.edges.ravel(), minlength=self.n).astype(np.float64)
+        self.rounds = 0
+
+    def run(self, choice: np.ndarray, mult: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The round's new choice (from ``choice``) and its usage per point."""
+        red, rng, n = self.red, self.rng, self.n
+        w = np.where(self.mem, _range_max(mult, self.rows.lo, self.rows.hi), 0.0)
+        self.pen.red = dataclasses.replace(
             red,
             node_costs=tuple(
                 c if m is None or x == 0 else c + x * m
                 for c, m, x in zip(red.node_costs, red.node_memory, w, strict=True)
             ),
         )
-        pen.choice = cur.copy()
-        search = ForestSearch(pen, int(rng.integers(2**31)))
-        if pen_rounds % 2:
-            # hubs join a forest only before their neighbours link up (on contest
-            # A these rounds took 2.36e10 to 2.04e10 where random orders stalled)
-            order = np.argsort(-degree * rng.uniform(0.5, 1.5, n), kind="stable")
+        self.pen.choice = choice.copy()
+        search = ForestSearch(self.pen, int(rng.integers(2**31)))
+        if self.rounds % 2:
+            order = np.argsort(-self.degree * rng.uniform(0.5, 1.5, n), kind="stable")
         else:
             order = rng.permutation(n)
-        pen_rounds += 1
+        self.rounds += 1
         search.solve_forest(search.forest(order))
-        hot = rows.usage(red.node_memory, pen.choice) - state.cap > state.tol
+        return self.pen.choice.copy(), self.rows.usage(red.node_memory, self.pen.choice)
+
+
+def guarded_descent(state: CoreState, deadline: float, seed: int, log=None) -> CoreState:
+    """Forest descents on the memory-feasible ``state`` that keep it feasible.
+
+    Runs until ``deadline`` or ``GUARDED_PATIENCE`` rounds in a row keep nothing.
+    A round's choice is kept when it fits and is cheaper. A round that
+    overflows raises the multipliers of the points it overflowed (x4, at least
+    the plain cost/usage scale), so memory is priced only where it binds. On
+    contest M this took a fitting choice from 1.97e11 to 8.97e10 in 60 s, where
+    MILP windows gained ~5%.
+    """
+    red, rows = state.red, state.rows
+    if red.num_core == 0 or state.overflow() > 0:
+        return state
+    base = plain_scale(red)
+    mult = np.zeros(rows.num_points)
+    rounds = _PenalisedRounds(red, rows, state.choice, seed)
+    cost = state.total_cost()
+    cur = state.choice.copy()
+    kept = over = stale = 0
+    last = 0.0
+    while time.perf_counter() + last < deadline and stale < GUARDED_PATIENCE:
+        t0 = time.perf_counter()
+        stale += 1
+        new, usage = rounds.run(cur, mult)
+        hot = usage - rounds.cap > rounds.tol
         if hot.any():
             over += 1
             mult[hot] = np.maximum(4 * mult[hot], base)
         else:
-            new = flat.cost(pen.choice)
-            if new < cost:
-                cur, cost = pen.choice.copy(), new
+            c = rounds.flat.cost(new)
+            if c < cost:
+                cur, cost = new, c
                 kept += 1
                 stale = 0
         last = time.perf_counter() - t0
-    state = CoreState(red, rows, cur)
     if log is not None:
         log(f"guarded descent: {kept} rounds kept, {over} overflowed, cost {cost:.6g}")
-    return state
+    return CoreState(red, rows, cur)
 
 
-def _plain_scale(red: Reduction) -> float:
+def lagrangian_descent(
+    red: Reduction, rows: MemoryRows, start: np.ndarray, lam: float, deadline: float, seed: int, log=None
+) -> CoreState | None:
+    """Forest rounds under per-point multipliers that follow the overflow; the cheapest fit seen.
+
+    Every round is taken (each is a descent for the current multipliers). Points
+    over capacity double their multiplier; points with 2% slack or more lose a
+    fifth of it. All start at ``lam``, the uniform multiplier ``start`` was
+    chosen under. From the choice of a small uniform multiplier (cheap but far
+    over the limit) this reached 1.006x the best known on contest M in 60 s, where
+    the cheapest fitting uniform multiplier plus guarded descents stopped at 1.77x.
+    Stops at ``deadline``, or ``LAGRANGE_PATIENCE`` rounds after the best fit
+    last improved by 0.01%.
+    """
+    if red.num_core == 0:
+        return None
+    mult = np.full(rows.num_points, lam)
+    rounds = _PenalisedRounds(red, rows, start, seed)
+    cur = np.asarray(start, dtype=np.int64).copy()
+    best, best_cost = None, np.inf
+    stale = 0
+    last = 0.0
+    while time.perf_counter() + last < deadline and (best is None or stale < LAGRANGE_PATIENCE):
+        t0 = time.perf_counter()
+        cur, usage = rounds.run(cur, mult)
+        hot = usage - rounds.cap > rounds.tol
+        stale += 1
+        if not hot.any():
+            c = rounds.flat.cost(cur)
+            if not np.isfinite(best_cost) or c < best_cost - 1e-4 * abs(best_cost):
+                stale = 0
+            if c < best_cost:
+                best, best_cost = cur.copy(), c
+        mult[hot] *= 2.0
+        mult[~hot & (usage < rounds.cap - 0.02 * np.abs(rounds.cap))] *= 0.8
+        last = time.perf_counter() - t0
+    if log is not None:
+        log(f"lagrangian descent: {rounds.rounds} rounds, best fit {best_cost:.6g}")
+    return None if best is None else CoreState(red, rows, best)
+
+
+def plain_scale(red: Reduction) -> float:
     """Typical node cost over typical usage: the penalty that makes them comparable."""
     usage_scale = np.median([m.mean() for m in red.node_memory if m is not None] or [1.0])
     cost_scale = np.median([np.abs(c[np.isfinite(c)]).mean() + 1.0 for c in red.node_costs])

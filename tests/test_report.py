@@ -76,7 +76,11 @@ def test_memory_breakdown_budget_is_optional(plan):
     mem = report.memory_breakdown(plan)
     assert mem["peak"] == plan.cost.peak_memory_bytes
     assert mem["arguments"] == sum(r[4] for r in plan.parameter_table())
-    assert mem["budget"] is None
+    assert mem["budget"] == plan.stats["memory_budget"]  # parallelize's default: the ClusterSpec's memory
+    import dataclasses
+
+    unbudgeted = dataclasses.replace(plan, stats={k: v for k, v in plan.stats.items() if k != "memory_budget"})
+    assert report.memory_breakdown(unbudgeted)["budget"] is None
     assert math.isclose(sum(mem["parts"].values()), mem["peak"], rel_tol=1e-6)  # the parts make up the peak
     assert report.memory_breakdown(plan, budget=2**30)["budget"] == 2**30
 
@@ -87,7 +91,7 @@ def test_repr_html_shows_leaves_time_and_memory(plan):
     for path in plan.in_paths:  # every leaf, html-escaped
         assert path.replace("'", "&#x27;") in text
     assert "P(None, &#x27;model&#x27;)" in text or "P(&#x27;" in text
-    assert "compute" in text and "Memory per device" in text and "budget: not given" in text
+    assert "compute" in text and "Memory per device" in text and "budget</td>" in text
     for kind, nbytes in plan.predicted_bytes_by_kind().items():
         if nbytes:
             assert kind in text

@@ -1,12 +1,21 @@
-"""A first feasible solution for large memory-constrained cores, by penalising memory.
+"""Large memory-constrained cores: price memory into node costs, then search.
 
 With memory priced into node costs (``cost + lam * usage``) the problem has no
 memory constraint left, so every node becomes memory-free and the exact leaf and
-series eliminations collapse the core far further; forest descents
-(:mod:`forest`) then choose the rest. The multiplier ``lam`` is searched geometrically and then by bisection for
-the cheapest choice that still fits the memory limit. Forbidden (infinite) edge
-entries are honoured by the eliminations, which is what makes this start finite
-where per-node greedy starts are not.
+series eliminations collapse the core far further; a greedy pass and forest
+descents (:mod:`forest`) choose the rest (:func:`penalised_choice`).
+
+* :func:`lagrangian_descent` starts from the choice of a small uniform ``lam``
+  (cheap, far over the limit) and runs forest rounds under one multiplier per
+  time point, doubled where the round overflowed and lowered where it had
+  slack, keeping the cheapest fitting choice.
+* :func:`penalty_search` searches one uniform ``lam`` geometrically, then by
+  bisection, for the cheapest choice that fits (the fallback start).
+* :func:`guarded_descent` improves a fitting choice by forest rounds that are
+  kept only when they fit and cost less.
+
+Forbidden (infinite) edge entries are priced at ``FORBIDDEN`` (:func:`soften`),
+so every search sees finite costs and drives them out.
 """
 
 from __future__ import annotations

@@ -4,6 +4,11 @@ Pipeline: exact reductions (:mod:`reduce`) -> memory rows on compressed time poi
 (:mod:`memory`) -> a fast greedy first solution (:mod:`local`) -> the grouped MILP
 (:mod:`milp`) with the remaining time -> expand the core choice back through the
 reductions and recompute cost and peak memory on the original problem.
+
+Cores too large for one MILP: without memory rows, multi-start forest descents
+(:mod:`forest`); with them, the memory-priced searches of :mod:`penalty`
+(lagrangian descent, then guarded descents, then a second start from the
+uniform penalty search), and MILP windows (:mod:`lns`) with the time left.
 """
 
 from __future__ import annotations

@@ -465,7 +465,6 @@ def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, t
     dec = decode(built, sol.choice, program, cost)
     in_specs = tuple(dec.value_specs[v] for v in program.graph.invars)
     out_specs = []
-    node_of_input = sgraph.input_nodes
     for j, v in enumerate(program.graph.outvars):
         if j in sgraph.output_ties:
             out_specs.append(dec.node_strategy[sgraph.output_ties[j]].out_specs[0])
@@ -473,7 +472,6 @@ def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, t
             out_specs.append(dec.value_specs[v])
         else:
             out_specs.append(ShardingSpec(((),) * np.ndim(v.value)))
-    del node_of_input
     comm_bytes = sum(c.bytes * k for c, k in dec.collectives)
     memory = estimate_memory(program, dec.value_specs, info, donated=donated, out_specs=out_specs, ties=ties)
     pcost = PlanCost(dec.compute_seconds, dec.comm_seconds, comm_bytes, memory.peak_bytes, float(sol.cost))

@@ -272,14 +272,6 @@ class MergedGraph:
     roots: tuple[int, ...]
 
 
-def _edge_specs(graph: StrategyGraph, e: _Edge):
-    src = graph.nodes[e.src]
-    dst = graph.nodes[e.dst]
-    out_specs = [s.out_specs[e.src_pos] for s in src.strategies]
-    in_specs = [s.out_specs[0] if e.dst_pos < 0 else s.in_specs[e.dst_pos] for s in dst.strategies]
-    return out_specs, in_specs
-
-
 def merge_followers(graph: StrategyGraph, cost: CostModel, avals) -> MergedGraph:
     """Pass 2: fold each follower into the node that produces its main operand.
 

@@ -109,7 +109,6 @@ def penalty_search(
     base = plain_scale(red)
     best: CoreState | None = None
     give_up = deadline if give_up is None else give_up
-    lo, hi = None, None  # largest infeasible lam, smallest feasible lam (log2 scale)
 
     small = red.num_core <= _REREDUCE_NODES
     if not small:
@@ -137,26 +136,7 @@ def penalty_search(
         until = deadline if best is not None else max(deadline, give_up)
         return time.perf_counter() + 0.8 * last < until
 
-    e = _node_only_exponent(red, rows, base)
-    step = 2.0
-    while time_left():
-        if attempt(e):
-            hi = e
-            if lo is not None:
-                break
-            e -= step
-        else:
-            lo = e
-            if hi is not None:
-                break
-            e += step
-        step *= 2
-    while lo is not None and hi is not None and hi - lo > 0.1 and time_left():
-        mid = 0.5 * (lo + hi)
-        if attempt(mid):
-            hi = mid
-        else:
-            lo = mid
+    _bracket_and_bisect(attempt, time_left, _node_only_exponent(red, rows, base), 2.0, 0.1)
     return best
 
 
@@ -173,7 +153,6 @@ def _large_penalty_search(
     until ``give_up``.
     """
     best: CoreState | None = None
-    lo, hi = None, None
     last = 0.0
 
     def attempt(e: float) -> bool:
@@ -194,7 +173,14 @@ def _large_penalty_search(
         until = deadline if best is not None else max(deadline, give_up)
         return time.perf_counter() + 0.5 * last < until
 
-    e, step = 0.0, 4.0
+    _bracket_and_bisect(attempt, time_left, 0.0, 4.0, 0.5)
+    return best
+
+
+def _bracket_and_bisect(attempt, time_left, e: float, step: float, tol: float) -> None:
+    """Find the smallest penalty exponent whose attempt fits: step out in doubling steps
+    from ``e`` until one attempt fits and one does not, then bisect down to ``tol``."""
+    lo, hi = None, None
     while time_left():
         if attempt(e):
             hi = e
@@ -207,13 +193,12 @@ def _large_penalty_search(
                 break
             e += step
         step *= 2
-    while lo is not None and hi is not None and hi - lo > 0.5 and time_left():
+    while lo is not None and hi is not None and hi - lo > tol and time_left():
         mid = 0.5 * (lo + hi)
         if attempt(mid):
             hi = mid
         else:
             lo = mid
-    return best
 
 
 class _PenalisedRounds:

@@ -1,0 +1,152 @@
+"""One process of a multi-process test job (started by tests/test_multihost.py, not collected).
+
+Usage: python tests/multihost_worker.py MODE OUT_DIR [--port P --process-id I --num-processes N]
+
+Modes:
+  train:   the issue's recipe on a ``(processes, local devices)`` mesh: a tiny GPT trained for
+           ``--steps`` steps, each process passing its slice of the batch; writes losses, the plan
+           and the gathered params, then saves an orbax checkpoint of the state.
+  resume:  one process: restore that checkpoint onto a re-planned mesh, train ``--steps`` more.
+  die:     two processes run a small step; process 1 exits just before step 2.
+  hang:    two processes run a small step; process 1 sleeps just before step 2.
+
+The device count comes from XLA_FLAGS in the environment, set by the caller.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+GLOBAL_BATCH = 8
+
+
+def tiny_gpt():
+    from benchmarks.models import gpt
+
+    config = gpt.GPTConfig(vocab_size=64, seq_len=8, hidden=32, num_layers=1, num_heads=2)
+    return gpt.build(config, GLOBAL_BATCH)
+
+
+def global_batch(spec, step: int):
+    """The global batch of step ``step`` (the same on every process and in the reference)."""
+    import jax
+
+    return jax.tree.map(np.asarray, spec.make_batch(jax.random.key(100 + step)))
+
+
+def local_slice(batch, process: int, num_processes: int):
+    rows = GLOBAL_BATCH // num_processes
+    return {k: v[process * rows:(process + 1) * rows] for k, v in batch.items()}
+
+
+def train(args):
+    import jax
+    import orbax.checkpoint as ocp
+    from jax.experimental import multihost_utils
+
+    import autoshard
+
+    spec = tiny_gpt()
+    state = jax.tree.map(np.asarray, spec.init_state(jax.random.key(0)))
+    mesh = autoshard.make_mesh((jax.process_count(), jax.local_device_count()), ("data", "model"))
+    step = autoshard.parallelize(spec.train_step, mesh=mesh, progress=None, step_timeout=120)
+    me, n = jax.process_index(), jax.process_count()
+    losses = []
+    for i in range(args.steps):
+        state, metrics = step(state, local_slice(global_batch(spec, i), me, n))
+        losses.append(float(metrics["loss"]))  # a replicated global scalar: readable on every process
+    plan = step.plan(state, local_slice(global_batch(spec, 0), me, n))
+    params = multihost_utils.process_allgather(state["params"], tiled=True)
+    flat = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    np.savez(os.path.join(args.out, f"params{me}.npz"), **flat)
+    loss_sharding = metrics["loss"].sharding
+    with open(os.path.join(args.out, f"result{me}.json"), "w") as f:
+        json.dump({"losses": losses, "plan": plan.to_json(), "fingerprint": plan.fingerprint,
+                   "global_state": all(isinstance(x, jax.Array) and not x.is_fully_addressable
+                                       for x in jax.tree.leaves(state["params"]) if x.ndim),
+                   "loss_replicated": bool(loss_sharding.is_fully_replicated),
+                   "tokens_spec": [str(s) for p, s in zip(plan.in_paths, plan.in_specs, strict=True)
+                                   if p == "[1]['tokens']"],
+                   "devices": jax.device_count(), "processes": n}, f)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(os.path.join(args.out, "ckpt"), state)
+
+
+def resume(args):
+    import jax
+    import orbax.checkpoint as ocp
+
+    import autoshard
+
+    spec = tiny_gpt()
+    abstract = jax.eval_shape(spec.init_state, jax.random.key(0))
+    mesh = autoshard.make_mesh((2, jax.device_count() // 2), ("data", "model"))
+    step = autoshard.parallelize(spec.train_step, mesh=mesh, progress=None)
+    plan = step.plan(abstract, jax.eval_shape(lambda: spec.make_batch(jax.random.key(0))))
+    with ocp.StandardCheckpointer() as ckpt:  # restore straight onto the new plan's shardings
+        state = ckpt.restore(os.path.join(args.out, "ckpt"), autoshard.apply_plan(plan, abstract))
+    on_plan = all(x.sharding == s for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(plan.in_shardings[0]),
+                                                   strict=True))
+    losses = []
+    for i in range(args.first_step, args.first_step + args.steps):
+        state, metrics = step(state, global_batch(spec, i))
+        losses.append(float(metrics["loss"]))
+    with open(os.path.join(args.out, "resume.json"), "w") as f:
+        json.dump({"losses": losses, "restored_on_plan": on_plan, "devices": jax.device_count()}, f)
+
+
+def fail(args):
+    import jax
+    import jax.numpy as jnp
+
+    import autoshard
+
+    def train_step(w, x):
+        loss = jnp.mean(jnp.tanh(x @ w) ** 2)
+        return w - 0.1 * jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w), loss
+
+    step = autoshard.parallelize(train_step, progress=None, step_timeout=args.step_timeout)
+    me = jax.process_index()
+    w = np.ones((16, 16), np.float32) / 16
+    x = np.ones((4, 16), np.float32) * (me + 1)
+    for i in range(4):
+        if me == 1 and i == 2:
+            print(f"process 1: {args.mode} before step {i}", flush=True)
+            if args.mode == "die":
+                os._exit(3)
+            time.sleep(3600)
+        w, loss = step(w, x)
+        print(f"process {me}: step {i} loss {float(loss):.6f} at {time.time():.3f}", flush=True)
+    print(f"process {me}: finished", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=("train", "resume", "die", "hang"))
+    p.add_argument("out")
+    p.add_argument("--port", type=int)
+    p.add_argument("--process-id", type=int, default=0)
+    p.add_argument("--num-processes", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--first-step", type=int, default=0)
+    p.add_argument("--step-timeout", type=float, default=20)
+    p.add_argument("--heartbeat", type=int, default=10)
+    args = p.parse_args()
+    if args.num_processes > 1:
+        import autoshard.distributed
+
+        autoshard.distributed.initialize(f"localhost:{args.port}", args.num_processes, args.process_id,
+                                         heartbeat_timeout_seconds=args.heartbeat, initialization_timeout=60)
+    {"train": train, "resume": resume, "die": fail, "hang": fail}[args.mode](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -85,26 +85,29 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 def process_axes(mesh) -> tuple[str, ...]:
     """The mesh axes along which the owning process changes, in mesh order.
 
-    A process-local batch is laid out along these axes: process ``p`` holds the block at its
-    coordinate. Each process must own exactly one coordinate on them (all its devices share it).
+    A process-local batch is laid out along these axes: each process owns one contiguous run of
+    their (flattened) coordinates, of equal length for every process, and holds the rows there.
 
     Raises:
-      MeshError: a process's devices sit at several coordinates of those axes, or two processes
-        share one, so a process-local slice cannot be a contiguous block of the global batch.
+      MeshError: a coordinate of those axes holds devices of several processes, or a process owns a
+        broken run, so a process-local slice cannot be a contiguous block of the global batch.
     """
     procs = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
     axes = tuple(i for i in range(procs.ndim) if np.any(np.diff(procs, axis=i) != 0))
     keep = [i for i in range(procs.ndim) if i not in axes]
-    # Collapse the within-process axes: every process must then appear exactly once.
+    # Rows: the within-process axes; columns: the coordinates along the process axes, in order.
     blocks = np.moveaxis(procs, keep, list(range(len(keep)))).reshape(
         int(np.prod([procs.shape[i] for i in keep], dtype=int)), -1)
     names = tuple(mesh.axis_names[i] for i in axes)
-    if not (np.all(blocks == blocks[:1]) and len(set(blocks[0].tolist())) == blocks.shape[1]):
+    owner = blocks[0]
+    runs = 1 + int(np.count_nonzero(np.diff(owner)))
+    counts = np.unique(owner, return_counts=True)[1]
+    if not (np.all(blocks == owner) and runs == len(counts) and np.all(counts == counts[0])):
         shape = dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))
         raise MeshError(
             f"the mesh {shape} mixes processes within the axes {names or '()'}: each process must own one "
-            "block of devices along the axes that span processes, so that its local batch is one block "
-            "of the global batch.\n"
+            "contiguous block of devices along the axes that span processes, so that its local batch is "
+            "one block of the global batch.\n"
             "Fix: build the mesh with the processes on the leading axis, e.g. "
             "autoshard.make_mesh((jax.process_count(), jax.local_device_count()), ('data', 'model')).")
     return names

@@ -6,7 +6,6 @@ Modes:
   train:   the issue's recipe on a ``(processes, local devices)`` mesh: a tiny GPT trained for
            ``--steps`` steps, each process passing its slice of the batch; writes losses, the plan
            and the gathered params, then saves an orbax checkpoint of the state.
-  resume:  one process: restore that checkpoint onto a re-planned mesh, train ``--steps`` more.
   die:     two processes run a small step; process 1 exits just before step 2.
   hang:    two processes run a small step; process 1 sleeps just before step 2.
 
@@ -42,6 +41,29 @@ def global_batch(spec, step: int):
     return jax.tree.map(np.asarray, spec.make_batch(jax.random.key(100 + step)))
 
 
+def initial_state(spec, folder):
+    """``spec.init_state(key(0))``, read from ``folder/init.npz`` when the caller saved it there.
+
+    Initialising eagerly costs each worker seconds of CPU that the test machine is short of.
+    """
+    import jax
+
+    abstract = jax.eval_shape(spec.init_state, jax.random.key(0))
+    path = os.path.join(folder, "init.npz")
+    if not os.path.exists(path):
+        return jax.tree.map(np.asarray, spec.init_state(jax.random.key(0)))
+    saved = np.load(path)
+    flat, tree = jax.tree_util.tree_flatten_with_path(abstract)
+    return jax.tree_util.tree_unflatten(tree, [saved[jax.tree_util.keystr(p)] for p, _ in flat])
+
+
+def save_initial_state(state, folder):
+    import jax
+
+    np.savez(os.path.join(folder, "init.npz"),
+             **{jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(state)[0]})
+
+
 def local_slice(batch, process: int, num_processes: int):
     rows = GLOBAL_BATCH // num_processes
     return {k: v[process * rows:(process + 1) * rows] for k, v in batch.items()}
@@ -54,8 +76,10 @@ def train(args):
 
     import autoshard
 
+    t0 = time.perf_counter()
     spec = tiny_gpt()
-    state = jax.tree.map(np.asarray, spec.init_state(jax.random.key(0)))
+    state = initial_state(spec, args.out)
+    _phase("init", t0)
     mesh = autoshard.make_mesh((jax.process_count(), jax.local_device_count()), ("data", "model"))
     step = autoshard.parallelize(spec.train_step, mesh=mesh, progress=None, step_timeout=120)
     me, n = jax.process_index(), jax.process_count()
@@ -63,6 +87,7 @@ def train(args):
     for i in range(args.steps):
         state, metrics = step(state, local_slice(global_batch(spec, i), me, n))
         losses.append(float(metrics["loss"]))  # a replicated global scalar: readable on every process
+        _phase(f"step {i}", t0)
     plan = step.plan(state, local_slice(global_batch(spec, 0), me, n))
     params = multihost_utils.process_allgather(state["params"], tiled=True)
     flat = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
@@ -76,31 +101,14 @@ def train(args):
                    "tokens_spec": [str(s) for p, s in zip(plan.in_paths, plan.in_specs, strict=True)
                                    if p == "[1]['tokens']"],
                    "devices": jax.device_count(), "processes": n}, f)
+    _phase("results", t0)
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(os.path.join(args.out, "ckpt"), state)
+    _phase("checkpoint", t0)
 
 
-def resume(args):
-    import jax
-    import orbax.checkpoint as ocp
-
-    import autoshard
-
-    spec = tiny_gpt()
-    abstract = jax.eval_shape(spec.init_state, jax.random.key(0))
-    mesh = autoshard.make_mesh((2, jax.device_count() // 2), ("data", "model"))
-    step = autoshard.parallelize(spec.train_step, mesh=mesh, progress=None)
-    plan = step.plan(abstract, jax.eval_shape(lambda: spec.make_batch(jax.random.key(0))))
-    with ocp.StandardCheckpointer() as ckpt:  # restore straight onto the new plan's shardings
-        state = ckpt.restore(os.path.join(args.out, "ckpt"), autoshard.apply_plan(plan, abstract))
-    on_plan = all(x.sharding == s for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(plan.in_shardings[0]),
-                                                   strict=True))
-    losses = []
-    for i in range(args.first_step, args.first_step + args.steps):
-        state, metrics = step(state, global_batch(spec, i))
-        losses.append(float(metrics["loss"]))
-    with open(os.path.join(args.out, "resume.json"), "w") as f:
-        json.dump({"losses": losses, "restored_on_plan": on_plan, "devices": jax.device_count()}, f)
+def _phase(what, t0):
+    print(f"[{time.perf_counter() - t0:7.2f} s] {what}", flush=True)
 
 
 def fail(args):
@@ -129,23 +137,26 @@ def fail(args):
 
 
 def main():
+    t0 = time.perf_counter()
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=("train", "resume", "die", "hang"))
+    p.add_argument("mode", choices=("train", "die", "hang"))
     p.add_argument("out")
     p.add_argument("--port", type=int)
     p.add_argument("--process-id", type=int, default=0)
     p.add_argument("--num-processes", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--first-step", type=int, default=0)
     p.add_argument("--step-timeout", type=float, default=20)
     p.add_argument("--heartbeat", type=int, default=10)
     args = p.parse_args()
     if args.num_processes > 1:
         import autoshard.distributed
 
+        _phase("imported", t0)
+
         autoshard.distributed.initialize(f"localhost:{args.port}", args.num_processes, args.process_id,
                                          heartbeat_timeout_seconds=args.heartbeat, initialization_timeout=60)
-    {"train": train, "resume": resume, "die": fail, "hang": fail}[args.mode](args)
+    _phase("initialized", t0)
+    {"train": train, "die": fail, "hang": fail}[args.mode](args)
 
 
 if __name__ == "__main__":

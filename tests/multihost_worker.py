@@ -121,7 +121,7 @@ def fail(args):
         loss = jnp.mean(jnp.tanh(x @ w) ** 2)
         return w - 0.1 * jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w), loss
 
-    step = autoshard.parallelize(train_step, progress=None, step_timeout=args.step_timeout)
+    step = autoshard.parallelize(train_step, progress=None, step_timeout=args.step_timeout or None)
     me = jax.process_index()
     w = np.ones((16, 16), np.float32) / 16
     x = np.ones((4, 16), np.float32) * (me + 1)
@@ -145,7 +145,7 @@ def main():
     p.add_argument("--process-id", type=int, default=0)
     p.add_argument("--num-processes", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--step-timeout", type=float, default=20)
+    p.add_argument("--step-timeout", type=float, default=20, help="0: no watchdog")
     p.add_argument("--heartbeat", type=int, default=10)
     args = p.parse_args()
     if args.num_processes > 1:

@@ -28,6 +28,7 @@ import pytest
 import autoshard
 from autoshard.distributed import STEP_FAILED_EXIT_CODE, ProcessLocalArgs, StepWatchdog, process_axes
 from autoshard.errors import InputError, MeshError
+from tests import multihost_worker as worker
 from tests.helpers import assert_trees_close
 
 ocp = pytest.importorskip("orbax.checkpoint")
@@ -35,8 +36,6 @@ pytest.importorskip("flax")
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().with_name("multihost_worker.py")
-sys.path.insert(0, str(WORKER.parent))
-import multihost_worker as worker  # noqa: E402
 
 
 def _free_port() -> int:
@@ -197,6 +196,16 @@ def test_a_dead_process_makes_the_other_exit_with_a_clear_error(tmp_path):
                      r"process of the job died", log), log
     # gloo notices the closed connection at once; the watchdog turns it into an exit.
     assert t0 - t1 < 20, f"process 0 took {t0 - t1:.1f} s to fail after process 1 died"
+
+
+def test_without_a_watchdog_jax_still_ends_the_job_within_the_heartbeat_timeout(tmp_path):
+    """The documented fallback: the read raises (gloo), and jax aborts the process at exit."""
+    procs = _launch("die", tmp_path, extra=("--step-timeout", "0", "--heartbeat", "5"))
+    (rc0, t0), (rc1, t1) = _wait(procs, timeout=120)
+    log = _log(tmp_path, 0)
+    assert rc1 == 3 and rc0 not in (0, None), log
+    assert "Gloo all-reduce failed" in log or "JAX distributed service detected fatal errors" in log, log
+    assert t0 - t1 < 5 + 15, f"process 0 took {t0 - t1:.1f} s to end after process 1 died"
 
 
 def test_a_hung_process_trips_the_step_timeout(tmp_path):

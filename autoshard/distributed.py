@@ -300,6 +300,8 @@ class StepWatchdog:
         with self._lock:
             self._count += 1
             number = self._count
+        # Read the job's shape now: the threads may run while the interpreter shuts jax down.
+        where = (jax.process_index(), jax.process_count())
         done = threading.Event()
         start = time.monotonic()
 
@@ -307,30 +309,32 @@ class StepWatchdog:
             try:
                 jax.block_until_ready(outputs)
             except Exception as e:  # noqa: BLE001 - any runtime failure of the step
-                if jax.process_count() > 1:
+                if where[1] > 1:
                     self._die(f"{self.name} {number} failed after {time.monotonic() - start:.1f} s: "
-                              f"{type(e).__name__}: {_first_line(e)}")
+                              f"{type(e).__name__}: {_first_line(e)}", *where)
             finally:
                 done.set()
 
         def monitor():
             if not done.wait(self.timeout):
-                self._die(f"{self.name} {number} did not finish within step_timeout={self.timeout:g} s")
+                self._die(f"{self.name} {number} did not finish within step_timeout={self.timeout:g} s", *where)
 
         threading.Thread(target=wait, name=f"autoshard-wait-{number}", daemon=True).start()
         threading.Thread(target=monitor, name=f"autoshard-watchdog-{number}", daemon=True).start()
 
-    def _die(self, what: str) -> None:
-        n, p = jax.process_count(), jax.process_index()
+    @staticmethod
+    def _die(what: str, process: int, processes: int) -> None:
         cause = ("Most likely another process of the job died or hangs (see its log); a collective waits "
-                 "for every process." if n > 1 else "The step hangs or is slower than the timeout.")
-        sys.stderr.write(
-            f"\nautoshard: {what} on process {p} of {n}. {cause}\n"
-            f"autoshard: exiting with status {STEP_FAILED_EXIT_CODE} (parallelize(..., step_timeout=...) "
-            "watchdog); restart the job from its last checkpoint.\n")
-        sys.stderr.flush()
-        sys.stdout.flush()
-        os._exit(STEP_FAILED_EXIT_CODE)
+                 "for every process." if processes > 1 else "The step hangs or is slower than the timeout.")
+        try:
+            sys.stderr.write(
+                f"\nautoshard: {what} on process {process} of {processes}. {cause}\n"
+                f"autoshard: exiting with status {STEP_FAILED_EXIT_CODE} (parallelize(..., step_timeout=...) "
+                "watchdog); restart the job from its last checkpoint.\n")
+            sys.stderr.flush()
+            sys.stdout.flush()
+        finally:
+            os._exit(STEP_FAILED_EXIT_CODE)
 
 
 def _first_line(e: BaseException) -> str:

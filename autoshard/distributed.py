@@ -217,8 +217,8 @@ class ProcessLocalArgs:
             shapes = ", ".join(f"{path}: {shape}" for path, shape in zip(self.paths, _local_shapes(key, self.leaves),
                                                                          strict=True))
             raise InputError(
-                f"processes {differ} called the step with argument shapes, dtypes or static arguments that "
-                f"differ from process 0's (this is process {jax.process_index()}; its process-local leaves: "
+                f"processes {differ} called the step with argument shapes or dtypes that differ from "
+                f"process 0's (this is process {jax.process_index()}; its process-local leaves: "
                 f"{shapes}). Every process must pass the same structure and the same local batch shape.\n"
                 "Fix: give every process an equal slice of the global batch (drop or pad the remainder).")
 

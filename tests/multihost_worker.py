@@ -8,6 +8,7 @@ Modes:
            and the gathered params, then saves an orbax checkpoint of the state.
   die:     two processes run a small step; process 1 exits just before step 2.
   hang:    two processes run a small step; process 1 sleeps just before step 2.
+  mismatch: process 1 passes one row fewer than process 0; both print the error autoshard raises.
 
 The device count comes from XLA_FLAGS in the environment, set by the caller.
 """
@@ -136,10 +137,24 @@ def fail(args):
     print(f"process {me}: finished", flush=True)
 
 
+def mismatch(args):
+    import jax
+    import jax.numpy as jnp
+
+    import autoshard
+
+    step = autoshard.parallelize(lambda w, x: jnp.sum(x @ w), progress=None)
+    rows = 4 - jax.process_index()
+    try:
+        step(np.ones((16, 16), np.float32), np.ones((rows, 16), np.float32))
+    except autoshard.InputError as e:
+        print(f"InputError: {e}", flush=True)
+
+
 def main():
     t0 = time.perf_counter()
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=("train", "die", "hang"))
+    p.add_argument("mode", choices=("train", "die", "hang", "mismatch"))
     p.add_argument("out")
     p.add_argument("--port", type=int)
     p.add_argument("--process-id", type=int, default=0)
@@ -156,7 +171,7 @@ def main():
         autoshard.distributed.initialize(f"localhost:{args.port}", args.num_processes, args.process_id,
                                          heartbeat_timeout_seconds=args.heartbeat, initialization_timeout=60)
     _phase("initialized", t0)
-    {"train": train, "die": fail, "hang": fail}[args.mode](args)
+    {"train": train, "die": fail, "hang": fail, "mismatch": mismatch}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -217,6 +217,17 @@ def test_a_hung_process_trips_the_step_timeout(tmp_path):
     assert "step 1 loss" in log and "step 2 loss" not in log
 
 
+def test_processes_passing_different_batch_shapes_all_raise_the_same_error(tmp_path):
+    procs = _launch("mismatch", tmp_path)
+    codes = _wait(procs, timeout=120)
+    for i, (rc, _) in enumerate(codes):
+        log = _log(tmp_path, i)
+        assert rc == 0, log
+        assert re.search(r"InputError: processes \[1\] called the step with argument shapes or dtypes "
+                         rf"that differ from process 0's \(this is process {i}; its process-local "
+                         r"leaves: \[1\]: \(\d, 16\)\)(?s:.*)Fix: give every process an equal slice", log), log
+
+
 # ---- pieces, in this single process ----------------------------------------------------------------
 
 

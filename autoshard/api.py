@@ -311,6 +311,8 @@ def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static
       fun: the step, e.g. ``train_step(state, batch) -> (state, metrics)``.
       mesh: a ``jax.sharding.Mesh`` with Auto axes (see :func:`autoshard.make_mesh`). None: all devices,
         and the planner picks the 2-D shape among the factorizations of the device count.
+        In a multi-process job, None is ``(jax.process_count(), jax.local_device_count())`` over
+        ``("data", "model")``.
       cluster: an :class:`autoshard.ClusterSpec`; None picks a preset for the devices' platform.
       memory_budget: bytes per device (or a string like ``"16GB"``); None: the ClusterSpec's memory.
       static_argnums, donate_argnums: as in ``jax.jit``.

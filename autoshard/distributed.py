@@ -309,7 +309,9 @@ class StepWatchdog:
             try:
                 jax.block_until_ready(outputs)
             except Exception as e:  # noqa: BLE001 - any runtime failure of the step
-                if where[1] > 1:
+                # A later step may have consumed (donated) these outputs before this thread looked:
+                # that step is watched in turn, and would fail too if this one had.
+                if where[1] > 1 and not _any_deleted(outputs):
                     self._die(f"{self.name} {number} failed after {time.monotonic() - start:.1f} s: "
                               f"{type(e).__name__}: {_first_line(e)}", *where)
             finally:
@@ -335,6 +337,10 @@ class StepWatchdog:
             sys.stdout.flush()
         finally:
             os._exit(STEP_FAILED_EXIT_CODE)
+
+
+def _any_deleted(tree) -> bool:
+    return any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree_util.tree_leaves(tree))
 
 
 def _first_line(e: BaseException) -> str:

@@ -82,14 +82,15 @@ def train(args):
     state = initial_state(spec, args.out)
     _phase("init", t0)
     mesh = autoshard.make_mesh((jax.process_count(), jax.local_device_count()), ("data", "model"))
-    step = autoshard.parallelize(spec.train_step, mesh=mesh, progress=None, step_timeout=120)
+    step = autoshard.parallelize(spec.train_step, mesh=mesh, progress=None, step_timeout=120,
+                                 donate_argnums=(0,))
     me, n = jax.process_index(), jax.process_count()
     losses = []
     for i in range(args.steps):
         state, metrics = step(state, local_slice(global_batch(spec, i), me, n))
         losses.append(float(metrics["loss"]))  # a replicated global scalar: readable on every process
         _phase(f"step {i}", t0)
-    plan = step.plan(state, local_slice(global_batch(spec, 0), me, n))
+    plan = step.plan(jax.eval_shape(lambda: state), local_slice(global_batch(spec, 0), me, n))
     params = multihost_utils.process_allgather(state["params"], tiled=True)
     flat = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     np.savez(os.path.join(args.out, f"params{me}.npz"), **flat)

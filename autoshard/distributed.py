@@ -62,6 +62,12 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
       **kwargs: passed on to ``jax.distributed.initialize``.
 
     Must run before anything touches a jax device.
+
+    Example:
+      >>> import autoshard, jax
+      >>> autoshard.distributed.initialize("10.0.0.1:1234", num_processes=2, process_id=0)  # doctest: +SKIP
+      >>> jax.process_count()  # doctest: +SKIP
+      2
     """
     # The CPU backend all-reduces across processes only with a collectives library; gloo ships in
     # jaxlib. The flag is read when the CPU client starts and is ignored by GPU and TPU backends.
@@ -180,6 +186,12 @@ class ProcessLocalArgs:
                 + "\nFix: pass parallelize(..., batch_argnums=...) naming only the arguments whose leaves each "
                 "process holds its own slice of (batch_argnums=() when every argument is global or the same "
                 "on every process).")
+        owners = {d.process_index for d in mesh.devices.flat}
+        if leaves and len(owners) != jax.process_count():
+            raise MeshError(
+                f"the mesh holds devices of processes {sorted(owners)} only, but {jax.process_count()} processes "
+                "pass slices of the batch. Fix: build the mesh over every process's devices, e.g. "
+                "autoshard.make_mesh((jax.process_count(), jax.local_device_count()), ('data', 'model')).")
         return cls(mesh, process_axes(mesh), jax.process_count(), tuple(leaves), tuple(paths))
 
     def global_abstract(self, abstract):

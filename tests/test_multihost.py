@@ -85,31 +85,51 @@ def _log(out: Path, i: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """Single-device jax.jit run of 6 steps: losses, and the state after step 3 and step 6."""
+def initial():
     spec = worker.tiny_gpt()
-    state = state0 = spec.init_state(jax.random.key(0))
+    return types.SimpleNamespace(spec=spec, state0=spec.init_state(jax.random.key(0)))
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory, initial):
+    """The issue's recipe run by 2 processes x 4 devices for 3 steps, then an orbax checkpoint.
+
+    The workers start here; ``job.result()`` waits for them, so that the references are computed
+    while they run.
+    """
+    out = tmp_path_factory.mktemp("multihost")
+    worker.save_initial_state(initial.state0, out)
+    procs = _launch("train", out, extra=("--steps", "3"))
+    done = []
+
+    def result():
+        if not done:
+            codes = _wait(procs, timeout=300)
+            for i, (rc, _) in enumerate(codes):
+                assert rc == 0, f"process {i} exited with {rc}:\n{_log(out, i)[-4000:]}"
+            results = [json.loads((out / f"result{i}.json").read_text()) for i in range(2)]
+            params = [dict(np.load(out / f"params{i}.npz")) for i in range(2)]
+            done.append(types.SimpleNamespace(out=out, results=results, params=params))
+        return done[0]
+
+    try:
+        yield types.SimpleNamespace(result=result)
+    finally:
+        _wait(procs, timeout=0)  # kills any worker still running
+
+
+@pytest.fixture(scope="module")
+def reference(initial):
+    """Single-device jax.jit run of 6 steps: losses, and the state after step 3 and step 6."""
+    spec, state = initial.spec, initial.state0
     step = jax.jit(spec.train_step)
     losses, states = [], []
     for i in range(6):
         state, metrics = step(state, worker.global_batch(spec, i))
         losses.append(float(metrics["loss"]))
         states.append(state)
-    return types.SimpleNamespace(spec=spec, losses=losses, state0=state0, state3=states[2], state6=states[5])
-
-
-@pytest.fixture(scope="module")
-def job(tmp_path_factory, reference):
-    """The issue's recipe run by 2 processes x 4 devices for 3 steps, then an orbax checkpoint."""
-    out = tmp_path_factory.mktemp("multihost")
-    worker.save_initial_state(reference.state0, out)
-    procs = _launch("train", out, extra=("--steps", "3"))
-    codes = _wait(procs, timeout=300)
-    for i, (rc, _) in enumerate(codes):
-        assert rc == 0, f"process {i} exited with {rc}:\n{_log(out, i)[-4000:]}"
-    results = [json.loads((out / f"result{i}.json").read_text()) for i in range(2)]
-    params = [dict(np.load(out / f"params{i}.npz")) for i in range(2)]
-    return types.SimpleNamespace(out=out, results=results, params=params)
+    return types.SimpleNamespace(spec=spec, losses=losses, state0=initial.state0, state3=states[2],
+                                 state6=states[5])
 
 
 def _flat(tree):
@@ -127,6 +147,16 @@ def _assert_params_close(got: dict, expected_tree, atol=5e-5):
 
 
 def test_two_processes_match_single_device_jit_and_single_process_run(job, reference):
+    # The single-process 8-device run of the same recipe (mesh 2x4, full batch), while the job runs.
+    spec = reference.spec
+    step = autoshard.parallelize(spec.train_step, mesh=autoshard.make_mesh((2, 4), ("data", "model")),
+                                 progress=None)
+    state, losses = reference.state0, []
+    for i in range(3):
+        state, metrics = step(state, worker.global_batch(spec, i))
+        losses.append(float(metrics["loss"]))
+
+    job = job.result()
     ours = job.results[0]
     assert ours["processes"] == 2 and ours["devices"] == 8
     # Metrics are global replicated arrays: every process reads the same loss.
@@ -136,21 +166,12 @@ def test_two_processes_match_single_device_jit_and_single_process_run(job, refer
     assert ours["global_state"]
     for gathered in job.params:
         _assert_params_close(gathered, reference.state3["params"])
-
-    # The single-process 8-device run of the same recipe (mesh 2x4, full batch).
-    spec = reference.spec
-    step = autoshard.parallelize(spec.train_step, mesh=autoshard.make_mesh((2, 4), ("data", "model")),
-                                 progress=None)
-    state, losses = reference.state0, []
-    for i in range(3):
-        state, metrics = step(state, worker.global_batch(spec, i))
-        losses.append(float(metrics["loss"]))
     np.testing.assert_allclose(ours["losses"], losses, rtol=1e-5)
     _assert_params_close(job.params[0], state["params"])
 
 
 def test_every_process_runs_process_zeros_plan_with_the_batch_split_over_processes(job):
-    first, second = job.results
+    first, second = job.result().results
     assert first["fingerprint"] == second["fingerprint"]
     assert first["plan"] == second["plan"]  # byte-identical JSON: process 1 loaded process 0's plan
     plan = autoshard.Plan.from_json(first["plan"], mesh=autoshard.make_mesh((2, 4), ("data", "model")))
@@ -170,6 +191,7 @@ def test_elastic_restart_on_four_devices_continues_the_loss_trajectory(job, refe
     step = autoshard.parallelize(spec.train_step, mesh=mesh, progress=None)
     abstract = jax.eval_shape(spec.init_state, jax.random.key(0))
     plan = step.plan(abstract, jax.eval_shape(spec.make_batch, jax.random.key(0)))
+    job = job.result()
     with ocp.StandardCheckpointer() as ckpt:
         state = ckpt.restore(job.out / "ckpt", autoshard.apply_plan(plan, abstract))
     for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(plan.in_shardings[0]), strict=True):

@@ -17,6 +17,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -45,36 +46,40 @@ def _free_port() -> int:
 
 
 def _launch(mode: str, out: Path, *, processes: int = 2, local_devices: int = 4, extra=()):
-    """Start one worker per process; returns the Popen objects (stdout+stderr in out/log{i}.txt)."""
+    """Start one worker per process (stdout+stderr in out/log{i}.txt); each one's exit is timed."""
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={local_devices}",
            "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     port = _free_port()
     procs = []
     for i in range(processes):
-        log = open(out / f"log{i}.txt", "w")  # noqa: SIM115 - closed by the child's exit
-        procs.append(subprocess.Popen(
-            [sys.executable, str(WORKER), mode, str(out), "--port", str(port), "--process-id", str(i),
-             "--num-processes", str(processes), *extra],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+        with open(out / f"log{i}.txt", "w") as log:
+            p = subprocess.Popen(
+                [sys.executable, str(WORKER), mode, str(out), "--port", str(port), "--process-id", str(i),
+                 "--num-processes", str(processes), *extra],
+                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        p.ended = None
+        threading.Thread(target=_time_exit, args=(p,), daemon=True).start()
+        procs.append(p)
     return procs
+
+
+def _time_exit(p):
+    p.wait()
+    p.ended = time.monotonic()
 
 
 def _wait(procs, timeout: float) -> list[tuple[int | None, float]]:
     """(return code, exit time) per process; kills whatever is still running after ``timeout``."""
     deadline = time.monotonic() + timeout
-    ended: dict[int, tuple[int, float]] = {}
     try:
-        while len(ended) < len(procs) and time.monotonic() < deadline:
-            for i, p in enumerate(procs):
-                if i not in ended and p.poll() is not None:
-                    ended[i] = (p.returncode, time.monotonic())
+        while any(p.ended is None for p in procs) and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
-    return [ended.get(i, (None, time.monotonic())) for i in range(len(procs))]
+    return [(p.returncode if p.ended is not None else None, p.ended or time.monotonic()) for p in procs]
 
 
 def _log(out: Path, i: int) -> str:
@@ -207,12 +212,33 @@ def test_elastic_restart_on_four_devices_continues_the_loss_trajectory(job, refe
 
 # ---- acceptance 4: a process that dies mid-job ----------------------------------------------------
 
+_FAILURE_JOBS = {
+    "dead": ("die", ("--step-timeout", "30")),
+    "dead_no_watchdog": ("die", ("--step-timeout", "0", "--heartbeat", "8")),
+    "hung": ("hang", ("--step-timeout", "8")),  # 8 s > a healthy step on a loaded machine
+    "mismatch": ("mismatch", ()),
+}
 
-def test_a_dead_process_makes_the_other_exit_with_a_clear_error(tmp_path):
-    procs = _launch("die", tmp_path, extra=("--step-timeout", "30"))
+
+@pytest.fixture(scope="module")
+def failure_jobs(tmp_path_factory):
+    """The small 2-process jobs below, started together: they spend most of their time waiting."""
+    jobs = {}
+    for name, (mode, extra) in _FAILURE_JOBS.items():
+        out = tmp_path_factory.mktemp(name)
+        jobs[name] = (out, _launch(mode, out, extra=extra))
+    try:
+        yield jobs
+    finally:
+        for _, procs in jobs.values():
+            _wait(procs, timeout=0)
+
+
+def test_a_dead_process_makes_the_other_exit_with_a_clear_error(failure_jobs):
+    out, procs = failure_jobs["dead"]
     (rc0, t0), (rc1, t1) = _wait(procs, timeout=120)
-    log = _log(tmp_path, 0)
-    assert rc1 == 3, _log(tmp_path, 1)
+    log = _log(out, 0)
+    assert rc1 == 3, _log(out, 1)
     assert rc0 == STEP_FAILED_EXIT_CODE, log
     assert re.search(r"autoshard: train_step call \d failed after .* on process 0 of 2\. Most likely another "
                      r"process of the job died", log), log
@@ -220,30 +246,30 @@ def test_a_dead_process_makes_the_other_exit_with_a_clear_error(tmp_path):
     assert t0 - t1 < 20, f"process 0 took {t0 - t1:.1f} s to fail after process 1 died"
 
 
-def test_without_a_watchdog_jax_still_ends_the_job_within_the_heartbeat_timeout(tmp_path):
+def test_without_a_watchdog_jax_still_ends_the_job_within_the_heartbeat_timeout(failure_jobs):
     """The documented fallback: the read raises (gloo), and jax aborts the process at exit."""
-    procs = _launch("die", tmp_path, extra=("--step-timeout", "0", "--heartbeat", "5"))
+    out, procs = failure_jobs["dead_no_watchdog"]
     (rc0, t0), (rc1, t1) = _wait(procs, timeout=120)
-    log = _log(tmp_path, 0)
+    log = _log(out, 0)
     assert rc1 == 3 and rc0 not in (0, None), log
     assert "Gloo all-reduce failed" in log or "JAX distributed service detected fatal errors" in log, log
-    assert t0 - t1 < 5 + 15, f"process 0 took {t0 - t1:.1f} s to end after process 1 died"
+    assert t0 - t1 < 8 + 15, f"process 0 took {t0 - t1:.1f} s to end after process 1 died"
 
 
-def test_a_hung_process_trips_the_step_timeout(tmp_path):
-    procs = _launch("hang", tmp_path, extra=("--step-timeout", "4"))
-    (rc0, t0), _ = _wait(procs, timeout=120)
-    log = _log(tmp_path, 0)
+def test_a_hung_process_trips_the_step_timeout(failure_jobs):
+    out, procs = failure_jobs["hung"]
+    (rc0, _), _ = _wait(procs, timeout=120)
+    log = _log(out, 0)
     assert rc0 == STEP_FAILED_EXIT_CODE, log
-    assert "autoshard: train_step call 3 did not finish within step_timeout=4 s on process 0 of 2" in log
+    assert "autoshard: train_step call 3 did not finish within step_timeout=8 s on process 0 of 2" in log
     assert "step 1 loss" in log and "step 2 loss" not in log
 
 
-def test_processes_passing_different_batch_shapes_all_raise_the_same_error(tmp_path):
-    procs = _launch("mismatch", tmp_path)
+def test_processes_passing_different_batch_shapes_all_raise_the_same_error(failure_jobs):
+    out, procs = failure_jobs["mismatch"]
     codes = _wait(procs, timeout=120)
     for i, (rc, _) in enumerate(codes):
-        log = _log(tmp_path, i)
+        log = _log(out, i)
         assert rc == 0, log
         assert re.search(r"InputError: processes \[1\] called the step with argument shapes or dtypes "
                          rf"that differ from process 0's \(this is process {i}; its process-local "

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import re
 import sys
@@ -260,27 +261,43 @@ def broadcast_plan(make_plan, program, mesh):
     """Process 0 calls ``make_plan()``; every process returns that plan.
 
     The others receive its JSON (``Plan.to_json``) through a collective, load it onto ``mesh`` and
-    check that it was made for the program they captured themselves.
+    check that it was made for the program they captured themselves. When planning fails on
+    process 0 (say ``InfeasibleError``), every process raises that error instead of waiting.
     """
     from jax.experimental import multihost_utils
 
+    from autoshard import errors
     from autoshard.plan import Plan
 
     source = jax.process_index() == 0
-    plan = make_plan() if source else None
-    data = np.frombuffer(plan.to_json().encode(), np.uint8) if source else np.zeros(0, np.uint8)
+    plan, failure = None, None
+    if source:
+        try:
+            plan = make_plan()
+            payload = {"plan": plan.to_json()}
+        except errors.AutoshardError as e:  # the others learn of it below, then it is raised here
+            failure = e
+            payload = {"error": type(e).__name__, "message": str(e)}
+    data = np.frombuffer(json.dumps(payload).encode(), np.uint8) if source else np.zeros(0, np.uint8)
     n = int(multihost_utils.broadcast_one_to_all(np.array([data.size], np.int32), is_source=source)[0])
     buf = data if source else np.zeros(n, np.uint8)
     buf = np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=source))
+    if failure is not None:
+        raise failure
     if source:
         return plan
-    received = Plan.from_json(buf.tobytes().decode(), mesh=mesh)
-    if received.fingerprint != program.fingerprint():
+    received = json.loads(buf.tobytes().decode())
+    if "error" in received:
+        kind = getattr(errors, received["error"], None)
+        kind = kind if isinstance(kind, type) and issubclass(kind, errors.AutoshardError) else errors.PlanError
+        raise kind(f"planning failed on process 0: {received['message']}")
+    plan = Plan.from_json(received["plan"], mesh=mesh)
+    if plan.fingerprint != program.fingerprint():
         raise PlanError(
-            f"process 0 planned a different program (fingerprint {received.fingerprint}) than process "
+            f"process 0 planned a different program (fingerprint {plan.fingerprint}) than process "
             f"{jax.process_index()} captured ({program.fingerprint()}): the step function or its arguments "
             "differ between processes. Fix: run the same code with the same argument shapes everywhere.")
-    return received
+    return plan
 
 
 # ---- failing fast ----------------------------------------------------------------------------------
@@ -296,7 +313,8 @@ class StepWatchdog:
     step, the process and the likely cause to stderr, and ends the process with ``os._exit``
     (status :data:`STEP_FAILED_EXIT_CODE`), so the job scheduler sees the failure at once.
 
-    The timeout must exceed the slowest healthy step, including the first (compile) step.
+    The clock starts when a step is dispatched, after planning and compiling: the timeout must
+    exceed the slowest healthy step's run time.
     """
 
     def __init__(self, timeout: float, *, name: str = "step"):

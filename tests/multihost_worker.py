@@ -8,7 +8,8 @@ Modes:
            and the gathered params, then saves an orbax checkpoint of the state.
   die:     two processes run a small step; process 1 exits just before step 2.
   hang:    two processes run a small step; process 1 sleeps just before step 2.
-  mismatch: process 1 passes one row fewer than process 0; both print the error autoshard raises.
+  errors:  process 1 passes one row fewer than process 0, then a plan that cannot fit its memory
+           budget fails on process 0; every process prints the errors autoshard raises.
 
 The device count comes from XLA_FLAGS in the environment, set by the caller.
 """
@@ -138,24 +139,30 @@ def fail(args):
     print(f"process {me}: finished", flush=True)
 
 
-def mismatch(args):
+def errors(args):
     import jax
     import jax.numpy as jnp
 
     import autoshard
 
+    w = np.ones((16, 16), np.float32)
     step = autoshard.parallelize(lambda w, x: jnp.sum(x @ w), progress=None)
     rows = 4 - jax.process_index()
     try:
-        step(np.ones((16, 16), np.float32), np.ones((rows, 16), np.float32))
+        step(w, np.ones((rows, 16), np.float32))
     except autoshard.InputError as e:
         print(f"InputError: {e}", flush=True)
+    tight = autoshard.parallelize(lambda w, x: jnp.sum(x @ w), progress=None, memory_budget=100)
+    try:
+        tight(w, np.ones((4, 16), np.float32))
+    except autoshard.InfeasibleError as e:
+        print(f"InfeasibleError: {e}", flush=True)
 
 
 def main():
     t0 = time.perf_counter()
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=("train", "die", "hang", "mismatch"))
+    p.add_argument("mode", choices=("train", "die", "hang", "errors"))
     p.add_argument("out")
     p.add_argument("--port", type=int)
     p.add_argument("--process-id", type=int, default=0)
@@ -172,7 +179,7 @@ def main():
         autoshard.distributed.initialize(f"localhost:{args.port}", args.num_processes, args.process_id,
                                          heartbeat_timeout_seconds=args.heartbeat, initialization_timeout=60)
     _phase("initialized", t0)
-    {"train": train, "die": fail, "hang": fail, "mismatch": mismatch}[args.mode](args)
+    {"train": train, "die": fail, "hang": fail, "errors": errors}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -216,7 +216,7 @@ _FAILURE_JOBS = {
     "dead": ("die", ("--step-timeout", "30")),
     "dead_no_watchdog": ("die", ("--step-timeout", "0", "--heartbeat", "8")),
     "hung": ("hang", ("--step-timeout", "8")),  # 8 s > a healthy step on a loaded machine
-    "mismatch": ("mismatch", ()),
+    "errors": ("errors", ()),
 }
 
 
@@ -265,15 +265,19 @@ def test_a_hung_process_trips_the_step_timeout(failure_jobs):
     assert "step 1 loss" in log and "step 2 loss" not in log
 
 
-def test_processes_passing_different_batch_shapes_all_raise_the_same_error(failure_jobs):
-    out, procs = failure_jobs["mismatch"]
+def test_every_process_raises_the_same_error_instead_of_waiting_for_the_others(failure_jobs):
+    out, procs = failure_jobs["errors"]
     codes = _wait(procs, timeout=120)
     for i, (rc, _) in enumerate(codes):
         log = _log(out, i)
         assert rc == 0, log
+        # Local batches of different shapes: found by an all-gather of the shapes, before planning.
         assert re.search(r"InputError: processes \[1\] called the step with argument shapes or dtypes "
                          rf"that differ from process 0's \(this is process {i}; its process-local "
                          r"leaves: \[1\]: \(\d, 16\)\)(?s:.*)Fix: give every process an equal slice", log), log
+        # Planning fails on process 0: the others get its error with the plan broadcast.
+        prefix = "planning failed on process 0: " if i else ""
+        assert f"InfeasibleError: {prefix}no plan fits memory_budget=100 bytes per device" in log, log
 
 
 # ---- pieces, in this single process ----------------------------------------------------------------

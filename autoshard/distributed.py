@@ -275,7 +275,7 @@ def broadcast_plan(make_plan, program, mesh):
         try:
             plan = make_plan()
             payload = {"plan": plan.to_json()}
-        except errors.AutoshardError as e:  # the others learn of it below, then it is raised here
+        except Exception as e:  # noqa: BLE001 - the others learn of it below, then it is raised here
             failure = e
             payload = {"error": type(e).__name__, "message": str(e)}
     data = np.frombuffer(json.dumps(payload).encode(), np.uint8) if source else np.zeros(0, np.uint8)
@@ -290,7 +290,8 @@ def broadcast_plan(make_plan, program, mesh):
     if "error" in received:
         kind = getattr(errors, received["error"], None)
         kind = kind if isinstance(kind, type) and issubclass(kind, errors.AutoshardError) else errors.PlanError
-        raise kind(f"planning failed on process 0: {received['message']}")
+        prefix = "" if kind.__name__ == received["error"] else f"{received['error']}: "
+        raise kind(f"planning failed on process 0: {prefix}{received['message']}")
     plan = Plan.from_json(received["plan"], mesh=mesh)
     if plan.fingerprint != program.fingerprint():
         raise PlanError(

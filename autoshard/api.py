@@ -227,6 +227,7 @@ class Parallelized:
                                                                                          np.asarray(v.value).dtype)
                                                                     for v in program.graph.outvars])
         ties = _ties(abstract, out_shape)
+
         def solve():
             return plan_program(program, mesh=mesh, cluster=self.cluster, memory_budget=self.memory_budget,
                                 hints=hints, donated=donated, ties=ties, time_limit=self.solver_time_limit,

@@ -17,6 +17,21 @@ from autoshard.pipeline.partition import partition
 from autoshard.pipeline.plan import PipelinePlan, StagePlan
 from autoshard.pipeline.runtime import PipelineExecutable
 from autoshard.pipeline.search import plan_stages, residual_bytes, stage_program
+from autoshard.pipeline.spmd import SpmdPipelineExecutable, spans_processes
+
+
+def _resolve_runtime(runtime: str, mesh) -> str:
+    """``PipelineOptions.runtime`` made concrete for ``mesh``: ``"device_put"`` or ``"spmd"``."""
+    multi = spans_processes([mesh])
+    if runtime == "auto":
+        return "spmd" if multi else "device_put"
+    if runtime == "device_put" and multi:
+        raise InputError(
+            "PipelineOptions(runtime='device_put') cannot run on a mesh whose devices belong to several "
+            "processes: jax.device_put between device sets of different processes is refused outside TPU. "
+            "Fix: PipelineOptions(runtime='spmd') (or 'auto'), which moves activations with ppermute inside "
+            "one program.")
+    return runtime
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -93,11 +108,18 @@ class PipelinedStep:
 
                 mesh = make_mesh((len(jax.devices()),), ("devices",))
             cluster = _default_cluster(mesh) if self.cluster is None else self.cluster
-            part, meshes, plans, pplan = plan_stages(analysis, mesh, cluster, self.pipeline, self.memory_budget)
+            runtime = _resolve_runtime(self.pipeline.runtime, mesh)
+            # The spmd runtime replicates inside a stage: intra-op plans cannot price its cut.
+            opts = self.pipeline if runtime != "spmd" else dataclasses.replace(self.pipeline, stage_cost="estimate")
+            part, meshes, plans, pplan = plan_stages(analysis, mesh, cluster, opts, self.memory_budget)
+        runtime = "device_put" if self.pipeline is None else runtime
         pplan = dataclasses.replace(pplan, stats={**pplan.stats, "capture_s": capture_s,
-                                                  "plan_s": time.perf_counter() - t0})
+                                                  "plan_s": time.perf_counter() - t0, "runtime": runtime})
         schedule = "gpipe" if self.pipeline is None else self.pipeline.schedule
-        exe = PipelineExecutable(analysis, part, meshes, plans, schedule, ties)
+        if runtime == "spmd":
+            exe = SpmdPipelineExecutable(analysis, part, meshes, schedule)
+        else:
+            exe = PipelineExecutable(analysis, part, meshes, plans, schedule, ties)
         return _Entry(analysis, exe, pplan, analysis.full.out_tree)
 
     def _batch_args(self, abstract, dyn_index, ties) -> tuple[int, ...]:
@@ -162,6 +184,7 @@ class PipelinedStep:
         from autoshard.pipeline.timeline import measure
 
         entry = self._get(args)
+        self._need_device_put(entry, "timeline")
         flat = self._flat(args)
         for _ in range(warmup):
             jax.block_until_ready(entry.executable.run(flat))
@@ -173,4 +196,12 @@ class PipelinedStep:
         from autoshard.pipeline.timeline import stage_memory
 
         entry = self._get(args)
+        self._need_device_put(entry, "stage_memory")
         return stage_memory(entry.executable, self._flat(args))
+
+    @staticmethod
+    def _need_device_put(entry: _Entry, what: str):
+        if not isinstance(entry.executable, PipelineExecutable):
+            raise InputError(f"step.{what}(...) measures the runtime='device_put' tasks one by one; this step runs "
+                             "as one SPMD program (runtime='spmd'). Fix: PipelineOptions(runtime='device_put') "
+                             "on one host.")

@@ -1,0 +1,360 @@
+"""Run a partitioned step as ONE SPMD program: stages on a ``"stage"`` mesh axis, ``ppermute`` between them.
+
+``jax.device_put`` between device sets of different processes is refused outside TPU, so the
+single-controller runtime (``runtime.py``) cannot span hosts. This runtime compiles the whole
+pipeline into one ``jax.jit`` over a global mesh of shape ``(S, d)`` (axes ``"stage"``,
+``"replica"``; stage ``s`` owns row ``s``), which every process calls, and moves activations
+and cotangents inside it with ``lax.ppermute`` over ``"stage"``:
+
+* The schedule (GPipe or 1F1B, ``schedule.stage_orders``) is list-scheduled with unit task
+  times into *ticks*. The ticks are unrolled in Python; at each tick a ``lax.switch`` on
+  ``lax.axis_index("stage")`` runs that stage's task (``F(s, m)``, ``B(s, m)`` or nothing),
+  then one ``ppermute`` per stage offset carries what was produced to the stages that read it.
+* Stages run different code and hold different values, but ``switch`` branches must agree on
+  types. Every device therefore keeps one flat buffer per dtype (its *memory*) and each stage has
+  its own static layout in it: received activations, residuals stashed from ``F`` for ``B``
+  (no recompute), and the gradient accumulators. Slots are reused once dead (interval
+  allocation over ticks), so 1F1B keeps fewer microbatches alive than GPipe. Messages are
+  packed the same way, padded to the largest sender of that tick.
+* After the last tick the accumulators (weight gradients, summed loss) leave ``shard_map``
+  stacked over ``"stage"``; the update tasks (``R``) then run in the same jit outside
+  ``shard_map``, on the whole mesh, and every output is replicated, so each process can read
+  the new state and the metrics.
+
+First-version limits: inside a stage the ``d`` devices compute the same thing (replicated, no
+intra-op plan); the state and the batch enter replicated on every device; all stages need the
+same number of devices; a step returning per-example values is refused.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from autoshard.capture import OpGraph
+from autoshard.errors import InputError, MeshError
+from autoshard.lower import _Evaluator
+from autoshard.pipeline.partition import Partition
+from autoshard.pipeline.schedule import simulate, stage_orders
+from autoshard.spec import MeshInfo
+
+STAGE_AXIS = "stage"
+REPLICA_AXIS = "replica"
+
+
+def spans_processes(meshes) -> bool:
+    """Whether the stages' devices belong to more than one process (``device_put`` cannot span them)."""
+    return len({d.process_index for m in meshes for d in np.asarray(m.devices).flat}) > 1
+
+
+def stage_mesh(meshes):
+    """The global ``(S, d)`` mesh whose row ``s`` holds stage ``s``'s devices."""
+    from autoshard.cluster import make_mesh
+
+    sizes = [int(np.asarray(m.devices).size) for m in meshes]
+    if len(set(sizes)) != 1:
+        raise MeshError(
+            f"runtime='spmd' needs the same number of devices on every stage, got {sizes} (stage -> devices). "
+            "All stages are rows of one (stages, devices_per_stage) mesh. Fix: equal sub-meshes, e.g. "
+            f"PipelineOptions(submeshes=[(1, {min(sizes)})] * {len(sizes)}), or runtime='device_put' on one host.")
+    devices = [d for m in meshes for d in np.asarray(m.devices).flat]
+    return make_mesh((len(meshes), sizes[0]), (STAGE_AXIS, REPLICA_AXIS), devices=devices)
+
+
+def _size(aval) -> int:
+    return int(math.prod(getattr(aval, "shape", ())))
+
+
+def _dtype(aval) -> str:
+    return np.dtype(aval.dtype).name
+
+
+def allocate(items) -> tuple[dict, dict]:
+    """First-fit interval allocation: ``items`` are ``(key, dtype, size, first_tick, last_tick)``.
+
+    Two items share addresses only if their tick intervals (inclusive) are disjoint.
+    Returns ``(key -> offset, dtype -> buffer length)``."""
+    placed: dict = {}
+    length: dict = {}
+    done = []
+    for key, dt, n, a, b in sorted(items, key=lambda it: (it[3], -it[2], str(it[0]))):
+        live = sorted((placed[k2], n2) for k2, dt2, n2, a2, b2 in done if dt2 == dt and not (b2 < a or b < a2))
+        off = 0
+        for o2, n2 in live:
+            if off + n <= o2:
+                break
+            off = max(off, o2 + n2)
+        placed[key] = off
+        length[dt] = max(length.get(dt, 0), off + n)
+        done.append((key, dt, n, a, b))
+    return placed, length
+
+
+class SpmdPipelineExecutable:
+    """The pipelined step as one jitted SPMD program over a ``(stage, replica)`` mesh (module docstring)."""
+
+    def __init__(self, analysis, part: Partition, meshes, schedule: str, out_ties: dict | None = None):
+        del out_ties  # every output is replicated; the next step takes it as it is
+        self.analysis = analysis
+        self.part = part
+        self.k = k = analysis.num_microbatches
+        self.schedule = schedule
+        self.S = S = part.num_stages
+        self.mesh = stage_mesh(meshes)
+        full, micro = analysis.full, analysis.micro
+        self.batch_values = {full.graph.invars[p]: p for p in analysis.batch_inputs}
+        self.invar_pos = {v: i for i, v in enumerate(full.graph.invars)}
+        frontier = part.frontier_values
+        self._check_outputs(frontier)
+
+        present = {key for key in part.tasks if key[0] in ("F", "B")}
+        orders = [[(ph, m) for ph, m in order if (ph, s) in present] for s, order in enumerate(stage_orders(S, k, schedule))]
+
+        def deps(ev):
+            ph, s, m = ev
+            out = set()
+            for v in part.tasks[(ph, s)].invars:
+                key = part.producer_task.get(v)
+                if key is not None and key[0] != "R" and key != (ph, s):
+                    out.add((key[0], key[1], m))
+            return sorted(out)
+
+        sim = simulate(orders, [1.0] * S, [1.0] * S, deps)
+        self.tick = {(ph, s, m): int(round(start)) for ph, s, m, start, _ in sim.events}
+        self.num_ticks = T = 1 + max(self.tick.values(), default=-1)
+        self.at_tick = [[None] * S for _ in range(T)]
+        for (ph, s, m), t in self.tick.items():
+            self.at_tick[t][s] = (ph, m)
+
+        # Who reads each task output, per microbatch: stages (same-stage stash or a message).
+        readers: dict = {}   # value -> [(phase, stage)] of F/B tasks reading it
+        for key in sorted(present):
+            for v in part.tasks[key].invars:
+                if v in part.producer_task and part.producer_task[v] != key:
+                    readers.setdefault(v, []).append(key)
+        self.readers = readers
+        items = [[] for _ in range(S)]
+        self.sends: dict = {}    # (tick, sender) -> [(value, destination stage)]
+        for (ph, s, m), t in self.tick.items():
+            for v in part.tasks[(ph, s)].outvars:
+                aval = micro.avals[v]
+                if v in frontier:
+                    items[s].append((("acc", v), _dtype(aval), _size(aval), -1, T))
+                    continue
+                by_stage: dict = {}
+                for rph, rs in readers.get(v, ()):
+                    by_stage[rs] = max(by_stage.get(rs, -1), self.tick[(rph, rs, m)])
+                for rs, last in sorted(by_stage.items()):
+                    items[rs].append(((v, m), _dtype(aval), _size(aval), t, last))
+                    if rs != s:
+                        self.sends.setdefault((t, s), []).append((v, rs))
+        self.layout, self.mem_len = [], {}
+        for s in range(S):
+            placed, length = allocate(items[s])
+            self.layout.append(placed)
+            for dt, n in length.items():
+                self.mem_len[dt] = max(self.mem_len.get(dt, 0), n)
+        # Accumulators are allocated first (their interval starts at -1): they sit at the front.
+        self.acc_len: dict = {}
+        self.acc_of: dict = {}   # frontier value -> (stage, offset)
+        for s in range(S):
+            for key, off in self.layout[s].items():
+                if key[0] == "acc":
+                    aval = micro.avals[key[1]]
+                    self.acc_of[key[1]] = (s, off)
+                    self.acc_len[_dtype(aval)] = max(self.acc_len.get(_dtype(aval), 0), off + _size(aval))
+        self.offsets = sorted({rs - s for (_, s), sent in self.sends.items() for _, rs in sent})
+        self._ev = _Evaluator(micro, {}, {}, self.mesh, MeshInfo.from_mesh(self.mesh))
+        self._full_ev = _Evaluator(full, {}, {}, self.mesh, MeshInfo.from_mesh(self.mesh))
+        self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        self._jit = jax.jit(self._program, out_shardings=self.replicated)
+
+    def _check_outputs(self, frontier):
+        full, part = self.analysis.full, self.part
+        problems = []
+        for j, v in enumerate(full.graph.outvars):
+            key = part.producer_task.get(v) if isinstance(v, int) else None
+            if key is not None and key[0] != "R" and v not in frontier:
+                problems.append(f"output {full.out_paths[j]} is computed per microbatch")
+        for t in part.update_tasks():
+            for v in t.invars:
+                key = part.producer_task.get(v)
+                if key is not None and key[0] != "R" and v not in frontier:
+                    problems.append(f"the update reads value {v} ({full.avals[v]}), computed per microbatch")
+        if problems:
+            raise InputError(
+                "runtime='spmd' only returns batch sums (the loss, gradients) and the updated state from the "
+                "pipelined part of the step:\n  " + "\n  ".join(problems) +
+                "\nFix: return only reduced metrics (e.g. a mean loss), or use runtime='device_put' on one host.")
+
+    # ---- the traced program --------------------------------------------------------------------------
+    def _read(self, mem, s, key, aval):
+        off = self.layout[s][key]
+        return mem[_dtype(aval)][off:off + _size(aval)].reshape(aval.shape)
+
+    @staticmethod
+    def _write(mem, dt, off, x, add=False):
+        flat = x.reshape(-1).astype(dt)
+        ref = mem[dt].at[off:off + flat.size]
+        mem[dt] = ref.add(flat) if add else ref.set(flat)
+
+    def _packet_layout(self, t, s, delta):
+        """``[(value, dtype, offset)]`` of what stage ``s`` sends ``delta`` stages on at tick ``t``."""
+        out, used = [], {}
+        for v, rs in self.sends.get((t, s), ()):
+            if rs - s != delta:
+                continue
+            aval = self.analysis.micro.avals[v]
+            dt = _dtype(aval)
+            out.append((v, dt, used.get(dt, 0)))
+            used[dt] = used.get(dt, 0) + _size(aval)
+        return out, used
+
+    def _compute_branch(self, t, s, args, sizes):
+        event = self.at_tick[t][s]
+        micro = self.analysis.micro
+
+        def idle(mem):
+            return mem, {d: {dt: jnp.zeros(n, dt) for dt, n in per.items()} for d, per in sizes.items()}
+
+        if event is None:
+            return idle
+        ph, m = event
+        task = self.part.tasks[(ph, s)]
+        graph = OpGraph(task.invars, task.ops, task.outvars)
+        frontier = set(task.frontier)
+
+        def run(mem):
+            env = {}
+            for v in task.invars:
+                aval = micro.avals[v]
+                if v in self.batch_values:
+                    b = aval.shape[0]
+                    env[v] = args[self.batch_values[v]][m * b:(m + 1) * b]
+                elif v in self.part.producer_task:
+                    env[v] = self._read(mem, s, (v, m), aval)
+                elif v in self.invar_pos:
+                    env[v] = args[self.invar_pos[v]]
+                else:
+                    env[v] = jnp.asarray(micro.consts[v])
+            outs = dict(zip(task.outvars, self._ev.run(graph, env), strict=True))
+            mem = dict(mem)
+            for v, o in outs.items():
+                dt = _dtype(micro.avals[v])
+                if v in frontier:
+                    self._write(mem, dt, self.layout[s][("acc", v)], o, add=True)
+                elif (v, m) in self.layout[s]:
+                    self._write(mem, dt, self.layout[s][(v, m)], o)
+            packets = {}
+            for d, per in sizes.items():
+                layout, _ = self._packet_layout(t, s, d)
+                packets[d] = {}
+                for dt, n in per.items():
+                    parts = [outs[v].reshape(-1).astype(dt) for v, vdt, _ in layout if vdt == dt]
+                    used = sum(p.size for p in parts)
+                    packets[d][dt] = jnp.concatenate([*parts, jnp.zeros(n - used, dt)])
+            return mem, packets
+
+        return run
+
+    def _receive_branch(self, t, r, received):
+        micro = self.analysis.micro
+
+        def run(mem):
+            mem = dict(mem)
+            for d, per in received.items():
+                s = r - d
+                if not 0 <= s < self.S:
+                    continue
+                m = self.at_tick[t][s][1] if self.at_tick[t][s] is not None else None
+                layout, _ = self._packet_layout(t, s, d)
+                for v, dt, off in layout:
+                    aval = micro.avals[v]
+                    x = per[dt][off:off + _size(aval)]
+                    self._write(mem, dt, self.layout[r][(v, m)], x)
+            return mem
+
+        return run
+
+    def _pipeline(self, *args):
+        """The ``shard_map`` body: every tick's tasks and messages; returns the stacked accumulators."""
+        stage = jax.lax.axis_index(STAGE_AXIS)
+        mem = {dt: jnp.zeros(n, dt) for dt, n in sorted(self.mem_len.items())}
+        for t in range(self.num_ticks):
+            sizes = {}
+            for d in self.offsets:
+                per: dict = {}
+                for s in range(self.S):
+                    for dt, n in self._packet_layout(t, s, d)[1].items():
+                        per[dt] = max(per.get(dt, 0), n)
+                if per:
+                    sizes[d] = dict(sorted(per.items()))
+            branches = [self._compute_branch(t, s, args, sizes) for s in range(self.S)]
+            mem, packets = jax.lax.switch(stage, branches, mem)
+            if not sizes:
+                continue
+            received = {}
+            for d, per in packets.items():
+                perm = [(s, s + d) for s in range(self.S) if 0 <= s + d < self.S]
+                received[d] = {dt: jax.lax.ppermute(x, STAGE_AXIS, perm) for dt, x in per.items()}
+            mem = jax.lax.switch(stage, [self._receive_branch(t, r, received) for r in range(self.S)], mem)
+        return {dt: mem[dt][:n][None] for dt, n in sorted(self.acc_len.items())}
+
+    def _program(self, *flat):
+        n = len(flat)
+        accs = jax.shard_map(self._pipeline, mesh=self.mesh, in_specs=(PartitionSpec(),) * n,
+                             out_specs=PartitionSpec(STAGE_AXIS), check_vma=False)(*flat)
+        micro, full = self.analysis.micro, self.analysis.full
+        env = {}
+        for v, (s, off) in self.acc_of.items():
+            aval = micro.avals[v]
+            env[v] = accs[_dtype(aval)][s, off:off + _size(aval)].reshape(aval.shape)
+        for task in self.part.update_tasks():
+            inner = {}
+            for v in task.invars:
+                if v in env:
+                    inner[v] = env[v]
+                elif v in self.invar_pos:
+                    inner[v] = flat[self.invar_pos[v]]
+                else:
+                    inner[v] = jnp.asarray(full.consts[v])
+            env.update(zip(task.outvars, self._full_ev.run(OpGraph(task.invars, task.ops, task.outvars), inner),
+                           strict=True))
+        outs = []
+        for v in full.graph.outvars:
+            if not isinstance(v, int):
+                outs.append(jnp.asarray(v.value))
+            elif v in env:
+                outs.append(env[v])
+            elif v in self.invar_pos:
+                outs.append(flat[self.invar_pos[v]])
+            else:
+                outs.append(jnp.asarray(full.consts[v]))
+        return outs
+
+    # ---- running -------------------------------------------------------------------------------------
+    def global_inputs(self, flat):
+        """Each argument as a replicated global array on the stage mesh (every process passes the same data)."""
+        out = []
+        for x in flat:
+            if isinstance(x, jax.Array) and x.sharding.device_set == set(self.mesh.devices.flat) \
+                    and x.sharding.is_equivalent_to(self.replicated, x.ndim):
+                out.append(x)
+            elif jax.process_count() == 1:
+                out.append(jax.device_put(x, self.replicated))
+            else:
+                host = np.asarray(x)
+                out.append(jax.make_array_from_callback(host.shape, self.replicated, lambda idx, h=host: h[idx]))
+        return out
+
+    def lower(self, flat):
+        """``jax.jit(...).lower`` of the whole pipelined step (``.compile().as_text()`` shows the ppermutes)."""
+        return self._jit.lower(*self.global_inputs(flat))
+
+    def run(self, flat):
+        """Run the step on flat arguments; returns flat outputs, replicated on every device."""
+        return self._jit(*self.global_inputs(flat))

@@ -97,8 +97,7 @@ def allocate(items) -> tuple[dict, dict]:
 class SpmdPipelineExecutable:
     """The pipelined step as one jitted SPMD program over a ``(stage, replica)`` mesh (module docstring)."""
 
-    def __init__(self, analysis, part: Partition, meshes, schedule: str, out_ties: dict | None = None):
-        del out_ties  # every output is replicated; the next step takes it as it is
+    def __init__(self, analysis, part: Partition, meshes, schedule: str):
         self.analysis = analysis
         self.part = part
         self.k = k = analysis.num_microbatches
@@ -111,8 +110,10 @@ class SpmdPipelineExecutable:
         frontier = part.frontier_values
         self._check_outputs(frontier)
 
-        present = {key for key in part.tasks if key[0] in ("F", "B")}
-        orders = [[(ph, m) for ph, m in order if (ph, s) in present] for s, order in enumerate(stage_orders(S, k, schedule))]
+        # Branch 0 of the task switch idles; branch i > 0 runs self.tasks[i - 1] (on its own stage only).
+        self.tasks = sorted(key for key in part.tasks if key[0] in ("F", "B"))
+        orders = [[(ph, m) for ph, m in order if (ph, s) in part.tasks]
+                  for s, order in enumerate(stage_orders(S, k, schedule))]
 
         def deps(ev):
             ph, s, m = ev
@@ -126,32 +127,34 @@ class SpmdPipelineExecutable:
         sim = simulate(orders, [1.0] * S, [1.0] * S, deps)
         self.tick = {(ph, s, m): int(round(start)) for ph, s, m, start, _ in sim.events}
         self.num_ticks = T = 1 + max(self.tick.values(), default=-1)
-        self.at_tick = [[None] * S for _ in range(T)]
+        self.task_table = np.zeros((T, S), np.int32)   # tick, stage -> branch of the task switch
+        self.mb_table = np.zeros((T, S), np.int32)     # tick, stage -> microbatch
         for (ph, s, m), t in self.tick.items():
-            self.at_tick[t][s] = (ph, m)
+            self.task_table[t, s] = 1 + self.tasks.index((ph, s))
+            self.mb_table[t, s] = m
 
-        # Who reads each task output, per microbatch: stages (same-stage stash or a message).
-        readers: dict = {}   # value -> [(phase, stage)] of F/B tasks reading it
-        for key in sorted(present):
+        # Who reads each task output: F/B tasks on this stage (stash) or on others (a message).
+        readers: dict = {}
+        for key in self.tasks:
             for v in part.tasks[key].invars:
                 if v in part.producer_task and part.producer_task[v] != key:
                     readers.setdefault(v, []).append(key)
-        self.readers = readers
+        self.sends = {key: [] for key in self.tasks}   # task -> [(value, destination stage)]
         items = [[] for _ in range(S)]
-        self.sends: dict = {}    # (tick, sender) -> [(value, destination stage)]
-        for (ph, s, m), t in self.tick.items():
-            for v in part.tasks[(ph, s)].outvars:
+        for key in self.tasks:
+            ph, s = key
+            for v in part.tasks[key].outvars:
                 aval = micro.avals[v]
                 if v in frontier:
                     items[s].append((("acc", v), _dtype(aval), _size(aval), -1, T))
                     continue
-                by_stage: dict = {}
-                for rph, rs in readers.get(v, ()):
-                    by_stage[rs] = max(by_stage.get(rs, -1), self.tick[(rph, rs, m)])
-                for rs, last in sorted(by_stage.items()):
-                    items[rs].append(((v, m), _dtype(aval), _size(aval), t, last))
-                    if rs != s:
-                        self.sends.setdefault((t, s), []).append((v, rs))
+                dests = sorted({rs for _, rs in readers.get(v, ())})
+                self.sends[key] += [(v, rs) for rs in dests if rs != s]
+                for m in range(k):
+                    t = self.tick[(ph, s, m)]
+                    for rs in dests:
+                        last = max(self.tick[(rph, rs2, m)] for rph, rs2 in readers[v] if rs2 == rs)
+                        items[rs].append(((v, m), _dtype(aval), _size(aval), t, last))
         self.layout, self.mem_len = [], {}
         for s in range(S):
             placed, length = allocate(items[s])
@@ -167,7 +170,23 @@ class SpmdPipelineExecutable:
                     aval = micro.avals[key[1]]
                     self.acc_of[key[1]] = (s, off)
                     self.acc_len[_dtype(aval)] = max(self.acc_len.get(_dtype(aval), 0), off + _size(aval))
-        self.offsets = sorted({rs - s for (_, s), sent in self.sends.items() for _, rs in sent})
+        # Messages: one ppermute per stage offset and dtype, as long as the largest sender needs.
+        self.offsets = sorted({rs - key[1] for key, sent in self.sends.items() for _, rs in sent})
+        self.packet_len = {d: {} for d in self.offsets}
+        for key in self.tasks:
+            for d in self.offsets:
+                for dt, n in self._packet_layout(key, d)[1].items():
+                    self.packet_len[d][dt] = max(self.packet_len[d].get(dt, 0), n)
+        # Receive switch per offset d: branch 0 ignores the message, branch i > 0 stores what
+        # self.receivers[d][i - 1] sent; the microbatch is the sender's.
+        self.receivers = {d: [key for key in self.tasks if self._packet_layout(key, d)[0]] for d in self.offsets}
+        self.recv_table = {d: np.zeros((T, S), np.int32) for d in self.offsets}
+        self.recv_mb = {d: np.zeros((T, S), np.int32) for d in self.offsets}
+        for (ph, s, m), t in self.tick.items():
+            for d in self.offsets:
+                if (ph, s) in self.receivers[d]:
+                    self.recv_table[d][t, s + d] = 1 + self.receivers[d].index((ph, s))
+                    self.recv_mb[d][t, s + d] = m
         self._ev = _Evaluator(micro, {}, {}, self.mesh, MeshInfo.from_mesh(self.mesh))
         self._full_ev = _Evaluator(full, {}, {}, self.mesh, MeshInfo.from_mesh(self.mesh))
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -191,22 +210,11 @@ class SpmdPipelineExecutable:
                 "pipelined part of the step:\n  " + "\n  ".join(problems) +
                 "\nFix: return only reduced metrics (e.g. a mean loss), or use runtime='device_put' on one host.")
 
-    # ---- the traced program --------------------------------------------------------------------------
-    def _read(self, mem, s, key, aval):
-        off = self.layout[s][key]
-        return mem[_dtype(aval)][off:off + _size(aval)].reshape(aval.shape)
-
-    @staticmethod
-    def _write(mem, dt, off, x, add=False):
-        flat = x.reshape(-1).astype(dt)
-        ref = mem[dt].at[off:off + flat.size]
-        mem[dt] = ref.add(flat) if add else ref.set(flat)
-
-    def _packet_layout(self, t, s, delta):
-        """``[(value, dtype, offset)]`` of what stage ``s`` sends ``delta`` stages on at tick ``t``."""
+    def _packet_layout(self, key, delta):
+        """``([(value, dtype, offset)], dtype -> length)`` of what task ``key`` sends ``delta`` stages on."""
         out, used = [], {}
-        for v, rs in self.sends.get((t, s), ()):
-            if rs - s != delta:
+        for v, rs in self.sends[key]:
+            if rs - key[1] != delta:
                 continue
             aval = self.analysis.micro.avals[v]
             dt = _dtype(aval)
@@ -214,29 +222,32 @@ class SpmdPipelineExecutable:
             used[dt] = used.get(dt, 0) + _size(aval)
         return out, used
 
-    def _compute_branch(self, t, s, args, sizes):
-        event = self.at_tick[t][s]
+    # ---- the traced program --------------------------------------------------------------------------
+    def _slot(self, s, v, m):
+        """The offset of microbatch ``m``'s ``v`` in stage ``s``'s memory (``m`` is traced)."""
+        return jnp.asarray([self.layout[s][(v, mm)] for mm in range(self.k)], jnp.int32)[m]
+
+    def _idle(self, mem, m):
+        del m
+        return mem, {d: {dt: jnp.zeros(n, dt) for dt, n in per.items()} for d, per in self.packet_len.items()}
+
+    def _task_branch(self, key, args):
+        ph, s = key
         micro = self.analysis.micro
-
-        def idle(mem):
-            return mem, {d: {dt: jnp.zeros(n, dt) for dt, n in per.items()} for d, per in sizes.items()}
-
-        if event is None:
-            return idle
-        ph, m = event
-        task = self.part.tasks[(ph, s)]
+        task = self.part.tasks[key]
         graph = OpGraph(task.invars, task.ops, task.outvars)
         frontier = set(task.frontier)
 
-        def run(mem):
+        def run(mem, m):
             env = {}
             for v in task.invars:
                 aval = micro.avals[v]
                 if v in self.batch_values:
                     b = aval.shape[0]
-                    env[v] = args[self.batch_values[v]][m * b:(m + 1) * b]
+                    env[v] = jax.lax.dynamic_slice_in_dim(args[self.batch_values[v]], m * b, b, axis=0)
                 elif v in self.part.producer_task:
-                    env[v] = self._read(mem, s, (v, m), aval)
+                    off = self._slot(s, v, m)
+                    env[v] = jax.lax.dynamic_slice(mem[_dtype(aval)], (off,), (_size(aval),)).reshape(aval.shape)
                 elif v in self.invar_pos:
                     env[v] = args[self.invar_pos[v]]
                 else:
@@ -245,13 +256,15 @@ class SpmdPipelineExecutable:
             mem = dict(mem)
             for v, o in outs.items():
                 dt = _dtype(micro.avals[v])
+                flat = o.reshape(-1).astype(dt)
                 if v in frontier:
-                    self._write(mem, dt, self.layout[s][("acc", v)], o, add=True)
-                elif (v, m) in self.layout[s]:
-                    self._write(mem, dt, self.layout[s][(v, m)], o)
+                    off = self.layout[s][("acc", v)]
+                    mem[dt] = mem[dt].at[off:off + flat.size].add(flat)
+                elif (v, 0) in self.layout[s]:
+                    mem[dt] = jax.lax.dynamic_update_slice(mem[dt], flat, (self._slot(s, v, m),))
             packets = {}
-            for d, per in sizes.items():
-                layout, _ = self._packet_layout(t, s, d)
+            for d, per in self.packet_len.items():
+                layout, _ = self._packet_layout(key, d)
                 packets[d] = {}
                 for dt, n in per.items():
                     parts = [outs[v].reshape(-1).astype(dt) for v, vdt, _ in layout if vdt == dt]
@@ -261,47 +274,39 @@ class SpmdPipelineExecutable:
 
         return run
 
-    def _receive_branch(self, t, r, received):
-        micro = self.analysis.micro
+    def _receive_branch(self, key, d):
+        layout, _ = self._packet_layout(key, d)
+        r = key[1] + d
 
-        def run(mem):
+        def run(mem, packet, m):
             mem = dict(mem)
-            for d, per in received.items():
-                s = r - d
-                if not 0 <= s < self.S:
-                    continue
-                m = self.at_tick[t][s][1] if self.at_tick[t][s] is not None else None
-                layout, _ = self._packet_layout(t, s, d)
-                for v, dt, off in layout:
-                    aval = micro.avals[v]
-                    x = per[dt][off:off + _size(aval)]
-                    self._write(mem, dt, self.layout[r][(v, m)], x)
+            for v, dt, off in layout:
+                x = packet[dt][off:off + _size(self.analysis.micro.avals[v])]
+                mem[dt] = jax.lax.dynamic_update_slice(mem[dt], x, (self._slot(r, v, m),))
             return mem
 
         return run
 
     def _pipeline(self, *args):
-        """The ``shard_map`` body: every tick's tasks and messages; returns the stacked accumulators."""
+        """The ``shard_map`` body: a scan over ticks; returns the stacked accumulators."""
         stage = jax.lax.axis_index(STAGE_AXIS)
-        mem = {dt: jnp.zeros(n, dt) for dt, n in sorted(self.mem_len.items())}
-        for t in range(self.num_ticks):
-            sizes = {}
+        tasks = [self._idle] + [self._task_branch(key, args) for key in self.tasks]
+        receive = {d: [lambda mem, packet, m: mem] + [self._receive_branch(key, d) for key in self.receivers[d]]
+                   for d in self.offsets}
+
+        def tick(mem, row):
+            mem, packets = jax.lax.switch(row["task"][stage], tasks, mem, row["mb"][stage])
             for d in self.offsets:
-                per: dict = {}
-                for s in range(self.S):
-                    for dt, n in self._packet_layout(t, s, d)[1].items():
-                        per[dt] = max(per.get(dt, 0), n)
-                if per:
-                    sizes[d] = dict(sorted(per.items()))
-            branches = [self._compute_branch(t, s, args, sizes) for s in range(self.S)]
-            mem, packets = jax.lax.switch(stage, branches, mem)
-            if not sizes:
-                continue
-            received = {}
-            for d, per in packets.items():
                 perm = [(s, s + d) for s in range(self.S) if 0 <= s + d < self.S]
-                received[d] = {dt: jax.lax.ppermute(x, STAGE_AXIS, perm) for dt, x in per.items()}
-            mem = jax.lax.switch(stage, [self._receive_branch(t, r, received) for r in range(self.S)], mem)
+                got = {dt: jax.lax.ppermute(x, STAGE_AXIS, perm) for dt, x in packets[d].items()}
+                mem = jax.lax.switch(row["recv"][d][stage], receive[d], mem, got, row["recv_mb"][d][stage])
+            return mem, None
+
+        rows = {"task": jnp.asarray(self.task_table), "mb": jnp.asarray(self.mb_table),
+                "recv": {d: jnp.asarray(self.recv_table[d]) for d in self.offsets},
+                "recv_mb": {d: jnp.asarray(self.recv_mb[d]) for d in self.offsets}}
+        mem = {dt: jnp.zeros(n, dt) for dt, n in sorted(self.mem_len.items())}
+        mem, _ = jax.lax.scan(tick, mem, rows)
         return {dt: mem[dt][:n][None] for dt, n in sorted(self.acc_len.items())}
 
     def _program(self, *flat):

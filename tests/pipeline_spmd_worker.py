@@ -1,17 +1,99 @@
-"""One process of the two-process SPMD pipeline test (``tests/test_pipeline_spmd.py``).
+"""A tiny pure-JAX GPT train step, and one process of the two-process SPMD pipeline test.
 
 Usage: ``python tests/pipeline_spmd_worker.py PROCESS_ID PORT OUT_DIR`` with ``XLA_FLAGS`` giving each
 process 4 CPU devices. Both processes run the same pipelined step (2 stages, one per process, 1F1B,
 4 microbatches) on identical full inputs and write what they read back to ``OUT_DIR/proc<i>.npz``.
+The model is plain ``jax.numpy`` (no flax) so that a worker starts in seconds.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
+
+VOCAB, SEQ, WIDTH, LAYERS, HEADS, BATCH = 32, 8, 16, 2, 2, 8
+
+
+def tiny_gpt_init(seed: int = 0):
+    """Parameters (embeddings, ``LAYERS`` pre-LN blocks, head) and Adam moments, as numpy arrays (no compile)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+
+    def w(*shape):
+        return (0.2 * rng.standard_normal(shape)).astype(np.float32)
+
+    def ln():
+        return {"g": np.ones(WIDTH, np.float32), "b": np.zeros(WIDTH, np.float32)}
+
+    params = {"wte": w(VOCAB, WIDTH), "wpe": w(SEQ, WIDTH), "head": w(WIDTH, VOCAB), "ln_f": ln(),
+              "blocks": [{"ln1": ln(), "qkv": w(WIDTH, 3 * WIDTH), "proj": w(WIDTH, WIDTH), "ln2": ln(),
+                          "fc": w(WIDTH, 4 * WIDTH), "out": w(4 * WIDTH, WIDTH)} for _ in range(LAYERS)]}
+
+    def zeros(tree):
+        return {k: zeros(v) if isinstance(v, dict) else [zeros(x) for x in v] if isinstance(v, list)
+                else np.zeros_like(v) for k, v in tree.items()}
+
+    return {"params": params, "opt": {"m": zeros(params), "v": zeros(params), "t": np.zeros((), np.int32)}}
+
+
+def tiny_gpt_batch(seed: int = 1):
+    import numpy as np
+
+    seq = np.random.default_rng(seed).integers(0, VOCAB, (BATCH, SEQ + 1), dtype=np.int32)
+    return {"tokens": seq[:, :-1], "targets": seq[:, 1:]}
+
+
+def tiny_gpt_loss(params, batch):
+    import jax
+    import jax.numpy as jnp
+
+    def norm(x, p):
+        mu = jnp.mean(x, -1, keepdims=True)
+        var = jnp.mean((x - mu) ** 2, -1, keepdims=True)
+        return (x - mu) * jax.lax.rsqrt(var + 1e-5) * p["g"] + p["b"]
+
+    x = params["wte"][batch["tokens"]] + params["wpe"]
+    b, t, d = x.shape
+    mask = jnp.tril(jnp.ones((t, t), bool))
+    for blk in params["blocks"]:
+        q, k, v = jnp.split(norm(x, blk["ln1"]) @ blk["qkv"], 3, axis=-1)
+        q, k, v = (a.reshape(b, t, HEADS, d // HEADS) for a in (q, k, v))
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d // HEADS)
+        a = jax.nn.softmax(jnp.where(mask, s, -1e9), axis=-1)
+        x = x + jnp.einsum("bhqk,bkhd->bqhd", a, v).reshape(b, t, d) @ blk["proj"]
+        x = x + jax.nn.gelu(norm(x, blk["ln2"]) @ blk["fc"]) @ blk["out"]
+    logits = norm(x, params["ln_f"]) @ params["head"]
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, batch["targets"][..., None], -1))
+
+
+def tiny_gpt_step(state, batch, lr=1e-2, b1=0.9, b2=0.999, eps=1e-8):
+    """One Adam step; returns ``(new_state, {"loss": loss})``."""
+    import jax
+    import jax.numpy as jnp
+
+    loss, grads = jax.value_and_grad(tiny_gpt_loss)(state["params"], batch)
+    opt = state["opt"]
+    t = opt["t"] + 1
+    m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, opt["m"], grads)
+    v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, opt["v"], grads)
+    c1, c2 = 1 - b1 ** t.astype(jnp.float32), 1 - b2 ** t.astype(jnp.float32)
+    params = jax.tree.map(lambda p, m, v: p - lr * (m / c1) / (jnp.sqrt(v / c2) + eps), state["params"], m, v)
+    return {"params": params, "opt": {"m": m, "v": v, "t": t}}, {"loss": loss}
+
+
+def spmd_options(schedule: str, runtime: str = "spmd"):
+    """2 stages of 4 devices (one mesh row each), cut into 2 layers."""
+    import autoshard
+
+    return autoshard.PipelineOptions(num_stages=2, layers=2, schedule=schedule, submeshes=[(1, 4), (1, 4)],
+                                     solver_time_limit=0.2, runtime=runtime)
 
 
 def main(process_id: int, port: int, out_dir: str):
+    t0 = time.perf_counter()
     import jax
     import numpy as np
 
@@ -19,22 +101,22 @@ def main(process_id: int, port: int, out_dir: str):
     jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id)
     import autoshard
     from autoshard.pipeline.spmd import SpmdPipelineExecutable
-    from tests.test_pipeline_spmd import TINY_GPT, spmd_options
-    from benchmarks.models import gpt
 
-    spec = gpt.build(TINY_GPT, 8)
-    state = spec.init_state(jax.random.key(0))
-    batch = spec.make_batch(jax.random.key(1))
+    state, batch = tiny_gpt_init(), tiny_gpt_batch()
     mesh = autoshard.make_mesh((2, 4), ("data", "model"))   # row i: process i's 4 devices
-    step = autoshard.parallelize(spec.train_step, mesh=mesh, num_microbatches=4,
+    step = autoshard.parallelize(tiny_gpt_step, mesh=mesh, num_microbatches=4,
                                  pipeline=spmd_options("1f1b", runtime="auto"))
+    t1 = time.perf_counter()
+    step.plan(state, batch)
+    t2 = time.perf_counter()
     new_state, metrics = step(state, batch)
+    print(f"worker {process_id}: start {t1 - t0:.1f} s, plan {t2 - t1:.1f} s, compile+run "
+          f"{time.perf_counter() - t2:.1f} s", flush=True)
     entry = step._get((state, batch))
     exe = entry.executable
     assert isinstance(exe, SpmdPipelineExecutable), type(exe)
     stage_procs = [sorted({d.process_index for d in row}) for row in exe.mesh.devices]
-    flat = jax.tree.leaves((state, batch))
-    hlo = exe.lower(flat).compile().as_text()
+    hlo = exe.compiled(jax.tree.leaves((state, batch)))[0].as_text()
     leaves = [np.asarray(x.addressable_data(0)) for x in jax.tree.leaves(new_state["params"])]
     np.savez(os.path.join(out_dir, f"proc{process_id}.npz"), loss=np.asarray(metrics["loss"].addressable_data(0)),
              stage_procs=np.asarray(stage_procs), permutes=hlo.count("collective-permute"),

@@ -16,37 +16,36 @@ import pytest
 
 import autoshard
 from autoshard.pipeline.spmd import SpmdPipelineExecutable, allocate
-from benchmarks.models import gpt, mlp
-from benchmarks.models.gpt import GPTConfig
+from benchmarks.models import mlp
 from benchmarks.models.mlp import MLPConfig
 from tests.helpers import assert_trees_close, mesh
+from tests.pipeline_spmd_worker import spmd_options, tiny_gpt_batch, tiny_gpt_init, tiny_gpt_step
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY_GPT = GPTConfig(vocab_size=32, seq_len=4, hidden=16, num_layers=2, num_heads=2)
 SMALL_MLP = MLPConfig(num_layers=4, input_dim=16, hidden_dim=32, output_dim=8, loss="ce")
 
 
-def spmd_options(schedule: str, runtime: str = "spmd") -> autoshard.PipelineOptions:
-    """2 stages of 4 devices (one mesh row each), cut into 2 layers."""
-    return autoshard.PipelineOptions(num_stages=2, layers=2, schedule=schedule, submeshes=[(1, 4), (1, 4)],
-                                     solver_time_limit=0.2, runtime=runtime)
+def _model(family):
+    """``(state, batch, train_step)``: the benchmark MLP (flax) or the worker's pure-JAX tiny GPT."""
+    if family == "gpt":
+        return tiny_gpt_init(), tiny_gpt_batch(), tiny_gpt_step
+    spec = mlp.build(SMALL_MLP, 16)
+    return spec.init_state(jax.random.key(0)), spec.make_batch(jax.random.key(1)), spec.train_step
 
 
-def _reference(spec, steps):
-    state = spec.init_state(jax.random.key(0))
-    batch = spec.make_batch(jax.random.key(1))
+def _reference(state, batch, train_step, steps):
     ref, losses = state, []
     for _ in range(steps):
-        ref, m = jax.jit(spec.train_step)(ref, batch)
+        ref, m = jax.jit(train_step)(ref, batch)
         losses.append(float(m["loss"]))
-    return state, batch, ref, losses
+    return ref, losses
 
 
 @pytest.mark.parametrize("family,schedule", [("mlp", "1f1b"), ("mlp", "gpipe"), ("gpt", "1f1b")])
 def test_spmd_pipeline_matches_reference(family, schedule):
-    spec = mlp.build(SMALL_MLP, 16) if family == "mlp" else gpt.build(TINY_GPT, 8)
-    state, batch, ref, ref_losses = _reference(spec, 2)
-    step = autoshard.parallelize(spec.train_step, mesh=mesh("2x4"), num_microbatches=4,
+    state, batch, train_step = _model(family)
+    ref, ref_losses = _reference(state, batch, train_step, 2)
+    step = autoshard.parallelize(train_step, mesh=mesh("2x4"), num_microbatches=4,
                                  pipeline=spmd_options(schedule))
     out, losses = state, []
     for _ in range(2):
@@ -58,7 +57,7 @@ def test_spmd_pipeline_matches_reference(family, schedule):
     exe = entry.executable
     assert isinstance(exe, SpmdPipelineExecutable) and entry.plan.stats["runtime"] == "spmd"
     # Activations move inside the one program: collective-permutes over the stage axis, no device_put.
-    hlo = exe.lower(jax.tree.leaves((state, batch))).compile().as_text()
+    hlo = exe.compiled(jax.tree.leaves((state, batch)))[0].as_text()
     assert "collective-permute" in hlo
     assert exe.mesh.devices.shape == (2, 4)
     # 1F1B keeps at most S - s microbatches alive on stage s; GPipe all k: its memory is larger.
@@ -66,9 +65,8 @@ def test_spmd_pipeline_matches_reference(family, schedule):
 
 
 def test_auto_runtime_is_device_put_on_one_process():
-    spec = mlp.build(SMALL_MLP, 16)
-    state, batch = spec.init_state(jax.random.key(0)), spec.make_batch(jax.random.key(1))
-    step = autoshard.parallelize(spec.train_step, mesh=mesh("2x4"), num_microbatches=4,
+    state, batch, train_step = _model("mlp")
+    step = autoshard.parallelize(train_step, mesh=mesh("2x4"), num_microbatches=4,
                                  pipeline=spmd_options("1f1b", runtime="auto"))
     assert step.plan(state, batch).stats["runtime"] == "device_put"
 
@@ -76,11 +74,10 @@ def test_auto_runtime_is_device_put_on_one_process():
 def test_spmd_runtime_errors():
     with pytest.raises(autoshard.InputError, match="runtime='nccl'"):
         autoshard.PipelineOptions(runtime="nccl")
-    spec = mlp.build(SMALL_MLP, 16)
-    state, batch = spec.init_state(jax.random.key(0)), spec.make_batch(jax.random.key(1))
+    state, batch, train_step = _model("mlp")
     opts = autoshard.PipelineOptions(num_stages=3, layers=3, submeshes=[(1, 4), (1, 2), (1, 2)], runtime="spmd",
                                      solver_time_limit=0.2)
-    step = autoshard.parallelize(spec.train_step, mesh=mesh("2x4"), num_microbatches=4, pipeline=opts)
+    step = autoshard.parallelize(train_step, mesh=mesh("2x4"), num_microbatches=4, pipeline=opts)
     with pytest.raises(autoshard.MeshError, match="same number of devices on every stage"):
         step.plan(state, batch)
 
@@ -117,8 +114,7 @@ def test_pipeline_across_processes(tmp_path):
                 p.wait(timeout=10)
     for i, p in enumerate(procs):
         assert p.returncode == 0, f"worker {i} failed:\n{logs[i].decode(errors='replace')[-4000:]}"
-    spec = gpt.build(TINY_GPT, 8)
-    _, _, ref, ref_losses = _reference(spec, 1)
+    ref, ref_losses = _reference(tiny_gpt_init(), tiny_gpt_batch(), tiny_gpt_step, 1)
     ref_leaves = jax.tree.leaves(ref["params"])
     for i in range(2):
         out = np.load(tmp_path / f"proc{i}.npz")

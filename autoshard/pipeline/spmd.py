@@ -191,6 +191,7 @@ class SpmdPipelineExecutable:
         self._full_ev = _Evaluator(full, {}, {}, self.mesh, MeshInfo.from_mesh(self.mesh))
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self._jit = jax.jit(self._program, out_shardings=self.replicated)
+        self._compiled: dict = {}
 
     def _check_outputs(self, frontier):
         full, part = self.analysis.full, self.part
@@ -356,10 +357,16 @@ class SpmdPipelineExecutable:
                 out.append(jax.make_array_from_callback(host.shape, self.replicated, lambda idx, h=host: h[idx]))
         return out
 
-    def lower(self, flat):
-        """``jax.jit(...).lower`` of the whole pipelined step (``.compile().as_text()`` shows the ppermutes)."""
-        return self._jit.lower(*self.global_inputs(flat))
+    def compiled(self, flat):
+        """The compiled program for ``flat``'s shapes (``.as_text()`` shows the collective-permutes)."""
+        inputs = self.global_inputs(flat)
+        key = tuple((np.shape(x), np.dtype(x.dtype).name) for x in inputs)
+        hit = self._compiled.get(key)
+        if hit is None:
+            hit = self._compiled[key] = self._jit.lower(*inputs).compile()
+        return hit, inputs
 
     def run(self, flat):
         """Run the step on flat arguments; returns flat outputs, replicated on every device."""
-        return self._jit(*self.global_inputs(flat))
+        compiled, inputs = self.compiled(flat)
+        return compiled(*inputs)

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-VOCAB, SEQ, WIDTH, LAYERS, HEADS, BATCH = 32, 8, 16, 2, 2, 8
+VOCAB, SEQ, WIDTH, LAYERS, HEADS, BATCH = 32, 8, 16, 2, 2, 32
 
 
 def tiny_gpt_init(seed: int = 0):
@@ -119,7 +119,7 @@ def main(process_id: int, port: int, out_dir: str):
     hlo = exe.compiled(jax.tree.leaves((state, batch)))[0].as_text()
     leaves = [np.asarray(x.addressable_data(0)) for x in jax.tree.leaves(new_state["params"])]
     np.savez(os.path.join(out_dir, f"proc{process_id}.npz"), loss=np.asarray(metrics["loss"].addressable_data(0)),
-             stage_procs=np.asarray(stage_procs), permutes=hlo.count("collective-permute"),
+             stage_procs=np.asarray(stage_procs), permutes=hlo.count("collective-permute"), dp=exe.dp,
              runtime=entry.plan.stats["runtime"], **{f"p{i}": x for i, x in enumerate(leaves)})
     jax.distributed.shutdown()
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -25,11 +26,11 @@ ROOT = Path(__file__).resolve().parent.parent
 SMALL_MLP = MLPConfig(num_layers=4, input_dim=16, hidden_dim=32, output_dim=8, loss="ce")
 
 
-def _model(family):
-    """``(state, batch, train_step)``: the benchmark MLP (flax) or the worker's pure-JAX tiny GPT."""
+def _model(family, batch_size=16):
+    """``(state, batch, train_step)``: the benchmark MLP (flax) or the worker's pure-JAX tiny GPT (batch 32)."""
     if family == "gpt":
         return tiny_gpt_init(), tiny_gpt_batch(), tiny_gpt_step
-    spec = mlp.build(SMALL_MLP, 16)
+    spec = mlp.build(SMALL_MLP, batch_size)
     return spec.init_state(jax.random.key(0)), spec.make_batch(jax.random.key(1)), spec.train_step
 
 
@@ -41,9 +42,11 @@ def _reference(state, batch, train_step, steps):
     return ref, losses
 
 
-@pytest.mark.parametrize("family,schedule", [("mlp", "1f1b"), ("mlp", "gpipe"), ("gpt", "1f1b")])
-def test_spmd_pipeline_matches_reference(family, schedule):
-    state, batch, train_step = _model(family)
+# Microbatches of 8 split over a stage's 4 devices (dp=4); of 4, the MLP traces differently at batch 1, so
+# each stage computes replicated (dp=1).
+@pytest.mark.parametrize("family,schedule,batch_size,dp", [("mlp", "gpipe", 16, 1), ("gpt", "1f1b", 32, 4)])
+def test_spmd_pipeline_matches_reference(family, schedule, batch_size, dp):
+    state, batch, train_step = _model(family, batch_size)
     ref, ref_losses = _reference(state, batch, train_step, 2)
     step = autoshard.parallelize(train_step, mesh=mesh("2x4"), num_microbatches=4,
                                  pipeline=spmd_options(schedule))
@@ -59,7 +62,7 @@ def test_spmd_pipeline_matches_reference(family, schedule):
     # Activations move inside the one program: collective-permutes over the stage axis, no device_put.
     hlo = exe.compiled(jax.tree.leaves((state, batch)))[0].as_text()
     assert "collective-permute" in hlo
-    assert exe.mesh.devices.shape == (2, 4)
+    assert exe.mesh.devices.shape == (2, 4) and exe.dp == dp
     # 1F1B keeps at most S - s microbatches alive on stage s; GPipe all k: its memory is larger.
     assert exe.num_ticks == 2 * (4 + 2 - 1)
 
@@ -80,6 +83,24 @@ def test_spmd_runtime_errors():
     step = autoshard.parallelize(train_step, mesh=mesh("2x4"), num_microbatches=4, pipeline=opts)
     with pytest.raises(autoshard.MeshError, match="same number of devices on every stage"):
         step.plan(state, batch)
+
+
+def _per_example_step(params, batch):
+    def loss_fn(params):
+        h = jnp.tanh(jnp.tanh(batch["x"] @ params[0]) @ params[1])
+        return jnp.mean(h ** 2), h
+
+    (loss, h), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return [w - 0.1 * g for w, g in zip(params, grads, strict=True)], {"loss": loss, "h": h}
+
+
+def test_spmd_refuses_per_example_outputs():
+    params = [jnp.eye(8) * 0.5, jnp.eye(8) * 0.5]
+    batch = {"x": jnp.ones((16, 8))}
+    step = autoshard.parallelize(_per_example_step, mesh=mesh("2x4"), num_microbatches=4,
+                                 pipeline=spmd_options("1f1b"))
+    with pytest.raises(autoshard.InputError, match=r"output .*'h'.* is computed per microbatch"):
+        step.plan(params, batch)
 
 
 def test_allocate_reuses_dead_slots():
@@ -104,6 +125,7 @@ def test_pipeline_across_processes(tmp_path):
              for i in range(2)]
     logs = [b""] * 2
     try:
+        ref, ref_losses = _reference(tiny_gpt_init(), tiny_gpt_batch(), tiny_gpt_step, 1)   # while they start
         deadline = time.monotonic() + 240
         for i, p in enumerate(procs):
             logs[i], _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
@@ -114,13 +136,12 @@ def test_pipeline_across_processes(tmp_path):
                 p.wait(timeout=10)
     for i, p in enumerate(procs):
         assert p.returncode == 0, f"worker {i} failed:\n{logs[i].decode(errors='replace')[-4000:]}"
-    ref, ref_losses = _reference(tiny_gpt_init(), tiny_gpt_batch(), tiny_gpt_step, 1)
     ref_leaves = jax.tree.leaves(ref["params"])
     for i in range(2):
         out = np.load(tmp_path / f"proc{i}.npz")
         assert str(out["runtime"]) == "spmd"
         assert out["stage_procs"].tolist() == [[0], [1]]   # stage s lives on process s
-        assert int(out["permutes"]) > 0
+        assert int(out["permutes"]) > 0 and int(out["dp"]) == 4   # each process's 4 devices split microbatches
         np.testing.assert_allclose(float(out["loss"]), ref_losses[0], rtol=1e-5)
         for j, r in enumerate(ref_leaves):
             np.testing.assert_allclose(out[f"p{j}"], np.asarray(r), rtol=1e-5, atol=5e-5)

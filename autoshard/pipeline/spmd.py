@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from autoshard.capture import OpGraph
 from autoshard.errors import InputError, MeshError
 from autoshard.lower import _Evaluator
-from autoshard.pipeline.partition import Partition
+from autoshard.pipeline.partition import Partition, partition
 from autoshard.pipeline.schedule import simulate, stage_orders
 from autoshard.spec import MeshInfo
 
@@ -94,18 +94,36 @@ def allocate(items) -> tuple[dict, dict]:
     return placed, length
 
 
+def _forward_stage(part: Partition):
+    """The stage of each forward op position in ``part`` (to cut another capture of the step the same way)."""
+    stage = {p: key[1] for p in part.forward for key in part.op_tasks[p] if key[0] == "F"}
+    return stage.__getitem__
+
+
 class SpmdPipelineExecutable:
     """The pipelined step as one jitted SPMD program over a ``(stage, replica)`` mesh (module docstring)."""
 
-    def __init__(self, analysis, part: Partition, meshes, schedule: str):
-        self.analysis = analysis
-        self.part = part
+    def __init__(self, analysis, part: Partition, meshes, schedule: str, reanalyze=None):
         self.k = k = analysis.num_microbatches
         self.schedule = schedule
         self.S = S = part.num_stages
         self.mesh = stage_mesh(meshes)
+        d = self.mesh.devices.shape[1]
+        b = analysis.micro.avals[analysis.micro.graph.invars[analysis.batch_inputs[0]]].shape[0]
+        # Data parallelism inside a stage: each of its d devices runs 1/d of every microbatch (the step
+        # captured at k * d microbatches) and the gradient sums are added over "replica" at the end.
+        self.dp = d if reanalyze is not None and d > 1 and b % d == 0 else 1
+        if self.dp > 1:
+            try:
+                analysis = reanalyze(num_microbatches=k * d)
+                part = partition(analysis, _forward_stage(part), S)
+            except InputError:   # e.g. the step traces differently at the smaller batch: replicate instead
+                self.dp = 1
+        self.analysis = analysis
+        self.part = part
         full, micro = analysis.full, analysis.micro
         self.batch_values = {full.graph.invars[p]: p for p in analysis.batch_inputs}
+        self.batch_positions = frozenset(analysis.batch_inputs)
         self.invar_pos = {v: i for i, v in enumerate(full.graph.invars)}
         frontier = part.frontier_values
         self._check_outputs(frontier)
@@ -243,9 +261,8 @@ class SpmdPipelineExecutable:
             env = {}
             for v in task.invars:
                 aval = micro.avals[v]
-                if v in self.batch_values:
-                    b = aval.shape[0]
-                    env[v] = jax.lax.dynamic_slice_in_dim(args[self.batch_values[v]], m * b, b, axis=0)
+                if v in self.batch_values:   # (k, 1, b / dp, ...) here: microbatch m, this device's part
+                    env[v] = jax.lax.dynamic_index_in_dim(args[self.batch_values[v]], m, 0, keepdims=False)[0]
                 elif v in self.part.producer_task:
                     off = self._slot(s, v, m)
                     env[v] = jax.lax.dynamic_slice(mem[_dtype(aval)], (off,), (_size(aval),)).reshape(aval.shape)
@@ -308,12 +325,24 @@ class SpmdPipelineExecutable:
                 "recv_mb": {d: jnp.asarray(self.recv_mb[d]) for d in self.offsets}}
         mem = {dt: jnp.zeros(n, dt) for dt, n in sorted(self.mem_len.items())}
         mem, _ = jax.lax.scan(tick, mem, rows)
-        return {dt: mem[dt][:n][None] for dt, n in sorted(self.acc_len.items())}
+        accs = {dt: mem[dt][:n] for dt, n in sorted(self.acc_len.items())}
+        if self.dp > 1:
+            accs = {dt: jax.lax.psum(x, REPLICA_AXIS) for dt, x in accs.items()}
+        return {dt: x[None] for dt, x in accs.items()}
 
     def _program(self, *flat):
-        n = len(flat)
-        accs = jax.shard_map(self._pipeline, mesh=self.mesh, in_specs=(PartitionSpec(),) * n,
-                             out_specs=PartitionSpec(STAGE_AXIS), check_vma=False)(*flat)
+        # Batch leaves enter as (k, dp, b / dp, ...): microbatch, then the part of each device of a stage.
+        split = PartitionSpec(None, REPLICA_AXIS) if self.dp > 1 else PartitionSpec()
+        args, specs = [], []
+        for i, x in enumerate(flat):
+            if i in self.batch_positions:
+                args.append(x.reshape(self.k, self.dp, x.shape[0] // (self.k * self.dp), *x.shape[1:]))
+                specs.append(split)
+            else:
+                args.append(x)
+                specs.append(PartitionSpec())
+        accs = jax.shard_map(self._pipeline, mesh=self.mesh, in_specs=tuple(specs),
+                             out_specs=PartitionSpec(STAGE_AXIS), check_vma=False)(*args)
         micro, full = self.analysis.micro, self.analysis.full
         env = {}
         for v, (s, off) in self.acc_of.items():

@@ -117,7 +117,11 @@ class PipelinedStep:
                                                   "plan_s": time.perf_counter() - t0, "runtime": runtime})
         schedule = "gpipe" if self.pipeline is None else self.pipeline.schedule
         if runtime == "spmd":
-            exe = SpmdPipelineExecutable(analysis, part, meshes, schedule)
+            # Data parallelism inside a stage captures the step again at microbatch / devices-per-stage.
+            reanalyze = functools.partial(analyze_step, fun, abstract, batch_positions=positions,
+                                          batch_size=batch_size, metric_outputs=analysis.metric_outputs,
+                                          in_paths=in_paths)
+            exe = SpmdPipelineExecutable(analysis, part, meshes, schedule, reanalyze=reanalyze)
         else:
             exe = PipelineExecutable(analysis, part, meshes, plans, schedule, ties)
         return _Entry(analysis, exe, pplan, analysis.full.out_tree)

@@ -110,6 +110,7 @@ def main(process_id: int, port: int, out_dir: str):
     step.plan(state, batch)
     t2 = time.perf_counter()
     new_state, metrics = step(state, batch)
+    new_state, metrics2 = step(new_state, batch)   # the replicated outputs go straight back in
     print(f"worker {process_id}: start {t1 - t0:.1f} s, plan {t2 - t1:.1f} s, compile+run "
           f"{time.perf_counter() - t2:.1f} s", flush=True)
     entry = step._get((state, batch))
@@ -118,7 +119,15 @@ def main(process_id: int, port: int, out_dir: str):
     stage_procs = [sorted({d.process_index for d in row}) for row in exe.mesh.devices]
     hlo = exe.compiled(jax.tree.leaves((state, batch)))[0].as_text()
     leaves = [np.asarray(x.addressable_data(0)) for x in jax.tree.leaves(new_state["params"])]
-    np.savez(os.path.join(out_dir, f"proc{process_id}.npz"), loss=np.asarray(metrics["loss"].addressable_data(0)),
+    bad = autoshard.parallelize(tiny_gpt_step, mesh=mesh, num_microbatches=4,
+                                pipeline=spmd_options("1f1b", runtime="device_put"))
+    try:
+        bad.plan(state, batch)
+        refused = ""
+    except autoshard.InputError as e:
+        refused = str(e)
+    losses = [float(np.asarray(m["loss"].addressable_data(0))) for m in (metrics, metrics2)]
+    np.savez(os.path.join(out_dir, f"proc{process_id}.npz"), losses=np.asarray(losses), refused=refused,
              stage_procs=np.asarray(stage_procs), permutes=hlo.count("collective-permute"), dp=exe.dp,
              runtime=entry.plan.stats["runtime"], **{f"p{i}": x for i, x in enumerate(leaves)})
     jax.distributed.shutdown()

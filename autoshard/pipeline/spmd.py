@@ -21,9 +21,13 @@ and cotangents inside it with ``lax.ppermute`` over ``"stage"``:
   ``shard_map``, on the whole mesh, and every output is replicated, so each process can read
   the new state and the metrics.
 
-First-version limits: inside a stage the ``d`` devices compute the same thing (replicated, no
-intra-op plan); the state and the batch enter replicated on every device; all stages need the
-same number of devices; a step returning per-example values is refused.
+* Inside a stage, the ``d`` devices split every microbatch (data parallelism: the step is captured
+  again at ``k * d`` microbatches, and the gradient sums are ``psum``-ed over ``"replica"``), or,
+  when the microbatch does not split, compute the same thing.
+
+First-version limits: no intra-op plan inside a stage; the state and the batch enter replicated on
+every device (each process passes the full, identical arguments) and the update runs replicated;
+all stages need the same number of devices; a step returning per-example values is refused.
 """
 
 from __future__ import annotations

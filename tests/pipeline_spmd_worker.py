@@ -69,7 +69,7 @@ def tiny_gpt_loss(params, batch):
     return -jnp.mean(jnp.take_along_axis(logp, batch["targets"][..., None], -1))
 
 
-def tiny_gpt_step(state, batch, lr=1e-2, b1=0.9, b2=0.999, eps=1e-8):
+def tiny_gpt_step(state, batch, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8):
     """One Adam step; returns ``(new_state, {"loss": loss})``."""
     import jax
     import jax.numpy as jnp

@@ -87,6 +87,12 @@ class PipelinedStep:
 
     def _build(self, dyn, stat, dyn_index, n_args) -> _Entry:
         t0 = time.perf_counter()
+        mesh = self.mesh
+        if self.pipeline is not None and mesh is None:
+            from autoshard.cluster import make_mesh
+
+            mesh = make_mesh((len(jax.devices()),), ("devices",))
+        runtime = "device_put" if self.pipeline is None else _resolve_runtime(self.pipeline.runtime, mesh)
         abstract = jax.tree_util.tree_map(_abstract, dyn)
         fun = self._bound(stat, n_args, dyn_index)
         out_shape = jax.eval_shape(fun, *abstract)
@@ -102,17 +108,10 @@ class PipelinedStep:
         if self.pipeline is None:
             part, meshes, plans, pplan = self._single_stage(analysis)
         else:
-            mesh = self.mesh
-            if mesh is None:
-                from autoshard.cluster import make_mesh
-
-                mesh = make_mesh((len(jax.devices()),), ("devices",))
             cluster = _default_cluster(mesh) if self.cluster is None else self.cluster
-            runtime = _resolve_runtime(self.pipeline.runtime, mesh)
             # The spmd runtime replicates inside a stage: intra-op plans cannot price its cut.
             opts = self.pipeline if runtime != "spmd" else dataclasses.replace(self.pipeline, stage_cost="estimate")
             part, meshes, plans, pplan = plan_stages(analysis, mesh, cluster, opts, self.memory_budget)
-        runtime = "device_put" if self.pipeline is None else runtime
         pplan = dataclasses.replace(pplan, stats={**pplan.stats, "capture_s": capture_s,
                                                   "plan_s": time.perf_counter() - t0, "runtime": runtime})
         schedule = "gpipe" if self.pipeline is None else self.pipeline.schedule

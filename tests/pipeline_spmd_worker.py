@@ -84,12 +84,12 @@ def tiny_gpt_step(state, batch, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8):
     return {"params": params, "opt": {"m": m, "v": v, "t": t}}, {"loss": loss}
 
 
-def spmd_options(schedule: str, runtime: str = "spmd"):
-    """2 stages of 4 devices (one mesh row each), cut into 2 layers."""
+def spmd_options(schedule: str, runtime: str = "spmd", stages: int = 2):
+    """``stages`` stages sharing 8 devices equally (2: one mesh row each), cut into as many layers."""
     import autoshard
 
-    return autoshard.PipelineOptions(num_stages=2, layers=2, schedule=schedule, submeshes=[(1, 4), (1, 4)],
-                                     solver_time_limit=0.2, runtime=runtime)
+    return autoshard.PipelineOptions(num_stages=stages, layers=stages, schedule=schedule,
+                                     submeshes=[(1, 8 // stages)] * stages, solver_time_limit=0.2, runtime=runtime)
 
 
 def main(process_id: int, port: int, out_dir: str):

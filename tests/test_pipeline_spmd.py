@@ -48,15 +48,21 @@ def _reference(state, batch, train_step, steps):
     ("mlp", "gpipe", 16, 1, 2), ("gpt", "1f1b", 32, 4, 2),
     pytest.param("mlp", "1f1b", 16, 2, 4, marks=pytest.mark.slow), pytest.param("gpt", "gpipe", 32, 4, 2,
                                                                                 marks=pytest.mark.slow)])
-def test_spmd_pipeline_matches_reference(family, schedule, batch_size, dp, stages):
+def test_spmd_pipeline_matches_reference(family, schedule, batch_size, dp, stages, monkeypatch):
     state, batch, train_step = _model(family, batch_size)
     ref, ref_losses = _reference(state, batch, train_step, 2)
     step = autoshard.parallelize(train_step, mesh=mesh("2x4"), num_microbatches=4,
                                  pipeline=spmd_options(schedule, stages=stages))
+    # No device_put between stage sub-meshes: arrays are only ever placed on the whole (stage, replica) mesh.
+    targets = []
+    device_put = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda x, s=None, **kw: targets.append(s) or device_put(x, s, **kw))
     out, losses = state, []
     for _ in range(2):
         out, m = step(out, batch)
         losses.append(float(m["loss"]))
+    monkeypatch.undo()
+    assert targets and all(len(t.device_set) == 8 for t in targets)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(out["params"], ref["params"], rtol=1e-5, atol=5e-5, what="params")
     entry = step._get((state, batch))

@@ -98,6 +98,26 @@ def allocate(items) -> tuple[dict, dict]:
     return placed, length
 
 
+def schedule_ticks(part: Partition, num_microbatches: int, schedule: str) -> dict:
+    """``(phase, stage, microbatch) -> tick``: each stage's GPipe or 1F1B order, list-scheduled with unit
+    task times, so a task's inputs always come from earlier ticks."""
+    S = part.num_stages
+    orders = [[(ph, m) for ph, m in order if (ph, s) in part.tasks]
+              for s, order in enumerate(stage_orders(S, num_microbatches, schedule))]
+
+    def deps(ev):
+        ph, s, m = ev
+        out = set()
+        for v in part.tasks[(ph, s)].invars:
+            key = part.producer_task.get(v)
+            if key is not None and key[0] != "R" and key != (ph, s):
+                out.add((key[0], key[1], m))
+        return sorted(out)
+
+    sim = simulate(orders, [1.0] * S, [1.0] * S, deps)
+    return {(ph, s, m): int(round(start)) for ph, s, m, start, _ in sim.events}
+
+
 def _forward_stage(part: Partition):
     """The stage of each forward op position in ``part`` (to cut another capture of the step the same way)."""
     stage = {p: key[1] for p in part.forward for key in part.op_tasks[p] if key[0] == "F"}
@@ -112,14 +132,14 @@ class SpmdPipelineExecutable:
         self.schedule = schedule
         self.S = S = part.num_stages
         self.mesh = stage_mesh(meshes)
-        d = self.mesh.devices.shape[1]
+        per_stage = self.mesh.devices.shape[1]
         b = analysis.micro.avals[analysis.micro.graph.invars[analysis.batch_inputs[0]]].shape[0]
         # Data parallelism inside a stage: each of its d devices runs 1/d of every microbatch (the step
         # captured at k * d microbatches) and the gradient sums are added over "replica" at the end.
-        self.dp = d if reanalyze is not None and d > 1 and b % d == 0 else 1
+        self.dp = per_stage if reanalyze is not None and per_stage > 1 and b % per_stage == 0 else 1
         if self.dp > 1:
             try:
-                analysis = reanalyze(num_microbatches=k * d)
+                analysis = reanalyze(num_microbatches=k * per_stage)
                 part = partition(analysis, _forward_stage(part), S)
             except InputError:   # e.g. the step traces differently at the smaller batch: replicate instead
                 self.dp = 1
@@ -134,20 +154,7 @@ class SpmdPipelineExecutable:
 
         # Branch 0 of the task switch idles; branch i > 0 runs self.tasks[i - 1] (on its own stage only).
         self.tasks = sorted(key for key in part.tasks if key[0] in ("F", "B"))
-        orders = [[(ph, m) for ph, m in order if (ph, s) in part.tasks]
-                  for s, order in enumerate(stage_orders(S, k, schedule))]
-
-        def deps(ev):
-            ph, s, m = ev
-            out = set()
-            for v in part.tasks[(ph, s)].invars:
-                key = part.producer_task.get(v)
-                if key is not None and key[0] != "R" and key != (ph, s):
-                    out.add((key[0], key[1], m))
-            return sorted(out)
-
-        sim = simulate(orders, [1.0] * S, [1.0] * S, deps)
-        self.tick = {(ph, s, m): int(round(start)) for ph, s, m, start, _ in sim.events}
+        self.tick = schedule_ticks(part, k, schedule)
         self.num_ticks = T = 1 + max(self.tick.values(), default=-1)
         self.task_table = np.zeros((T, S), np.int32)   # tick, stage -> branch of the task switch
         self.mb_table = np.zeros((T, S), np.int32)     # tick, stage -> microbatch
@@ -155,6 +162,18 @@ class SpmdPipelineExecutable:
             self.task_table[t, s] = 1 + self.tasks.index((ph, s))
             self.mb_table[t, s] = m
 
+        self._plan_memory(frontier)
+        self._plan_messages()
+        self._ev = _Evaluator(micro, {}, {}, self.mesh, MeshInfo.from_mesh(self.mesh))
+        self._full_ev = _Evaluator(full, {}, {}, self.mesh, MeshInfo.from_mesh(self.mesh))
+        self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        self._jit = jax.jit(self._program, out_shardings=self.replicated)
+        self._compiled: dict = {}
+
+    def _plan_memory(self, frontier):
+        """Each stage's layout of its flat buffers: gradient accumulators, then per-microbatch values it
+        keeps (stashed residuals, received activations), reused once dead; and what each task sends."""
+        part, micro, k, S, T = self.part, self.analysis.micro, self.k, self.S, self.num_ticks
         # Who reads each task output: F/B tasks on this stage (stash) or on others (a message).
         readers: dict = {}
         for key in self.tasks:
@@ -192,6 +211,10 @@ class SpmdPipelineExecutable:
                     aval = micro.avals[key[1]]
                     self.acc_of[key[1]] = (s, off)
                     self.acc_len[_dtype(aval)] = max(self.acc_len.get(_dtype(aval), 0), off + _size(aval))
+
+    def _plan_messages(self):
+        """Per stage offset: the packet length per dtype, and the receive switch's branches and tables."""
+        T, S = self.num_ticks, self.S
         # Messages: one ppermute per stage offset and dtype, as long as the largest sender needs.
         self.offsets = sorted({rs - key[1] for key, sent in self.sends.items() for _, rs in sent})
         self.packet_len = {d: {} for d in self.offsets}
@@ -209,11 +232,6 @@ class SpmdPipelineExecutable:
                 if (ph, s) in self.receivers[d]:
                     self.recv_table[d][t, s + d] = 1 + self.receivers[d].index((ph, s))
                     self.recv_mb[d][t, s + d] = m
-        self._ev = _Evaluator(micro, {}, {}, self.mesh, MeshInfo.from_mesh(self.mesh))
-        self._full_ev = _Evaluator(full, {}, {}, self.mesh, MeshInfo.from_mesh(self.mesh))
-        self.replicated = NamedSharding(self.mesh, PartitionSpec())
-        self._jit = jax.jit(self._program, out_shardings=self.replicated)
-        self._compiled: dict = {}
 
     def _check_outputs(self, frontier):
         full, part = self.analysis.full, self.part

@@ -1,8 +1,10 @@
 """A tiny pure-JAX GPT train step, and one process of the two-process SPMD pipeline test.
 
-Usage: ``python tests/pipeline_spmd_worker.py PROCESS_ID PORT OUT_DIR`` with ``XLA_FLAGS`` giving each
-process 4 CPU devices. Both processes run the same pipelined step (2 stages, one per process, 1F1B,
-4 microbatches) on identical full inputs and write what they read back to ``OUT_DIR/proc<i>.npz``.
+Usage: ``python tests/pipeline_spmd_worker.py PROCESS_ID PORT OUT_DIR [LAYOUT]`` with ``XLA_FLAGS`` giving
+each process 4 CPU devices. Both processes run the same pipelined step (1F1B, 4 microbatches) on identical
+full inputs and write what they read back to ``OUT_DIR/proc<i>.npz``. ``LAYOUT``: ``rows`` (default: 2
+stages, one per process), ``4stages`` (2 stages per process) or ``straddle`` (2 stages, each on 2 devices
+of both processes).
 The model is plain ``jax.numpy`` (no flax) so that a worker starts in seconds.
 """
 
@@ -92,7 +94,7 @@ def spmd_options(schedule: str, runtime: str = "spmd", stages: int = 2):
                                      submeshes=[(1, 8 // stages)] * stages, solver_time_limit=0.2, runtime=runtime)
 
 
-def main(process_id: int, port: int, out_dir: str):
+def main(process_id: int, port: int, out_dir: str, layout: str = "rows"):
     t0 = time.perf_counter()
     import jax
     import numpy as np
@@ -103,9 +105,12 @@ def main(process_id: int, port: int, out_dir: str):
     from autoshard.pipeline.spmd import SpmdPipelineExecutable
 
     state, batch = tiny_gpt_init(), tiny_gpt_batch()
-    mesh = autoshard.make_mesh((2, 4), ("data", "model"))   # row i: process i's 4 devices
+    devices = jax.devices()   # process 0's 4 devices, then process 1's
+    if layout == "straddle":
+        devices = [devices[i] for i in (0, 1, 4, 5, 2, 3, 6, 7)]
+    mesh = autoshard.make_mesh((2, 4), ("data", "model"), devices=devices)
     step = autoshard.parallelize(tiny_gpt_step, mesh=mesh, num_microbatches=4,
-                                 pipeline=spmd_options("1f1b", runtime="auto"))
+                                 pipeline=spmd_options("1f1b", runtime="auto", stages=4 if layout == "4stages" else 2))
     t1 = time.perf_counter()
     step.plan(state, batch)
     t2 = time.perf_counter()
@@ -134,4 +139,4 @@ def main(process_id: int, port: int, out_dir: str):
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], *sys.argv[4:])

@@ -138,8 +138,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_pipeline_across_processes(tmp_path):
-    """2 stages, one per process (2 processes x 4 CPU devices, gloo), 1F1B, 4 microbatches, two steps."""
+@pytest.mark.parametrize("layout,stage_procs,dp", [
+    ("rows", [[0], [1]], 4),
+    pytest.param("4stages", [[0], [0], [1], [1]], 2, marks=pytest.mark.slow),
+    pytest.param("straddle", [[0, 1], [0, 1]], 4, marks=pytest.mark.slow)])
+def test_pipeline_across_processes(tmp_path, layout, stage_procs, dp):
+    """2 stages, one per process (2 processes x 4 CPU devices, gloo), 1F1B, 4 microbatches, two steps.
+
+    Slow variants: two stages per process; stages whose devices straddle both processes."""
     port = _free_port()
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -149,7 +155,8 @@ def test_pipeline_across_processes(tmp_path):
         for i in range(2):
             with open(logs[i], "wb") as log:
                 procs.append(subprocess.Popen(
-                    [sys.executable, str(ROOT / "tests" / "pipeline_spmd_worker.py"), str(i), str(port), str(tmp_path)],
+                    [sys.executable, str(ROOT / "tests" / "pipeline_spmd_worker.py"), str(i), str(port), str(tmp_path),
+                     layout],
                     cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
         ref, ref_losses = _reference(tiny_gpt_init(), tiny_gpt_batch(), tiny_gpt_step, 2)   # while they start
         deadline = time.monotonic() + 240
@@ -169,8 +176,8 @@ def test_pipeline_across_processes(tmp_path):
     for i in range(2):
         out = np.load(tmp_path / f"proc{i}.npz")
         assert str(out["runtime"]) == "spmd"
-        assert out["stage_procs"].tolist() == [[0], [1]]   # stage s lives on process s
-        assert int(out["permutes"]) > 0 and int(out["dp"]) == 4   # each process's 4 devices split microbatches
+        assert out["stage_procs"].tolist() == stage_procs   # rows: stage s lives on process s
+        assert int(out["permutes"]) > 0 and int(out["dp"]) == dp   # a stage's devices split its microbatches
         assert "device_put between device sets of different processes" in str(out["refused"])
         np.testing.assert_allclose(out["losses"], ref_losses, rtol=1e-5)
         for j, r in enumerate(ref_leaves):

@@ -8,6 +8,7 @@ import math
 from autoshard.errors import InputError
 
 SCHEDULES = ("gpipe", "1f1b")
+RUNTIMES = ("auto", "device_put", "spmd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +30,10 @@ class PipelineOptions:
       stage_cost: ``"planner"`` (each distinct layer planned on each candidate sub-mesh) or
         ``"estimate"`` (flops and data-parallel gradient all-reduce only, much faster).
       solver_time_limit: seconds the intra-op solver may spend on each stage candidate.
+      runtime: ``"device_put"`` (one jitted program per task, arrays moved between stage
+        sub-meshes by ``jax.device_put``: one process only), ``"spmd"`` (the whole pipeline as one
+        SPMD program, ``ppermute`` between stages: works across processes) or ``"auto"``
+        (``"spmd"`` when the stages' devices belong to several processes, else ``"device_put"``).
 
     Example:
       >>> import autoshard
@@ -43,6 +48,7 @@ class PipelineOptions:
     batch_argnums: tuple | None = None
     stage_cost: str = "planner"
     solver_time_limit: float = 2.0
+    runtime: str = "auto"
 
     def __post_init__(self):
         problems = []
@@ -52,6 +58,8 @@ class PipelineOptions:
             problems.append(f"num_stages={self.num_stages!r}; expected a positive int or 'auto'")
         if not (self.layers == "auto" or (isinstance(self.layers, int) and self.layers >= 1)):
             problems.append(f"layers={self.layers!r}; expected a positive int or 'auto'")
+        if self.runtime not in RUNTIMES:
+            problems.append(f"runtime={self.runtime!r}; expected one of {RUNTIMES}")
         if self.stage_cost not in ("planner", "estimate"):
             problems.append(f"stage_cost={self.stage_cost!r}; expected 'planner' or 'estimate'")
         if self.submeshes is not None:

@@ -17,6 +17,21 @@ from autoshard.pipeline.partition import partition
 from autoshard.pipeline.plan import PipelinePlan, StagePlan
 from autoshard.pipeline.runtime import PipelineExecutable
 from autoshard.pipeline.search import plan_stages, residual_bytes, stage_program
+from autoshard.pipeline.spmd import SpmdPipelineExecutable, spans_processes
+
+
+def _resolve_runtime(runtime: str, mesh) -> str:
+    """``PipelineOptions.runtime`` made concrete for ``mesh``: ``"device_put"`` or ``"spmd"``."""
+    multi = spans_processes([mesh])
+    if runtime == "auto":
+        return "spmd" if multi else "device_put"
+    if runtime == "device_put" and multi:
+        raise InputError(
+            "PipelineOptions(runtime='device_put') cannot run on a mesh whose devices belong to several "
+            "processes: jax.device_put between device sets of different processes is refused outside TPU. "
+            "Fix: PipelineOptions(runtime='spmd') (or 'auto'), which moves activations with ppermute inside "
+            "one program.")
+    return runtime
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -72,6 +87,12 @@ class PipelinedStep:
 
     def _build(self, dyn, stat, dyn_index, n_args) -> _Entry:
         t0 = time.perf_counter()
+        mesh = self.mesh
+        if self.pipeline is not None and mesh is None:
+            from autoshard.cluster import make_mesh
+
+            mesh = make_mesh((len(jax.devices()),), ("devices",))
+        runtime = "device_put" if self.pipeline is None else _resolve_runtime(self.pipeline.runtime, mesh)
         abstract = jax.tree_util.tree_map(_abstract, dyn)
         fun = self._bound(stat, n_args, dyn_index)
         out_shape = jax.eval_shape(fun, *abstract)
@@ -87,17 +108,21 @@ class PipelinedStep:
         if self.pipeline is None:
             part, meshes, plans, pplan = self._single_stage(analysis)
         else:
-            mesh = self.mesh
-            if mesh is None:
-                from autoshard.cluster import make_mesh
-
-                mesh = make_mesh((len(jax.devices()),), ("devices",))
             cluster = _default_cluster(mesh) if self.cluster is None else self.cluster
-            part, meshes, plans, pplan = plan_stages(analysis, mesh, cluster, self.pipeline, self.memory_budget)
+            # The spmd runtime replicates inside a stage: intra-op plans cannot price its cut.
+            opts = self.pipeline if runtime != "spmd" else dataclasses.replace(self.pipeline, stage_cost="estimate")
+            part, meshes, plans, pplan = plan_stages(analysis, mesh, cluster, opts, self.memory_budget)
         pplan = dataclasses.replace(pplan, stats={**pplan.stats, "capture_s": capture_s,
-                                                  "plan_s": time.perf_counter() - t0})
+                                                  "plan_s": time.perf_counter() - t0, "runtime": runtime})
         schedule = "gpipe" if self.pipeline is None else self.pipeline.schedule
-        exe = PipelineExecutable(analysis, part, meshes, plans, schedule, ties)
+        if runtime == "spmd":
+            # Data parallelism inside a stage captures the step again at microbatch / devices-per-stage.
+            reanalyze = functools.partial(analyze_step, fun, abstract, batch_positions=positions,
+                                          batch_size=batch_size, metric_outputs=analysis.metric_outputs,
+                                          in_paths=in_paths)
+            exe = SpmdPipelineExecutable(analysis, part, meshes, schedule, reanalyze=reanalyze)
+        else:
+            exe = PipelineExecutable(analysis, part, meshes, plans, schedule, ties)
         return _Entry(analysis, exe, pplan, analysis.full.out_tree)
 
     def _batch_args(self, abstract, dyn_index, ties) -> tuple[int, ...]:
@@ -162,6 +187,7 @@ class PipelinedStep:
         from autoshard.pipeline.timeline import measure
 
         entry = self._get(args)
+        self._need_device_put(entry, "timeline")
         flat = self._flat(args)
         for _ in range(warmup):
             jax.block_until_ready(entry.executable.run(flat))
@@ -173,4 +199,12 @@ class PipelinedStep:
         from autoshard.pipeline.timeline import stage_memory
 
         entry = self._get(args)
+        self._need_device_put(entry, "stage_memory")
         return stage_memory(entry.executable, self._flat(args))
+
+    @staticmethod
+    def _need_device_put(entry: _Entry, what: str):
+        if not isinstance(entry.executable, PipelineExecutable):
+            raise InputError(f"step.{what}(...) measures the runtime='device_put' tasks one by one; this step runs "
+                             "as one SPMD program (runtime='spmd'). Fix: PipelineOptions(runtime='device_put') "
+                             "on one host.")

@@ -1,0 +1,184 @@
+"""The SPMD pipeline runtime (one program, ppermute over a stage axis) equals the single-device jax.jit step,
+on one process and across two processes (2 x 4 CPU devices, gloo collectives)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autoshard
+from autoshard.pipeline.spmd import SpmdPipelineExecutable, allocate
+from benchmarks.models import mlp
+from benchmarks.models.mlp import MLPConfig
+from tests.helpers import assert_trees_close, mesh
+from tests.pipeline_spmd_worker import spmd_options, tiny_gpt_batch, tiny_gpt_init, tiny_gpt_step
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL_MLP = MLPConfig(num_layers=4, input_dim=16, hidden_dim=32, output_dim=8, loss="ce")
+
+
+def _model(family, batch_size=16):
+    """``(state, batch, train_step)``: the benchmark MLP (flax) or the worker's pure-JAX tiny GPT (batch 32)."""
+    if family == "gpt":
+        return tiny_gpt_init(), tiny_gpt_batch(), tiny_gpt_step
+    spec = mlp.build(SMALL_MLP, batch_size)
+    return spec.init_state(jax.random.key(0)), spec.make_batch(jax.random.key(1)), spec.train_step
+
+
+def _reference(state, batch, train_step, steps):
+    ref, losses = state, []
+    for _ in range(steps):
+        ref, m = jax.jit(train_step)(ref, batch)
+        losses.append(float(m["loss"]))
+    return ref, losses
+
+
+# Microbatches of 8 split over a stage's 4 devices (dp=4); of 4, the MLP traces differently at batch 1, so
+# each stage computes replicated (dp=1).
+@pytest.mark.parametrize("family,schedule,batch_size,dp,stages", [
+    ("mlp", "gpipe", 16, 1, 2), ("gpt", "1f1b", 32, 4, 2),
+    pytest.param("mlp", "1f1b", 16, 2, 4, marks=pytest.mark.slow), pytest.param("gpt", "gpipe", 32, 4, 2,
+                                                                                marks=pytest.mark.slow)])
+def test_spmd_pipeline_matches_reference(family, schedule, batch_size, dp, stages, monkeypatch):
+    state, batch, train_step = _model(family, batch_size)
+    ref, ref_losses = _reference(state, batch, train_step, 2)
+    step = autoshard.parallelize(train_step, mesh=mesh("2x4"), num_microbatches=4,
+                                 pipeline=spmd_options(schedule, stages=stages))
+    # No device_put between stage sub-meshes: arrays are only ever placed on the whole (stage, replica) mesh.
+    targets = []
+    device_put = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda x, s=None, **kw: targets.append(s) or device_put(x, s, **kw))
+    out, losses = state, []
+    for _ in range(2):
+        out, m = step(out, batch)
+        losses.append(float(m["loss"]))
+    monkeypatch.undo()
+    assert targets and all(len(t.device_set) == 8 for t in targets)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(out["params"], ref["params"], rtol=1e-5, atol=5e-5, what="params")
+    entry = step._get((state, batch))
+    exe = entry.executable
+    assert isinstance(exe, SpmdPipelineExecutable) and entry.plan.stats["runtime"] == "spmd"
+    # Activations move inside the one program: collective-permutes over the stage axis, no device_put.
+    hlo = exe.compiled(jax.tree.leaves((state, batch)))[0].as_text()
+    assert "collective-permute" in hlo
+    assert exe.mesh.devices.shape == (stages, 8 // stages) and exe.dp == dp
+    assert exe.num_ticks <= 2 * (4 + stages - 1)   # one F and one B tick per microbatch and stage, plus fill
+    with pytest.raises(autoshard.InputError, match="runtime='device_put'"):
+        step.timeline(state, batch)
+
+
+def test_1f1b_stashes_fewer_microbatches_than_gpipe():
+    """Slots are reused once dead: 1F1B keeps at most S - s microbatches alive on stage s, GPipe all k."""
+    state, batch, train_step = _model("mlp")
+    mem = {}
+    for schedule in ("1f1b", "gpipe"):
+        step = autoshard.parallelize(train_step, mesh=mesh("2x4"), num_microbatches=4, pipeline=spmd_options(schedule))
+        step.plan(state, batch)   # builds the executable; nothing is compiled until it runs
+        exe = step._get((state, batch)).executable
+        acc = exe.acc_len["float32"]
+        mem[schedule] = exe.mem_len["float32"] - acc
+    assert 0 < mem["1f1b"] < mem["gpipe"]
+
+
+def test_auto_runtime_is_device_put_on_one_process():
+    state, batch, train_step = _model("mlp")
+    step = autoshard.parallelize(train_step, mesh=mesh("2x4"), num_microbatches=4,
+                                 pipeline=spmd_options("1f1b", runtime="auto"))
+    assert step.plan(state, batch).stats["runtime"] == "device_put"
+
+
+def test_spmd_runtime_errors():
+    with pytest.raises(autoshard.InputError, match="runtime='nccl'"):
+        autoshard.PipelineOptions(runtime="nccl")
+    state, batch, train_step = _model("mlp")
+    opts = autoshard.PipelineOptions(num_stages=3, layers=3, submeshes=[(1, 4), (1, 2), (1, 2)], runtime="spmd",
+                                     solver_time_limit=0.2)
+    step = autoshard.parallelize(train_step, mesh=mesh("2x4"), num_microbatches=4, pipeline=opts)
+    with pytest.raises(autoshard.MeshError, match="same number of devices on every stage"):
+        step.plan(state, batch)
+
+
+def _per_example_step(params, batch):
+    def loss_fn(params):
+        h = jnp.tanh(jnp.tanh(batch["x"] @ params[0]) @ params[1])
+        return jnp.mean(h ** 2), h
+
+    (loss, h), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return [w - 0.1 * g for w, g in zip(params, grads, strict=True)], {"loss": loss, "h": h}
+
+
+def test_spmd_refuses_per_example_outputs():
+    params = [jnp.eye(8) * 0.5, jnp.eye(8) * 0.5]
+    batch = {"x": jnp.ones((16, 8))}
+    step = autoshard.parallelize(_per_example_step, mesh=mesh("2x4"), num_microbatches=4,
+                                 pipeline=spmd_options("1f1b"))
+    with pytest.raises(autoshard.InputError, match=r"output .*'h'.* is computed per microbatch"):
+        step.plan(params, batch)
+
+
+def test_allocate_reuses_dead_slots():
+    # b lives after a dies: it takes a's place; c overlaps both and goes after them.
+    placed, length = allocate([("a", "f", 4, 0, 1), ("b", "f", 4, 2, 3), ("c", "f", 2, 0, 3)])
+    assert placed["a"] == placed["b"] == 0 and placed["c"] == 4 and length == {"f": 6}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("layout,stage_procs,dp", [
+    ("rows", [[0], [1]], 4),
+    pytest.param("4stages", [[0], [0], [1], [1]], 2, marks=pytest.mark.slow),
+    pytest.param("straddle", [[0, 1], [0, 1]], 4, marks=pytest.mark.slow)])
+def test_pipeline_across_processes(tmp_path, layout, stage_procs, dp):
+    """2 stages, one per process (2 processes x 4 CPU devices, gloo), 1F1B, 4 microbatches, two steps.
+
+    Slow variants: two stages per process; stages whose devices straddle both processes."""
+    port = _free_port()
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    logs = [tmp_path / f"worker{i}.log" for i in range(2)]
+    procs = []
+    try:
+        for i in range(2):
+            with open(logs[i], "wb") as log:
+                procs.append(subprocess.Popen(
+                    [sys.executable, str(ROOT / "tests" / "pipeline_spmd_worker.py"), str(i), str(port), str(tmp_path),
+                     layout],
+                    cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+        ref, ref_losses = _reference(tiny_gpt_init(), tiny_gpt_batch(), tiny_gpt_step, 2)   # while they start
+        deadline = time.monotonic() + 240
+        # A worker that fails leaves the other waiting in a collective: stop at the first failure.
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs):
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, f"worker {i} exited with {p.returncode}:\n{logs[i].read_text(errors='replace')[-4000:]}"
+    ref_leaves = jax.tree.leaves(ref["params"])
+    for i in range(2):
+        out = np.load(tmp_path / f"proc{i}.npz")
+        assert str(out["runtime"]) == "spmd"
+        assert out["stage_procs"].tolist() == stage_procs   # rows: stage s lives on process s
+        assert int(out["permutes"]) > 0 and int(out["dp"]) == dp   # a stage's devices split its microbatches
+        assert "device_put between device sets of different processes" in str(out["refused"])
+        np.testing.assert_allclose(out["losses"], ref_losses, rtol=1e-5)
+        for j, r in enumerate(ref_leaves):
+            np.testing.assert_allclose(out[f"p{j}"], np.asarray(r), rtol=1e-5, atol=5e-5)

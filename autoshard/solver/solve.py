@@ -236,24 +236,26 @@ def _solve_core(
 
 
 def _two_lagrangian_starts(red, rows, now: float, deadline: float, seed: int, log) -> CoreState | None:
-    """The cheaper fit of two memory-priced searches, each followed by guarded descents.
+    """The cheaper fit of two memory-priced searches (the caller then descends from it).
 
     Both start from a small uniform multiplier (cheap, far over the limit) and let
     per-point multipliers follow the overflow. Forest rounds (:func:`lagrangian_descent`)
     win on contest M (1.045x vs 2x); belief propagation (:func:`lagrangian_bp`) on A
-    (1.15x vs 2.9x) and, after guarded descents, on S. Neither dominates, so each gets
-    a share of the time.
+    (1.15x vs 2.9x) and, after guarded descents, on S. Neither dominates, so both run:
+    belief propagation first (it stops a few rounds after its fits stop improving),
+    then the forest rounds with the time up to three quarters of ``rest``.
     """
     rest = max(deadline - now, 0.0)
     lam = plain_scale(red) * 2.0**_LAGRANGE_START
     cands = []
+    # belief propagation first: it stops itself soon after its first fit
+    found = lagrangian_bp(red, rows, lam, now + 0.35 * rest, log=log)
+    if found is not None:
+        cands.append(guarded_descent(found, time.perf_counter() + 0.1 * rest, seed, log))
     start = penalised_choice(red, rows, lam, deadline, seed, forest_seconds=max(0.05 * rest, 1.0))
-    found = lagrangian_descent(red, rows, start, lam, now + 0.3 * rest, seed, log)
+    found = lagrangian_descent(red, rows, start, lam, now + 0.75 * rest, seed, log)
     if found is not None:
         cands.append(found)
-    found = lagrangian_bp(red, rows, lam, now + 0.6 * rest, log=log)
-    if found is not None:
-        cands.append(guarded_descent(found, now + 0.7 * rest, seed, log))
     if not cands:
         return None
     return min(cands, key=lambda st: st.total_cost())

@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from autoshard.errors import InfeasibleError, InputError, MeshError, PlanError
 from autoshard.spec import MeshInfo, ShardingSpec
@@ -219,10 +219,10 @@ class Parallelized:
                                 progress=_progress_callback(self.progress))
         plan = dataclasses.replace(plan, in_tree=jax.tree_util.tree_structure(abstract),
                                    out_tree=program.out_tree)
-        flat = make_flat_function(program, plan.value_specs, plan.operand_specs, plan.mesh, plan.out_specs)
-        info = plan.mesh_info
-        in_sh = tuple(NamedSharding(plan.mesh, s.to_partition_spec(info)) for s in plan.in_specs)
-        out_sh = tuple(NamedSharding(plan.mesh, s.to_partition_spec(info)) for s in plan.out_specs)
+        flat = make_flat_function(program, plan.value_specs, plan.operand_specs, plan.mesh, plan.out_specs,
+                                  host_inputs=plan.host_inputs, host_outputs=plan.host_outputs)
+        in_sh = tuple(plan._named(plan.in_specs, plan.host_inputs))
+        out_sh = tuple(plan._named(plan.out_specs, plan.host_outputs))
         jitted = jax.jit(flat, in_shardings=in_sh, out_shardings=list(out_sh), donate_argnums=tuple(sorted(donated)))
         return _Compiled(plan, jitted, in_sh, program.out_tree)
 
@@ -412,6 +412,24 @@ def plan_program(program, *, mesh=None, cluster=None, memory_budget=None, hints=
 
 def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings,
                   tie_layers="auto", report=lambda stage: None):
+    try:
+        return _solve_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings,
+                              tie_layers, report)
+    except InfeasibleError as e:
+        if e.smallest_memory is None:
+            raise
+        # No sharding fits the device: try keeping optimizer state in host memory (autoshard/offload.py).
+        from autoshard.offload import plan_with_offload
+
+        return plan_with_offload(
+            lambda offloaded: _solve_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit,
+                                             timings, tie_layers, report, offloaded=offloaded),
+            program, ties or {}, e,
+            budget=memory_budget if memory_budget is not None else (cluster or _default_cluster(mesh)).memory)
+
+
+def _solve_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings,
+                   tie_layers="auto", report=lambda stage: None, offloaded=()):
     from autoshard.cost import CostModel
     from autoshard.memory import estimate_memory
     from autoshard.plan import Plan, PlanCost
@@ -425,7 +443,7 @@ def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, t
     pinned = _pinned_from_hints(program, hints or {}, info)
     t = time.perf_counter()
     sgraph = enumerate_strategies(program, cost, pinned=pinned, donated=donated, tie_outputs=ties,
-                                  host_bandwidth=getattr(cluster, "host_bandwidth", None))
+                                  host_bandwidth=getattr(cluster, "host_bandwidth", None), offloaded=offloaded)
     timings["strategies"] = time.perf_counter() - t
     report(f"strategies {info.shape}")
     t = time.perf_counter()
@@ -435,7 +453,7 @@ def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, t
     layer_ties = tie_repeated_layers(merged, program.avals) if tie_layers else None
     budget = memory_budget if memory_budget is not None else getattr(cluster, "memory", None)
     built = build_problem(merged, program, cost, memory_limit=budget, donated_inputs=donated,
-                          ties=layer_ties, carried=ties)
+                          ties=layer_ties, carried=ties, offloaded=offloaded)
     timings["problem"] = time.perf_counter() - t
     report(f"problem {info.shape}: {built.problem.num_nodes} nodes")
     t = time.perf_counter()
@@ -473,7 +491,8 @@ def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, t
         else:
             out_specs.append(ShardingSpec(((),) * np.ndim(v.value)))
     comm_bytes = sum(c.bytes * k for c, k in dec.collectives)
-    memory = estimate_memory(program, dec.value_specs, info, donated=donated, out_specs=out_specs, ties=ties)
+    memory = estimate_memory(program, dec.value_specs, info, donated=donated, out_specs=out_specs, ties=ties,
+                             offloaded=offloaded)
     pcost = PlanCost(dec.compute_seconds, dec.comm_seconds, comm_bytes, memory.peak_bytes, float(sol.cost))
     stats = {"timings": dict(timings), "nodes": built.problem.num_nodes, "edges": built.problem.num_edges,
              "graph_nodes": len(sgraph.nodes), "eqns": program.num_eqns, "solver": dict(sol.stats),
@@ -493,6 +512,8 @@ def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, t
         stats=stats,
         warnings=sgraph.unsupported,
         memory=memory,
+        host_inputs=tuple(sorted(offloaded)),
+        host_outputs=tuple(sorted(o for o, i in (ties or {}).items() if i in set(offloaded))),
     )
 
 

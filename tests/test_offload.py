@@ -1,0 +1,88 @@
+"""Host offload: optimizer state moves to pinned_host memory only when no sharding fits the device budget."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import autoshard
+from autoshard.hlo import memory_stats
+from benchmarks.models import get_model
+from tests.helpers import assert_trees_close, run_steps
+
+# MLP h1024 (25 MB of parameters, 75 MB of state with Adam) on 8 devices: fully sharded, the
+# device needs about 13 MB; with the optimizer state in host memory, about 10 MB (predicted).
+BUDGET = 11e6
+
+
+def _step(budget, cluster="h100-nvlink"):
+    spec = get_model("mlp", "h1024", 32)
+    mesh = autoshard.make_mesh((8,), ("data",))
+    step = autoshard.parallelize(spec.train_step, mesh=mesh, cluster=autoshard.cluster_preset(cluster),
+                                 memory_budget=budget, donate_argnums=(0,))
+    return spec, step
+
+
+def test_sharding_alone_cannot_meet_the_budget(monkeypatch):
+    """Without offload the smallest reachable peak is above BUDGET: offload is what makes it fit."""
+    monkeypatch.setattr("autoshard.offload.offload_candidates", lambda program, ties: ())
+    spec, step = _step(BUDGET)
+    with pytest.raises(autoshard.InfeasibleError, match="raise memory_budget to at least") as err:
+        step.plan(spec.abstract_state(), spec.abstract_batch())
+    assert err.value.smallest_memory > BUDGET
+
+
+def test_budget_only_host_memory_meets_offloads_optimizer_state_and_matches_reference():
+    spec, step = _step(BUDGET)
+    state, b = spec.abstract_state(), spec.abstract_batch()
+    plan = step.plan(state, b)
+    assert plan.offloaded and all("opt_state" in p for p in plan.offloaded)
+    assert plan.memory.peak_bytes <= BUDGET and plan.memory.host_bytes > 0
+    assert "offloaded to host memory" in plan.summary(rich=False)
+    shardings = jax.tree.leaves(plan.in_shardings)
+    assert {shardings[i].memory_kind for i in plan.host_inputs} == {"pinned_host"}
+
+    stats = memory_stats(step.lower(state, b).compile())
+    assert stats["peak"] <= BUDGET  # device memory only: argument + output + temp - alias
+    # XLA holds exactly the offloaded shards in host memory (the planner's host line).
+    assert stats["host_argument"] == pytest.approx(plan.memory.host_bytes)
+    assert stats["host_output"] == pytest.approx(plan.memory.host_bytes)
+
+    real_state, batch = spec.init_state(jax.random.key(0)), spec.make_batch(jax.random.key(1))
+    ref_state, ref_losses = run_steps(jax.jit(spec.train_step), real_state, batch)
+    out_state, losses = run_steps(step, jax.tree.map(np.asarray, real_state), batch)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(out_state["params"], ref_state["params"], atol=5e-5, what="params")
+    assert_trees_close(out_state["opt_state"], ref_state["opt_state"], atol=1e-6, what="opt_state")
+    host = {jax.tree.leaves(out_state)[i].sharding.memory_kind for i in plan.host_inputs}
+    assert host == {"pinned_host"}  # the updated state stays in host memory for the next step
+
+
+def test_generous_budget_offloads_nothing():
+    spec, step = _step(200e6)
+    state, b = spec.abstract_state(), spec.abstract_batch()
+    plan = step.plan(state, b)
+    assert plan.offloaded == () and plan.memory.host_bytes == 0
+    stats = memory_stats(step.lower(state, b).compile())
+    assert stats["host_argument"] == 0 and stats["host_output"] == 0
+
+
+def test_budget_below_offload_reports_the_smallest_reachable():
+    spec, step = _step(4e6)
+    with pytest.raises(autoshard.InfeasibleError, match=r"even with all \d+ optimizer-state leaves offloaded"
+                                                        r".*raise memory_budget to at least") as err:
+        step.plan(spec.abstract_state(), spec.abstract_batch())
+    smallest = err.value.smallest_memory
+    assert 4e6 < smallest < BUDGET
+    # The budget the error names is one the planner can meet.
+    _, step = _step(smallest * 1.01)
+    plan = step.plan(spec.abstract_state(), spec.abstract_batch())
+    assert plan.offloaded and plan.memory.peak_bytes <= smallest * 1.01
+
+
+def test_plan_json_keeps_the_offload():
+    spec, step = _step(BUDGET)
+    plan = step.plan(spec.abstract_state(), spec.abstract_batch())
+    again = autoshard.Plan.from_json(plan.to_json(), mesh=plan.mesh)
+    assert again.host_inputs == plan.host_inputs and again.host_outputs == plan.host_outputs

@@ -425,7 +425,8 @@ def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, t
             lambda offloaded: _solve_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit,
                                              timings, tie_layers, report, offloaded=offloaded),
             program, ties or {}, e,
-            budget=memory_budget if memory_budget is not None else (cluster or _default_cluster(mesh)).memory)
+            budget=memory_budget if memory_budget is not None else (cluster or _default_cluster(mesh)).memory,
+            num_devices=mesh.devices.size)
 
 
 def _solve_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings,

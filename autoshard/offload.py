@@ -13,8 +13,9 @@ that fits:
    (``device_intervals``). Every step moves the shard in and out over the host
    link, priced as ``2 * shard bytes / ClusterSpec.host_bandwidth`` on the leaf's
    input node, so the solver still prefers layouts that shard it.
-3. ``plan_with_offload`` bisects on the number of leaves, largest first: the
-   fewest bytes over the host link that fit (greedy by size; not a knapsack).
+3. ``plan_with_offload`` offloads the largest leaves until they cover the
+   shortfall of the best plan without offload, and doubles their number while
+   that does not fit: greedy by size, a few solves, not a minimal set.
 
 Lowering (``autoshard.lower.make_flat_function``) gives those arguments and
 outputs ``pinned_host`` shardings and moves them with ``jax.device_put`` to
@@ -85,30 +86,39 @@ def device_intervals(program, offloaded, ties: dict[int, int]) -> dict[int, tupl
     return out
 
 
-def plan_with_offload(solve_with, program, ties: dict[int, int], error: InfeasibleError, *, budget: float):
-    """The plan with the fewest offloaded bytes that fits ``budget``, or a clear error.
+def plan_with_offload(solve_with, program, ties: dict[int, int], error: InfeasibleError, *, budget: float,
+                      num_devices: int):
+    """A plan that fits ``budget`` with few offloaded bytes, or a clear error.
+
+    Greedy by size: offload the largest leaves until their bytes, spread over ``num_devices``,
+    cover the shortfall of the best plan without offload; while that does not fit, offload twice
+    as many. A few solves, not an exact minimum.
 
     Args:
       solve_with: ``offloaded -> Plan``, raising :class:`InfeasibleError` when that set does not fit.
-      error: why no plan fits without offload (its ``smallest_memory`` is kept if offload cannot help).
+      error: why no plan fits without offload; its ``smallest_memory`` gives the shortfall.
+      budget: device bytes the plan must fit.
+      num_devices: devices a fully sharded leaf is spread over.
     """
     candidates = offload_candidates(program, ties)
     if not candidates:
         raise error
-    try:
-        best = solve_with(candidates)
-    except InfeasibleError as e:
-        smallest = min(x for x in (e.smallest_memory, error.smallest_memory, math.inf) if x is not None)
-        raise InfeasibleError(
-            f"no plan fits memory_budget={budget:.4g} bytes per device, even with all "
-            f"{len(candidates)} optimizer-state leaves offloaded to host memory; the smallest device peak "
-            f"the planner reached is {smallest:.4g} bytes. Fix: raise memory_budget to at least "
-            f"{smallest:.4g}, or use more devices.", smallest_memory=smallest) from None
-    lo, hi = 0, len(candidates)  # offloading the hi largest fits; the lo largest did not
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
+    shortfall = (error.smallest_memory or math.inf) - budget
+    k, covered = 0, 0.0
+    while k < len(candidates) and covered < shortfall:
+        aval = program.avals[program.graph.invars[candidates[k]]]
+        covered += math.prod(aval.shape) * np.dtype(aval.dtype).itemsize / num_devices
+        k += 1
+    while True:
         try:
-            best, hi = solve_with(candidates[:mid]), mid
-        except InfeasibleError:
-            lo = mid
-    return best
+            return solve_with(candidates[:k])
+        except InfeasibleError as e:
+            if k < len(candidates):
+                k = min(2 * k, len(candidates))
+                continue
+            smallest = min(x for x in (e.smallest_memory, error.smallest_memory, math.inf) if x is not None)
+            raise InfeasibleError(
+                f"no plan fits memory_budget={budget:.4g} bytes per device, even with all "
+                f"{len(candidates)} optimizer-state leaves offloaded to host memory; the smallest device peak "
+                f"the planner reached is {smallest:.4g} bytes. Fix: raise memory_budget to at least "
+                f"{smallest:.4g}, or use more devices.", smallest_memory=smallest) from None

@@ -114,13 +114,19 @@ class Parallelized:
             from autoshard.pipeline import PipelinedStep
 
             kwargs.pop("progress", None)  # the pipeline planner reports no progress yet
+            if kwargs.pop("precision", None) not in (None, "fp32"):
+                raise InputError("precision= is not supported with num_microbatches or pipeline yet. "
+                                 "Fix: drop precision=, or run without a pipeline.")
             return PipelinedStep(fun, *args, num_microbatches=num_microbatches, pipeline=pipeline, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, fun, *, mesh=None, cluster=None, memory_budget=None, static_argnums=(),
                  donate_argnums=(), plan=None, hints=None, solver_time_limit=10.0, tie_layers="auto",
-                 num_microbatches=1, pipeline=None, progress="auto"):
+                 num_microbatches=1, pipeline=None, progress="auto", precision=None):
+        from autoshard.precision import compute_dtype
+
         self.fun = fun
+        self.compute_dtype = compute_dtype(precision)
         self.progress = progress
         self.tie_layers = tie_layers
         self.mesh = mesh
@@ -196,6 +202,11 @@ class Parallelized:
         t0 = time.perf_counter()
         abstract = jax.tree_util.tree_map(_abstract, dyn)
         fun = self._bound(stat, n_args, dyn_index)
+        if self.compute_dtype is not None:
+            from autoshard.precision import cast_matmuls, widen_operands
+
+            device = self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]
+            fun = cast_matmuls(fun, self.compute_dtype, widen=widen_operands(device.platform))
         program = capture_graph(fun, abstract)
         timings["capture"] = time.perf_counter() - t0
         donated = set()
@@ -273,7 +284,7 @@ class Parallelized:
 
 def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static_argnums=(), donate_argnums=(),
                 plan=None, hints=None, solver_time_limit=10.0, tie_layers="auto", num_microbatches=1, pipeline=None,
-                progress="auto"):
+                progress="auto", precision=None):
     """Plan and run a single-device step function sharded over a device mesh.
 
     Works bare (``@parallelize``) and with arguments (``@parallelize(mesh=...)``).
@@ -284,6 +295,8 @@ def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static
         and the planner picks the 2-D shape among the factorizations of the device count.
       cluster: an :class:`autoshard.ClusterSpec`; None picks a preset for the devices' platform.
       memory_budget: bytes per device (or a string like ``"16GB"``); None: the ClusterSpec's memory.
+        When no sharding fits it, the planner keeps optimizer state in host memory
+        (``pinned_host``; see :mod:`autoshard.offload` and ``Plan.offloaded``).
       static_argnums, donate_argnums: as in ``jax.jit``.
       plan: a saved :class:`autoshard.Plan` to apply without solving.
       hints: ``{pytree-path regex: PartitionSpec}`` pinning matching argument leaves.
@@ -298,6 +311,9 @@ def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static
         ``"rich"``, a ``callback(stage, done, total)``, or None to silence it.
       pipeline: an :class:`autoshard.PipelineOptions`: run the step as a pipeline of stages on
         sub-meshes (inter-operator parallelism). None: no pipeline.
+      precision: ``"bf16"``: every fp32 matmul and convolution reads bf16 copies of its operands and
+        accumulates in fp32; parameters, optimizer state and the update stay fp32 (master weights).
+        None or ``"fp32"``: the step's own dtypes. See :mod:`autoshard.precision`.
 
     Example:
       >>> import autoshard, jax.numpy as jnp
@@ -309,7 +325,8 @@ def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static
     """
     kw = dict(mesh=mesh, cluster=cluster, memory_budget=memory_budget, static_argnums=static_argnums,
               donate_argnums=donate_argnums, plan=plan, hints=hints, solver_time_limit=solver_time_limit,
-              tie_layers=tie_layers, num_microbatches=num_microbatches, pipeline=pipeline, progress=progress)
+              tie_layers=tie_layers, num_microbatches=num_microbatches, pipeline=pipeline, progress=progress,
+              precision=precision)
     if fun is None:
         return lambda f: Parallelized(f, **kw)
     return Parallelized(fun, **kw)

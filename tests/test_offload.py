@@ -127,3 +127,15 @@ def test_gpt_offload_matches_reference():
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(out_state["params"], ref_state["params"], atol=5e-5, what="params")
     assert_trees_close(out_state["opt_state"], ref_state["opt_state"], atol=1e-6, what="opt_state")
+
+
+def test_reports_show_the_host_memory():
+    from autoshard.report import memory_breakdown, plan_html, rich_summary
+
+    spec, step = _step(BUDGET)
+    plan = step.plan(spec.abstract_state(), spec.abstract_batch())
+    mem = memory_breakdown(plan)
+    assert mem["host"] == plan.memory.host_bytes > 0
+    assert "host memory (offloaded)" in plan_html(plan)
+    pytest.importorskip("rich")
+    assert "host memory (offloaded)" in rich_summary(plan)

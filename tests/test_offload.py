@@ -139,3 +139,25 @@ def test_reports_show_the_host_memory():
     assert "host memory (offloaded)" in plan_html(plan)
     pytest.importorskip("rich")
     assert "host memory (offloaded)" in rich_summary(plan)
+
+
+def test_memory_stats_moves_host_buffers_out_of_the_device_numbers():
+    """XLA:CPU counts pinned_host buffers as device bytes and reports host_* = 0; memory_stats splits them."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    m = autoshard.make_mesh((8,), ("data",))
+    dev, host = NamedSharding(m, P("data")), NamedSharding(m, P("data"), memory_kind="pinned_host")
+
+    def update(w, mu, g):
+        mu = 0.9 * jax.device_put(mu, dev) + g
+        return w - 0.1 * mu, jax.device_put(mu, host)
+
+    shard = 128 * 256 * 4  # one device's shard of a (1024, 256) f32 array
+    args = [jax.ShapeDtypeStruct((1024, 256), np.float32, sharding=s) for s in (dev, host, dev)]
+    compiled = jax.jit(update, out_shardings=(dev, host), donate_argnums=(0, 1)).lower(*args).compile()
+    stats = memory_stats(compiled)
+    assert stats["host_argument"] == stats["host_output"] == stats["host_alias"] == shard
+    assert stats["argument"] == 2 * shard and stats["alias"] == shard
+    raw = compiled.memory_analysis()
+    assert raw.argument_size_in_bytes == 3 * shard  # what XLA:CPU itself reports

@@ -515,6 +515,10 @@ def _solve_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, 
     stats = {"timings": dict(timings), "nodes": built.problem.num_nodes, "edges": built.problem.num_edges,
              "graph_nodes": len(sgraph.nodes), "eqns": program.num_eqns, "solver": dict(sol.stats),
              "optimal": sol.optimal, "memory_budget": budget}
+    if offloaded:
+        from autoshard.offload import transfer_seconds
+
+        stats["host_transfer_seconds"] = transfer_seconds(program, in_specs, info, offloaded, cluster.host_bandwidth)
     return Plan(
         mesh=mesh,
         in_specs=in_specs,

@@ -86,6 +86,15 @@ def device_intervals(program, offloaded, ties: dict[int, int]) -> dict[int, tupl
     return out
 
 
+def transfer_seconds(program, in_specs, mesh, offloaded, host_bandwidth: float) -> float:
+    """Seconds per step to move the offloaded shards in and their replacements out (what the solver priced)."""
+    total = 0.0
+    for i in offloaded:
+        aval = program.avals[program.graph.invars[i]]
+        total += 2 * math.prod(in_specs[i].shard_shape(tuple(aval.shape), mesh)) * np.dtype(aval.dtype).itemsize
+    return total / host_bandwidth
+
+
 def plan_with_offload(solve_with, program, ties: dict[int, int], error: InfeasibleError, *, budget: float,
                       num_devices: int):
     """A plan that fits ``budget`` with few offloaded bytes, or a clear error.

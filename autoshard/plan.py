@@ -205,8 +205,10 @@ class Plan:
             lines[-1] += f" ({parts})"
         if self.host_inputs:
             host = f" ({_fmt_bytes(self.memory.host_bytes)}/device)" if self.memory is not None else ""
+            seconds = self.stats.get("host_transfer_seconds")
+            moved = f" ({seconds * 1e3:.3f} ms over the host link)" if seconds is not None else ""
             lines.append(f"  offloaded to host memory: {len(self.host_inputs)} optimizer-state leaves{host}, "
-                         "moved in and out every step")
+                         f"moved in and out every step{moved}")
         if self.stats.get("timings"):
             t = self.stats["timings"]
             lines.append("  planning: " + ", ".join(f"{k} {v:.2f}s" for k, v in t.items()))

@@ -40,6 +40,9 @@ def test_budget_only_host_memory_meets_offloads_optimizer_state_and_matches_refe
     assert plan.offloaded and all("opt_state" in p for p in plan.offloaded)
     assert plan.memory.peak_bytes <= BUDGET and plan.memory.host_bytes > 0
     assert "offloaded to host memory" in plan.summary(rich=False)
+    # Priced at the host link: every offloaded shard moves in and out once per step.
+    host_bandwidth = autoshard.cluster_preset("h100-nvlink").host_bandwidth
+    assert plan.stats["host_transfer_seconds"] == pytest.approx(2 * plan.memory.host_bytes / host_bandwidth)
     shardings = jax.tree.leaves(plan.in_shardings)
     assert {shardings[i].memory_kind for i in plan.host_inputs} == {"pinned_host"}
 
@@ -86,6 +89,9 @@ def test_plan_json_keeps_the_offload():
     plan = step.plan(spec.abstract_state(), spec.abstract_batch())
     again = autoshard.Plan.from_json(plan.to_json(), mesh=plan.mesh)
     assert again.host_inputs == plan.host_inputs and again.host_outputs == plan.host_outputs
+    saved = autoshard.parallelize(spec.train_step, plan=again, donate_argnums=(0,))
+    stats = memory_stats(saved.lower(spec.abstract_state(), spec.abstract_batch()).compile())
+    assert stats["host_argument"] == pytest.approx(plan.memory.host_bytes)
 
 
 def test_offload_with_bf16_precision_matches_the_cast_reference():

@@ -14,8 +14,9 @@ that fits:
    link, priced as ``2 * shard bytes / ClusterSpec.host_bandwidth`` on the leaf's
    input node, so the solver still prefers layouts that shard it.
 3. ``plan_with_offload`` offloads the largest leaves until they cover the
-   shortfall of the best plan without offload, and doubles their number while
-   that does not fit: greedy by size, a few solves, not a minimal set.
+   shortfall of the best plan without offload, doubles their number while that
+   does not fit, then bisects back a few times: greedy by size, a few solves,
+   not a minimal set.
 
 Lowering (``autoshard.lower.make_flat_function``) gives those arguments and
 outputs ``pinned_host`` shardings and moves them with ``jax.device_put`` to
@@ -32,6 +33,10 @@ from autoshard.errors import InfeasibleError
 
 MEMORY_KIND = "pinned_host"
 """The memory kind offloaded leaves live in (CPU, GPU and TPU devices all offer it)."""
+
+
+REFINE_SOLVES = 3
+"""Solves spent bisecting back towards fewer offloaded leaves after doubling overshot."""
 
 
 def offload_candidates(program, ties: dict[int, int]) -> tuple[int, ...]:
@@ -101,7 +106,7 @@ def plan_with_offload(solve_with, program, ties: dict[int, int], error: Infeasib
 
     Greedy by size: offload the largest leaves until their bytes, spread over ``num_devices``,
     cover the shortfall of the best plan without offload; while that does not fit, offload twice
-    as many. A few solves, not an exact minimum.
+    as many, then bisect back for up to ``REFINE_SOLVES`` solves. A few solves, not an exact minimum.
 
     Args:
       solve_with: ``offloaded -> Plan``, raising :class:`InfeasibleError` when that set does not fit.
@@ -118,12 +123,14 @@ def plan_with_offload(solve_with, program, ties: dict[int, int], error: Infeasib
         aval = program.avals[program.graph.invars[candidates[k]]]
         covered += math.prod(aval.shape) * np.dtype(aval.dtype).itemsize / num_devices
         k += 1
+    k = max(k, 1)
+    fails = 0  # the most leaves known not to fit
     while True:
         try:
-            return solve_with(candidates[:k])
+            best = solve_with(candidates[:k])
         except InfeasibleError as e:
             if k < len(candidates):
-                k = min(2 * k, len(candidates))
+                fails, k = k, min(2 * k, len(candidates))
                 continue
             smallest = min(x for x in (e.smallest_memory, error.smallest_memory, math.inf) if x is not None)
             raise InfeasibleError(
@@ -131,3 +138,13 @@ def plan_with_offload(solve_with, program, ties: dict[int, int], error: Infeasib
                 f"{len(candidates)} optimizer-state leaves offloaded to host memory; the smallest device peak "
                 f"the planner reached is {smallest:.4g} bytes. Fix: raise memory_budget to at least "
                 f"{smallest:.4g}, or use more devices.", smallest_memory=smallest) from None
+        break
+    for _ in range(REFINE_SOLVES if fails else 0):  # doubling overshot: bisect back towards fewer leaves
+        if k - fails <= 1:
+            break
+        mid = (fails + k) // 2
+        try:
+            best, k = solve_with(candidates[:mid]), mid
+        except InfeasibleError:
+            fails = mid
+    return best

@@ -167,3 +167,48 @@ def test_memory_stats_moves_host_buffers_out_of_the_device_numbers():
     assert stats["argument"] == 2 * shard and stats["alias"] == shard
     raw = compiled.memory_analysis()
     assert raw.argument_size_in_bytes == 3 * shard  # what XLA:CPU itself reports
+
+
+@pytest.mark.parametrize("needed", [1, 3, 7, 16])
+def test_offload_search_finds_a_small_fitting_set(monkeypatch, needed):
+    """A fake solver that fits iff at least ``needed`` leaves are offloaded (16 equal leaves, shortfall of 2)."""
+    from types import SimpleNamespace
+
+    from autoshard.errors import InfeasibleError
+    from autoshard.offload import plan_with_offload
+
+    avals = {v: jax.ShapeDtypeStruct((8, 1024), np.float32) for v in range(16)}  # 32 KiB, 4 KiB per device
+    program = SimpleNamespace(avals=avals, graph=SimpleNamespace(invars=tuple(range(16))))
+    monkeypatch.setattr("autoshard.offload.offload_candidates", lambda program, ties: tuple(range(16)))
+    tried = []
+
+    def solve_with(offloaded):
+        tried.append(len(offloaded))
+        if len(offloaded) < needed:
+            raise InfeasibleError("too big", smallest_memory=1e6)
+        return len(offloaded)
+
+    error = InfeasibleError("no fit", smallest_memory=100e3 + 2 * 4096)
+    chosen = plan_with_offload(solve_with, program, {}, error, budget=100e3, num_devices=8)
+    assert needed <= chosen <= 2 * needed and len(tried) <= 8, tried
+    if needed <= 2:
+        assert chosen == 2 and tried == [2]  # the shortfall's own guess fits: one solve
+
+
+def test_offload_search_reports_the_smallest_when_nothing_fits(monkeypatch):
+    from types import SimpleNamespace
+
+    from autoshard.errors import InfeasibleError
+    from autoshard.offload import plan_with_offload
+
+    program = SimpleNamespace(avals={0: jax.ShapeDtypeStruct((8,), np.float32)}, graph=SimpleNamespace(invars=(0,)))
+    monkeypatch.setattr("autoshard.offload.offload_candidates", lambda program, ties: (0,))
+
+    def solve_with(offloaded):
+        raise InfeasibleError("too big", smallest_memory=5e5)
+
+    # A solver that reached a peak under the budget but gave up on time must still terminate.
+    with pytest.raises(InfeasibleError, match="even with all 1 optimizer-state leaves") as err:
+        plan_with_offload(solve_with, program, {}, InfeasibleError("x", smallest_memory=9e5), budget=1e6,
+                          num_devices=8)
+    assert err.value.smallest_memory == 5e5

@@ -21,6 +21,12 @@ that fits:
 Lowering (``autoshard.lower.make_flat_function``) gives those arguments and
 outputs ``pinned_host`` shardings and moves them with ``jax.device_put`` to
 device memory on entry and back on exit.
+
+Not done: offloading parameters (the forward and backward passes read them, so
+their device copy would live through the step), computing the update on the host
+(ZeRO-Offload's CPU Adam), and offload in pipelined steps (stage plans ignore it).
+The budget is checked on the predicted peak (:mod:`autoshard.memory`), so a plan
+fits the compiled program only as well as that estimate tracks XLA's.
 """
 
 from __future__ import annotations

@@ -129,3 +129,8 @@ def test_collective_bytes_follow_the_dtype():
 def test_unknown_precision_is_a_clear_error():
     with pytest.raises(autoshard.InputError, match=r"precision='fp8' is not supported.*precision='bf16'"):
         autoshard.parallelize(lambda x: x, precision="fp8")
+
+
+def test_precision_with_a_pipeline_is_a_clear_error():
+    with pytest.raises(autoshard.InputError, match="precision= is not supported with num_microbatches"):
+        autoshard.parallelize(lambda x: x, num_microbatches=2, precision="bf16")

@@ -10,7 +10,10 @@ before capture, so planning, costs and lowering all see the casts:
   the loss, the gradients' accumulation and the update stay in their dtypes.
 
 The rewrite runs on the step's jaxpr, after ``jax.grad`` has been traced, so the
-backward matmuls are cast as well.
+backward matmuls are cast as well. Each matmul casts its own operands: a weight
+read forward and backward is cast twice rather than kept as a bf16 copy across
+the step (measured on CPU, sharing one cast raised the compiled peak of
+GPT tiny on 2x4 from 2.69 to 3.12 MB).
 
 On CPU devices the operands are rounded to bf16 and widened back to fp32 before
 an fp32 matmul (``widen=True``): XLA:CPU cannot run an unfused bf16 x bf16 -> f32

@@ -39,10 +39,15 @@ _EXPORTS = {
     "pipeline_boundary": "autoshard.pipeline",
 }
 
-__all__ = sorted(_EXPORTS)
+# Submodules that are public API; ``autoshard.distributed.initialize()`` works without importing them.
+_SUBMODULES = ("distributed",)
+
+__all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
 
 def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"autoshard.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'autoshard' has no attribute {name!r}")

@@ -103,6 +103,7 @@ class _Compiled:
     jitted: Any
     in_shardings: tuple
     out_tree: Any
+    process_local: Any = None  # distributed.ProcessLocalArgs in multi-process runs
 
 
 class Parallelized:
@@ -122,11 +123,18 @@ class Parallelized:
 
     def __init__(self, fun, *, mesh=None, cluster=None, memory_budget=None, static_argnums=(),
                  donate_argnums=(), plan=None, hints=None, solver_time_limit=10.0, tie_layers="auto",
-                 num_microbatches=1, pipeline=None, progress="auto", precision=None):
+                 num_microbatches=1, pipeline=None, progress="auto", batch_argnums=None, step_timeout=None,
+                 precision=None):
         from autoshard.precision import compute_dtype
 
         self.fun = fun
         self.compute_dtype = compute_dtype(precision)
+        self.batch_argnums = batch_argnums
+        self._watchdog = None
+        if step_timeout is not None:
+            from autoshard.distributed import StepWatchdog
+
+            self._watchdog = StepWatchdog(step_timeout, name=f"{getattr(fun, '__name__', 'step')} call")
         self.progress = progress
         self.tie_layers = tie_layers
         self.mesh = mesh
@@ -196,16 +204,26 @@ class Parallelized:
 
     def _build(self, dyn, stat, dyn_index, n_args) -> _Compiled:
         from autoshard.capture import capture_graph
+        from autoshard.cluster import make_mesh
         from autoshard.lower import make_flat_function
 
         timings = {}
         t0 = time.perf_counter()
         abstract = jax.tree_util.tree_map(_abstract, dyn)
+        mesh, hints, local = self.mesh, self.hints, None
+        if jax.process_count() > 1:  # each process passes its slice of the batch: plan the global one
+            from autoshard import distributed
+
+            if mesh is None:
+                mesh = make_mesh((jax.process_count(), jax.local_device_count()), ("data", "model"))
+            local = distributed.ProcessLocalArgs.create(mesh, self.batch_argnums, dyn, dyn_index, n_args)
+            local.check_same_everywhere(self._key(dyn, stat, dyn_index))
+            abstract, hints = local.global_abstract(abstract), local.hints(hints)
         fun = self._bound(stat, n_args, dyn_index)
         if self.compute_dtype is not None:
             from autoshard.precision import cast_matmuls, widen_operands
 
-            device = self.mesh.devices.flat[0] if self.mesh is not None else jax.devices()[0]
+            device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
             fun = cast_matmuls(fun, self.compute_dtype, widen=widen_operands(device.platform))
         program = capture_graph(fun, abstract)
         timings["capture"] = time.perf_counter() - t0
@@ -221,13 +239,19 @@ class Parallelized:
                                                                                          np.asarray(v.value).dtype)
                                                                     for v in program.graph.outvars])
         ties = _ties(abstract, out_shape)
-        if self.saved_plan is not None:
-            plan = self._apply_saved(program)
-        else:
-            plan = plan_program(program, mesh=self.mesh, cluster=self.cluster, memory_budget=self.memory_budget,
-                                hints=self.hints, donated=donated, ties=ties, time_limit=self.solver_time_limit,
+
+        def solve():
+            return plan_program(program, mesh=mesh, cluster=self.cluster, memory_budget=self.memory_budget,
+                                hints=hints, donated=donated, ties=ties, time_limit=self.solver_time_limit,
                                 timings=timings, tie_layers=self.tie_layers,
                                 progress=_progress_callback(self.progress))
+
+        if self.saved_plan is not None:
+            plan = self._apply_saved(program)
+        elif local is not None:  # process 0 plans, the others load its plan: one plan everywhere
+            plan = distributed.broadcast_plan(solve, program, mesh)
+        else:
+            plan = solve()
         plan = dataclasses.replace(plan, in_tree=jax.tree_util.tree_structure(abstract),
                                    out_tree=program.out_tree)
         flat = make_flat_function(program, plan.value_specs, plan.operand_specs, plan.mesh, plan.out_specs,
@@ -235,7 +259,7 @@ class Parallelized:
         in_sh = tuple(plan._named(plan.in_specs, plan.host_inputs))
         out_sh = tuple(plan._named(plan.out_specs, plan.host_outputs))
         jitted = jax.jit(flat, in_shardings=in_sh, out_shardings=list(out_sh), donate_argnums=tuple(sorted(donated)))
-        return _Compiled(plan, jitted, in_sh, program.out_tree)
+        return _Compiled(plan, jitted, in_sh, program.out_tree, local)
 
     def _apply_saved(self, program):
         saved = self.saved_plan
@@ -262,8 +286,11 @@ class Parallelized:
         """``jax.stages.Lowered`` of the sharded step; ``.compile()`` gives the XLA executable."""
         entry = self._get(args)
         dyn, _, _ = self._split(args)
+        abstract = jax.tree_util.tree_map(_abstract, dyn)
+        if entry.process_local is not None:
+            abstract = entry.process_local.global_abstract(abstract)
         flat = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-                for a, s in zip(jax.tree_util.tree_leaves(jax.tree_util.tree_map(_abstract, dyn)),
+                for a, s in zip(jax.tree_util.tree_leaves(abstract),
                                 entry.in_shardings, strict=True)]
         return entry.jitted.lower(*flat)
 
@@ -271,6 +298,8 @@ class Parallelized:
         entry = self._get(args)
         dyn, _, _ = self._split(args)
         leaves = jax.tree_util.tree_leaves(dyn)
+        if entry.process_local is not None:
+            leaves = entry.process_local.make_global(leaves, entry.in_shardings)
         placed = []
         for x, s in zip(leaves, entry.in_shardings, strict=True):
             if isinstance(x, jax.ShapeDtypeStruct):
@@ -279,12 +308,14 @@ class Parallelized:
                 x = jax.device_put(x, s)
             placed.append(x)
         outs = entry.jitted(*placed)
+        if self._watchdog is not None:
+            self._watchdog.watch(outs)
         return jax.tree_util.tree_unflatten(entry.out_tree, outs)
 
 
 def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static_argnums=(), donate_argnums=(),
                 plan=None, hints=None, solver_time_limit=10.0, tie_layers="auto", num_microbatches=1, pipeline=None,
-                progress="auto", precision=None):
+                progress="auto", batch_argnums=None, step_timeout=None, precision=None):
     """Plan and run a single-device step function sharded over a device mesh.
 
     Works bare (``@parallelize``) and with arguments (``@parallelize(mesh=...)``).
@@ -293,6 +324,8 @@ def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static
       fun: the step, e.g. ``train_step(state, batch) -> (state, metrics)``.
       mesh: a ``jax.sharding.Mesh`` with Auto axes (see :func:`autoshard.make_mesh`). None: all devices,
         and the planner picks the 2-D shape among the factorizations of the device count.
+        In a multi-process job, None is ``(jax.process_count(), jax.local_device_count())`` over
+        ``("data", "model")``.
       cluster: an :class:`autoshard.ClusterSpec`; None picks a preset for the devices' platform.
       memory_budget: bytes per device (or a string like ``"16GB"``); None: the ClusterSpec's memory.
         When no sharding fits it, the planner keeps optimizer state in host memory
@@ -311,6 +344,17 @@ def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static
         ``"rich"``, a ``callback(stage, done, total)``, or None to silence it.
       pipeline: an :class:`autoshard.PipelineOptions`: run the step as a pipeline of stages on
         sub-meshes (inter-operator parallelism). None: no pipeline.
+      batch_argnums: in a multi-process job (``jax.distributed``), the positional arguments of which
+        each process passes only its own slice (rows along the leading axis). autoshard plans for
+        the global batch (local leading dim times ``jax.process_count()``), splits it over the mesh
+        axes that span processes, and joins the slices with ``jax.make_array_from_process_local_data``.
+        None: the last dynamic argument, unless its leaves are already global ``jax.Array``s;
+        ``()``: none. Ignored in single-process runs. See :mod:`autoshard.distributed`.
+      step_timeout: seconds. When set, a step that fails in a multi-process job (a peer process
+        died) or runs longer than this prints a clear message and ends the process with status
+        ``autoshard.distributed.STEP_FAILED_EXIT_CODE`` instead of hanging in a collective. The clock
+        starts when the step is dispatched (after planning and compiling), so it must exceed the
+        slowest healthy step's run time. None: no watchdog.
       precision: ``"bf16"``: every fp32 matmul and convolution reads bf16 copies of its operands and
         accumulates in fp32; parameters, optimizer state and the update stay fp32 (master weights).
         None or ``"fp32"``: the step's own dtypes. See :mod:`autoshard.precision`.
@@ -325,8 +369,13 @@ def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static
     """
     kw = dict(mesh=mesh, cluster=cluster, memory_budget=memory_budget, static_argnums=static_argnums,
               donate_argnums=donate_argnums, plan=plan, hints=hints, solver_time_limit=solver_time_limit,
-              tie_layers=tie_layers, num_microbatches=num_microbatches, pipeline=pipeline, progress=progress,
-              precision=precision)
+              tie_layers=tie_layers, num_microbatches=num_microbatches, pipeline=pipeline, progress=progress)
+    if batch_argnums is not None:
+        kw["batch_argnums"] = batch_argnums
+    if step_timeout is not None:
+        kw["step_timeout"] = step_timeout
+    if precision is not None:
+        kw["precision"] = precision
     if fun is None:
         return lambda f: Parallelized(f, **kw)
     return Parallelized(fun, **kw)

@@ -1,0 +1,131 @@
+"""Min-sum belief propagation over the reduced core.
+
+The strategy problem without memory is MAP inference in a pairwise Markov random
+field: node costs are unary potentials, edge matrices pairwise ones. Loopy min-sum
+belief propagation passes, along every edge and in both directions, the cheapest
+cost of the sender's side for each strategy of the receiver; each node then takes
+the strategy of least belief (unary cost plus incoming messages). It is exact on
+trees and, damped, a strong heuristic on sparse loopy graphs: on contest A's core
+without its memory limit (6,604 nodes, 23,689 edges) it reached 5.5e9 in 20
+rounds, where multi-start forest descents ended at 7.8e10 and a 90 s MILP at 1.0e11.
+
+Edges are grouped by matrix shape so each round is a few vectorised min-reductions.
+All buffers are allocated once: on the development VM a fresh 50 MB allocation cost
+seconds, a reused one milliseconds.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from autoshard.solver.local import FlatCosts
+from autoshard.solver.reduce import Reduction
+
+# Stands in for "impossible" in padded slots; finite so that sums never give nan.
+_BIG = 1e30
+
+
+class MinSumBP:
+    """Damped parallel min-sum message passing on a core, with warm restarts.
+
+    Node costs can be swapped between rounds (:meth:`set_node_costs`) while the
+    messages are kept: the memory-priced searches change the costs a little each
+    round and reuse the messages of the last.
+    """
+
+    def __init__(self, red: Reduction, damping: float = 0.5):
+        self.red = red
+        self.damping = float(damping)
+        n = red.num_core
+        self.sizes = np.array([c.size for c in red.node_costs], dtype=np.int64)
+        self.width = int(self.sizes.max()) if n else 1
+        self.costs = np.full((n, self.width), _BIG)
+        self.set_node_costs(red.node_costs)
+        self.flat = FlatCosts(red)
+        shapes: dict[tuple[int, int], list[int]] = {}
+        for k, m in enumerate(red.edge_costs):
+            shapes.setdefault(m.shape, []).append(k)
+        w = self.width
+        self.groups = []
+        total = 0
+        for (su, sv), ks in shapes.items():
+            ks = np.array(ks, dtype=np.int64)
+            mats = np.stack([np.minimum(red.edge_costs[k], _BIG) for k in ks])
+            u, v = red.edges[ks, 0], red.edges[ks, 1]
+            # message slots in one flat buffer: to v (sv per edge), then to u (su per edge)
+            to_v = slice(total, total + ks.size * sv)
+            total += ks.size * sv
+            to_u = slice(total, total + ks.size * su)
+            total += ks.size * su
+            idx_v = (v[:, None] * w + np.arange(sv)).ravel()
+            idx_u = (u[:, None] * w + np.arange(su)).ravel()
+            work = np.empty((ks.size, su, sv))
+            self.groups.append((u, v, su, sv, mats, to_v, to_u, idx_v, idx_u, work))
+        self.msg = np.zeros(total)
+        self.fresh = np.zeros(total)
+        self.index = np.concatenate([np.concatenate([g[7], g[8]]) for g in self.groups]) if self.groups else \
+            np.zeros(0, dtype=np.int64)
+        # the flat buffer is ordered group by group, to_v then to_u, like index
+        self.rounds = 0
+
+    def set_node_costs(self, node_costs) -> None:
+        for k, c in enumerate(node_costs):
+            self.costs[k, : c.size] = np.minimum(c, _BIG)
+
+    def beliefs(self) -> np.ndarray:
+        n, w = self.costs.shape
+        incoming = np.bincount(self.index, weights=self.msg, minlength=n * w).reshape(n, w)
+        return np.minimum(self.costs + incoming, _BIG * 4)
+
+    def decode(self, beliefs: np.ndarray | None = None) -> np.ndarray:
+        b = self.beliefs() if beliefs is None else beliefs
+        return np.argmin(b, axis=1).astype(np.int64)
+
+    def step(self, beliefs: np.ndarray) -> None:
+        """One parallel round: every message recomputed from ``beliefs``, then damped."""
+        msg, fresh = self.msg, self.fresh
+        for u, v, su, sv, mats, to_v, to_u, _, _, work in self.groups:
+            e = u.size
+            m_v = msg[to_v].reshape(e, sv)
+            m_u = msg[to_u].reshape(e, su)
+            # u -> v: min over u's strategies of (belief of u without v's message + matrix)
+            np.add((beliefs[u, :su] - m_u)[:, :, None], mats, out=work)
+            out_v = fresh[to_v].reshape(e, sv)
+            np.min(work, axis=1, out=out_v)
+            np.add((beliefs[v, :sv] - m_v)[:, None, :], mats, out=work)
+            out_u = fresh[to_u].reshape(e, su)
+            np.min(work, axis=2, out=out_u)
+            # out_v and out_u are views of ``fresh``: normalise in place
+            out_v -= out_v.min(axis=1, keepdims=True)
+            out_u -= out_u.min(axis=1, keepdims=True)
+        np.minimum(fresh, _BIG, out=fresh)
+        msg *= self.damping
+        msg += (1.0 - self.damping) * fresh
+        self.rounds += 1
+
+    def run(self, deadline: float, max_rounds: int = 60, cost=None) -> tuple[np.ndarray, float]:
+        """Rounds until ``deadline`` or ``max_rounds``; the cheapest decoded choice seen.
+
+        Args:
+          deadline: a ``time.perf_counter()`` value.
+          max_rounds: rounds in this call.
+          cost: scores a decoded choice (default: the core's true cost); the
+            memory-priced searches pass their own.
+        """
+        score = self.flat.cost if cost is None else cost
+        best, best_cost = None, np.inf
+        for _ in range(max_rounds):
+            b = self.beliefs()
+            ch = self.decode(b)
+            c = score(ch)
+            if c < best_cost:
+                best, best_cost = ch, c
+            if time.perf_counter() >= deadline:
+                break
+            self.step(b)
+        if best is None:
+            best = self.decode()
+            best_cost = score(best)
+        return best, best_cost

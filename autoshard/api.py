@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 from autoshard.errors import InfeasibleError, InputError, MeshError, PlanError
 from autoshard.spec import MeshInfo, ShardingSpec
@@ -115,13 +115,20 @@ class Parallelized:
             from autoshard.pipeline import PipelinedStep
 
             kwargs.pop("progress", None)  # the pipeline planner reports no progress yet
+            if kwargs.pop("precision", None) not in (None, "fp32"):
+                raise InputError("precision= is not supported with num_microbatches or pipeline yet. "
+                                 "Fix: drop precision=, or run without a pipeline.")
             return PipelinedStep(fun, *args, num_microbatches=num_microbatches, pipeline=pipeline, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, fun, *, mesh=None, cluster=None, memory_budget=None, static_argnums=(),
                  donate_argnums=(), plan=None, hints=None, solver_time_limit=10.0, tie_layers="auto",
-                 num_microbatches=1, pipeline=None, progress="auto", batch_argnums=None, step_timeout=None):
+                 num_microbatches=1, pipeline=None, progress="auto", batch_argnums=None, step_timeout=None,
+                 precision=None):
+        from autoshard.precision import compute_dtype
+
         self.fun = fun
+        self.compute_dtype = compute_dtype(precision)
         self.batch_argnums = batch_argnums
         self._watchdog = None
         if step_timeout is not None:
@@ -213,6 +220,11 @@ class Parallelized:
             local.check_same_everywhere(self._key(dyn, stat, dyn_index))
             abstract, hints = local.global_abstract(abstract), local.hints(hints)
         fun = self._bound(stat, n_args, dyn_index)
+        if self.compute_dtype is not None:
+            from autoshard.precision import cast_matmuls, widen_operands
+
+            device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+            fun = cast_matmuls(fun, self.compute_dtype, widen=widen_operands(device.platform))
         program = capture_graph(fun, abstract)
         timings["capture"] = time.perf_counter() - t0
         donated = set()
@@ -242,10 +254,10 @@ class Parallelized:
             plan = solve()
         plan = dataclasses.replace(plan, in_tree=jax.tree_util.tree_structure(abstract),
                                    out_tree=program.out_tree)
-        flat = make_flat_function(program, plan.value_specs, plan.operand_specs, plan.mesh, plan.out_specs)
-        info = plan.mesh_info
-        in_sh = tuple(NamedSharding(plan.mesh, s.to_partition_spec(info)) for s in plan.in_specs)
-        out_sh = tuple(NamedSharding(plan.mesh, s.to_partition_spec(info)) for s in plan.out_specs)
+        flat = make_flat_function(program, plan.value_specs, plan.operand_specs, plan.mesh, plan.out_specs,
+                                  host_inputs=plan.host_inputs, host_outputs=plan.host_outputs)
+        in_sh = tuple(plan._named(plan.in_specs, plan.host_inputs))
+        out_sh = tuple(plan._named(plan.out_specs, plan.host_outputs))
         jitted = jax.jit(flat, in_shardings=in_sh, out_shardings=list(out_sh), donate_argnums=tuple(sorted(donated)))
         return _Compiled(plan, jitted, in_sh, program.out_tree, local)
 
@@ -303,7 +315,7 @@ class Parallelized:
 
 def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static_argnums=(), donate_argnums=(),
                 plan=None, hints=None, solver_time_limit=10.0, tie_layers="auto", num_microbatches=1, pipeline=None,
-                progress="auto", batch_argnums=None, step_timeout=None):
+                progress="auto", batch_argnums=None, step_timeout=None, precision=None):
     """Plan and run a single-device step function sharded over a device mesh.
 
     Works bare (``@parallelize``) and with arguments (``@parallelize(mesh=...)``).
@@ -316,6 +328,8 @@ def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static
         ``("data", "model")``.
       cluster: an :class:`autoshard.ClusterSpec`; None picks a preset for the devices' platform.
       memory_budget: bytes per device (or a string like ``"16GB"``); None: the ClusterSpec's memory.
+        When no sharding fits it, the planner keeps optimizer state in host memory
+        (``pinned_host``; see :mod:`autoshard.offload` and ``Plan.offloaded``).
       static_argnums, donate_argnums: as in ``jax.jit``.
       plan: a saved :class:`autoshard.Plan` to apply without solving.
       hints: ``{pytree-path regex: PartitionSpec}`` pinning matching argument leaves.
@@ -341,6 +355,9 @@ def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static
         ``autoshard.distributed.STEP_FAILED_EXIT_CODE`` instead of hanging in a collective. The clock
         starts when the step is dispatched (after planning and compiling), so it must exceed the
         slowest healthy step's run time. None: no watchdog.
+      precision: ``"bf16"``: every fp32 matmul and convolution reads bf16 copies of its operands and
+        accumulates in fp32; parameters, optimizer state and the update stay fp32 (master weights).
+        None or ``"fp32"``: the step's own dtypes. See :mod:`autoshard.precision`.
 
     Example:
       >>> import autoshard, jax.numpy as jnp
@@ -357,6 +374,8 @@ def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static
         kw["batch_argnums"] = batch_argnums
     if step_timeout is not None:
         kw["step_timeout"] = step_timeout
+    if precision is not None:
+        kw["precision"] = precision
     if fun is None:
         return lambda f: Parallelized(f, **kw)
     return Parallelized(fun, **kw)
@@ -459,6 +478,25 @@ def plan_program(program, *, mesh=None, cluster=None, memory_budget=None, hints=
 
 def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings,
                   tie_layers="auto", report=lambda stage: None):
+    try:
+        return _solve_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings,
+                              tie_layers, report)
+    except InfeasibleError as e:
+        if e.smallest_memory is None:
+            raise
+        # No sharding fits the device: try keeping optimizer state in host memory (autoshard/offload.py).
+        from autoshard.offload import plan_with_offload
+
+        return plan_with_offload(
+            lambda offloaded: _solve_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit,
+                                             timings, tie_layers, report, offloaded=offloaded),
+            program, ties or {}, e,
+            budget=memory_budget if memory_budget is not None else (cluster or _default_cluster(mesh)).memory,
+            num_devices=mesh.devices.size)
+
+
+def _solve_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings,
+                   tie_layers="auto", report=lambda stage: None, offloaded=()):
     from autoshard.cost import CostModel
     from autoshard.memory import estimate_memory
     from autoshard.plan import Plan, PlanCost
@@ -472,7 +510,7 @@ def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, t
     pinned = _pinned_from_hints(program, hints or {}, info)
     t = time.perf_counter()
     sgraph = enumerate_strategies(program, cost, pinned=pinned, donated=donated, tie_outputs=ties,
-                                  host_bandwidth=getattr(cluster, "host_bandwidth", None))
+                                  host_bandwidth=getattr(cluster, "host_bandwidth", None), offloaded=offloaded)
     timings["strategies"] = time.perf_counter() - t
     report(f"strategies {info.shape}")
     t = time.perf_counter()
@@ -482,7 +520,7 @@ def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, t
     layer_ties = tie_repeated_layers(merged, program.avals) if tie_layers else None
     budget = memory_budget if memory_budget is not None else getattr(cluster, "memory", None)
     built = build_problem(merged, program, cost, memory_limit=budget, donated_inputs=donated,
-                          ties=layer_ties, carried=ties)
+                          ties=layer_ties, carried=ties, offloaded=offloaded)
     timings["problem"] = time.perf_counter() - t
     report(f"problem {info.shape}: {built.problem.num_nodes} nodes")
     t = time.perf_counter()
@@ -520,11 +558,16 @@ def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, t
         else:
             out_specs.append(ShardingSpec(((),) * np.ndim(v.value)))
     comm_bytes = sum(c.bytes * k for c, k in dec.collectives)
-    memory = estimate_memory(program, dec.value_specs, info, donated=donated, out_specs=out_specs, ties=ties)
+    memory = estimate_memory(program, dec.value_specs, info, donated=donated, out_specs=out_specs, ties=ties,
+                             offloaded=offloaded)
     pcost = PlanCost(dec.compute_seconds, dec.comm_seconds, comm_bytes, memory.peak_bytes, float(sol.cost))
     stats = {"timings": dict(timings), "nodes": built.problem.num_nodes, "edges": built.problem.num_edges,
              "graph_nodes": len(sgraph.nodes), "eqns": program.num_eqns, "solver": dict(sol.stats),
              "optimal": sol.optimal, "memory_budget": budget}
+    if offloaded:
+        from autoshard.offload import transfer_seconds
+
+        stats["host_transfer_seconds"] = transfer_seconds(program, in_specs, info, offloaded, cluster.host_bandwidth)
     return Plan(
         mesh=mesh,
         in_specs=in_specs,
@@ -540,6 +583,8 @@ def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, t
         stats=stats,
         warnings=sgraph.unsupported,
         memory=memory,
+        host_inputs=tuple(sorted(offloaded)),
+        host_outputs=tuple(sorted(o for o, i in (ties or {}).items() if i in set(offloaded))),
     )
 
 

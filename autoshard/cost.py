@@ -45,6 +45,8 @@ class CostModel:
     beta: tuple[float, ...]
     reduce_scatter_as_all_reduce: bool = False
     """XLA's CPU backend emits a reduce-scatter as an all-reduce plus a slice; price it so there."""
+    widen_half_precision: bool = False
+    """XLA's CPU backend moves 2-byte floats (bf16, f16) through collectives as f32; price them so there."""
     _memo: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @classmethod
@@ -53,7 +55,7 @@ class CostModel:
         bw = _per_axis(cluster.bandwidth, mesh.ndim, "bandwidth")
         lat = _per_axis(cluster.latency, mesh.ndim, "latency")
         return cls(mesh, float(cluster.flops), tuple(lat), tuple(1.0 / b for b in bw),
-                   reduce_scatter_as_all_reduce=platform == "cpu")
+                   reduce_scatter_as_all_reduce=platform == "cpu", widen_half_precision=platform == "cpu")
 
     def without_latency(self) -> CostModel:
         """The same model with zero alpha: for collectives that XLA will combine with others."""
@@ -107,6 +109,8 @@ class CostModel:
         """(seconds, collectives) to move an array from ``src`` to ``dst`` layout."""
         if src == dst:
             return 0.0, ()
+        if itemsize == 2 and self.widen_half_precision:
+            itemsize = 4
         key = (shape, itemsize, src, dst)
         hit = self._memo.get(key)
         if hit is None:

@@ -641,8 +641,53 @@ def memory_stats(compiled: Any) -> dict[str, float]:
         host = getattr(ma, f"host_{key}_size_in_bytes", None)
         if host is not None:
             out[f"host_{key}"] = float(host)
+    if not out.get("host_argument") and not out.get("host_output"):
+        # The CPU backend keeps host-memory (S(5)) buffers in the device numbers: move them out.
+        host = _host_entry_bytes(compiled.as_text())
+        for key in ("argument", "output", "alias"):
+            out[key] -= host[key]
+            out[f"host_{key}"] = out.get(f"host_{key}", 0.0) + host[key]
     out["peak"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
     return out
+
+
+_HOST_MEMORY_SPACE = ":S(5)"  # XLA's layout annotation of a host-memory buffer
+_ENTRY_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([\d,]*)\](\{[^}]*\})?")
+_ALIAS = re.compile(r"\{\d*\}:\s*\((\d+),")
+
+
+def _braced(text: str, key: str) -> str:
+    """The text inside ``key={...}`` (braces nested), or ''."""
+    at = text.find(key + "={")
+    if at < 0:
+        return ""
+    start, depth = at + len(key) + 1, 0
+    for i in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start + 1:i]
+    return ""
+
+
+def _host_entry_bytes(text: str) -> dict[str, float]:
+    """Bytes of the entry parameters and outputs whose layout puts them in host memory (``S(5)``)."""
+    found = {"argument": 0.0, "output": 0.0, "alias": 0.0}
+    header = text.split("\n", 1)[0]
+    if _HOST_MEMORY_SPACE not in header:
+        return found
+    params, _, results = _COMMENT.sub("", _braced(header, "entry_computation_layout")).partition(")->")
+    host_param_bytes = []
+    for key, part in (("argument", params), ("output", results)):
+        for m in _ENTRY_ARRAY.finditer(part):
+            on_host = _HOST_MEMORY_SPACE in (m.group(3) or "")
+            nbytes = _dtype_bytes(m.group(1)) * math.prod(int(d) for d in m.group(2).split(",") if d)
+            if key == "argument":
+                host_param_bytes.append(nbytes if on_host else 0.0)
+            found[key] += nbytes if on_host else 0.0
+    for m in _ALIAS.finditer(_braced(header, "input_output_alias")):
+        p = int(m.group(1))
+        found["alias"] += host_param_bytes[p] if p < len(host_param_bytes) else 0.0
+    return found
 
 
 def flops(compiled: Any) -> float:

@@ -92,23 +92,33 @@ class _Evaluator:
         return [*carry, *ys]
 
 
-def make_flat_function(program: CapturedProgram, value_specs, operand_specs, mesh, out_specs=None):
+def make_flat_function(program: CapturedProgram, value_specs, operand_specs, mesh, out_specs=None, *,
+                       host_inputs=(), host_outputs=()):
     """The step as a function of flat arguments, with every layout pinned.
 
     ``out_specs`` (one per flat output, or None) reshards outputs whose planned
-    layout differs from their producer's (outputs tied to an input's layout)."""
+    layout differs from their producer's (outputs tied to an input's layout).
+    ``host_inputs`` / ``host_outputs``: flat indices of arguments and outputs that live in
+    host memory (offloaded, see :mod:`autoshard.offload`): they are moved to device memory
+    on entry and back to host memory on exit."""
     info = MeshInfo.from_mesh(mesh)
     ev = _Evaluator(program, value_specs, operand_specs, mesh, info)
+    host_inputs, host_outputs = frozenset(host_inputs), frozenset(host_outputs)
 
     def flat_fun(*flat_args):
         env = {}
-        for v, x in zip(program.graph.invars, flat_args, strict=True):
+        for i, (v, x) in enumerate(zip(program.graph.invars, flat_args, strict=True)):
+            if i in host_inputs:
+                x = jax.device_put(x, ev.sharding(value_specs[v]).with_memory_kind("device"))
             env[v] = ev.constrain(x, value_specs.get(v))
         for v, c in program.consts.items():
             env[v] = ev.constrain(c, value_specs.get(v))
         outs = ev.run(program.graph, env)
         if out_specs is not None:
             outs = [ev.constrain(o, s) for o, s in zip(outs, out_specs, strict=True)]
+        for j in host_outputs:
+            spec = out_specs[j] if out_specs is not None else ShardingSpec(((),) * np.ndim(outs[j]))
+            outs[j] = jax.device_put(outs[j], ev.sharding(spec).with_memory_kind("pinned_host"))
         return outs
 
     return flat_fun

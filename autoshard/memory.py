@@ -30,11 +30,19 @@ class MemoryEstimate:
         (new values not aliased to a donated input), ``intermediates`` (activations, gradients,
         temporaries).
       peak_position: the op position (in program order) where the peak occurs.
+      host_bytes: bytes per device kept in host memory (offloaded state, see
+        :mod:`autoshard.offload`); not part of ``peak_bytes``.
     """
 
     peak_bytes: float
     breakdown: dict
     peak_position: int
+    host_bytes: float = 0.0
+
+
+def is_optimizer_state(path: str) -> bool:
+    """Whether a carried leaf at this pytree path is optimizer state (optax's ``mu``/``nu``)."""
+    return "opt_state" in path or ".mu" in path or ".nu" in path
 
 
 def _nbytes(aval, spec: ShardingSpec | None, mesh: MeshInfo) -> float:
@@ -82,20 +90,28 @@ def _graph_peak(graph: OpGraph, program, value_specs, mesh, fixed_live: float) -
 
 
 def estimate_memory(program: CapturedProgram, value_specs: dict, mesh: MeshInfo, *, donated=(),
-                    out_specs=None, ties=None) -> MemoryEstimate:
+                    out_specs=None, ties=None, offloaded=()) -> MemoryEstimate:
     """Sweep the top-level program in order; scan bodies add their own peak at the scan.
 
     Args:
       donated: flat input indices whose buffers are donated.
       out_specs: the layout of each flat output (defaults to the producer's).
       ties: flat output index -> flat input index it replaces (the carried state).
+      offloaded: flat input indices kept in host memory; they and their replacements count on
+        the device only while in use (:func:`autoshard.offload.device_intervals`).
     """
+    from autoshard.offload import device_intervals
+
     graph = program.graph
     ops = graph.ops
     end_t = len(ops) + 1
     ties = ties or {}
     donated = set(donated)
-    aliased_outputs = {o for o, i in ties.items() if i in donated}
+    offloaded = set(offloaded)
+    host_outputs = {o for o, i in ties.items() if i in offloaded}
+    aliased_outputs = {o for o, i in ties.items() if i in donated} - host_outputs
+    on_device = device_intervals(program, offloaded, ties) if offloaded else {}
+    host_bytes = 0.0
     uses: dict[int, int] = {}
     last: dict[int, int] = {}
     for t, op in enumerate(ops, start=1):
@@ -113,7 +129,7 @@ def estimate_memory(program: CapturedProgram, value_specs: dict, mesh: MeshInfo,
         path = program.in_paths[i]
         if i not in ties.values():
             return "inputs"
-        if "opt_state" in path or ".mu" in path or ".nu" in path:
+        if is_optimizer_state(path):
             return "optimizer_state"
         return "parameters"
 
@@ -121,6 +137,10 @@ def estimate_memory(program: CapturedProgram, value_specs: dict, mesh: MeshInfo,
     buffers: list[tuple[int, int, float, str]] = []
     for i, v in enumerate(graph.invars):
         b = _nbytes(program.avals[v], value_specs.get(v), mesh)
+        if i in offloaded:  # a host buffer (two unless donated), and a device copy while in use
+            host_bytes += b if i in donated else 2 * b
+            buffers.append((*on_device[v], b, category(i)))
+            continue
         end = last.get(v, 0) + 1 if i in donated and i in ties.values() else end_t
         # A donated, carried input keeps its buffer until its replacement is written at the end.
         buffers.append((0, end_t if i in donated and i in ties.values() else end, b, category(i)))
@@ -139,8 +159,8 @@ def estimate_memory(program: CapturedProgram, value_specs: dict, mesh: MeshInfo,
                 if js and out_specs is not None:
                     spec = out_specs[js[0]]
                 cat = "outputs" if js else "intermediates"
-                buffers.append((t, last.get(v, t) + 1 if not js else end_t, _nbytes(program.avals[v], spec, mesh),
-                                cat))
+                start, end = on_device.get(v, (t, last.get(v, t) + 1 if not js else end_t))
+                buffers.append((start, end, _nbytes(program.avals[v], spec, mesh), cat))
     events: dict[int, list] = {}
     for s, e, b, c in buffers:
         events.setdefault(s, []).append((b, c))
@@ -158,7 +178,7 @@ def estimate_memory(program: CapturedProgram, value_specs: dict, mesh: MeshInfo,
                 best_breakdown["intermediates"] = best_breakdown.get("intermediates", 0.0) + body_peak[t]
     for k in ("parameters", "optimizer_state", "inputs", "outputs", "intermediates"):
         best_breakdown.setdefault(k, 0.0)
-    return MemoryEstimate(best, best_breakdown, best_t)
+    return MemoryEstimate(best, best_breakdown, best_t, host_bytes)
 
 
 

@@ -87,6 +87,8 @@ class Plan:
       stats: timings per pass and solver diagnostics.
       warnings: primitives that ran replicated for lack of a rule.
       memory: the predicted :class:`~autoshard.memory.MemoryEstimate` (peak and its breakdown).
+      host_inputs, host_outputs: flat arguments / outputs kept in host memory (``pinned_host``),
+        chosen when no sharding fits the device budget (see :mod:`autoshard.offload`).
     """
 
     mesh: Any
@@ -105,23 +107,33 @@ class Plan:
     in_tree: Any = None
     out_tree: Any = None
     memory: Any = None
+    host_inputs: tuple[int, ...] = ()
+    host_outputs: tuple[int, ...] = ()
 
     @property
     def mesh_info(self) -> MeshInfo:
         return MeshInfo.from_mesh(self.mesh)
 
-    def _named(self, specs):
+    @property
+    def offloaded(self) -> tuple[str, ...]:
+        """Pytree paths of the arguments kept in host memory (see :mod:`autoshard.offload`)."""
+        return tuple(self.in_paths[i] for i in self.host_inputs)
+
+    def _named(self, specs, host=()):
         from jax.sharding import NamedSharding
 
+        from autoshard.offload import MEMORY_KIND
+
         info = self.mesh_info
-        return [NamedSharding(self.mesh, s.to_partition_spec(info)) for s in specs]
+        return [NamedSharding(self.mesh, s.to_partition_spec(info), memory_kind=MEMORY_KIND if k in host else None)
+                for k, s in enumerate(specs)]
 
     @property
     def in_shardings(self):
         """``NamedSharding``s mirroring the (dynamic) arguments."""
         import jax
 
-        flat = self._named(self.in_specs)
+        flat = self._named(self.in_specs, self.host_inputs)
         return flat if self.in_tree is None else jax.tree_util.tree_unflatten(self.in_tree, flat)
 
     @property
@@ -129,7 +141,7 @@ class Plan:
         """``NamedSharding``s mirroring the outputs."""
         import jax
 
-        flat = self._named(self.out_specs)
+        flat = self._named(self.out_specs, self.host_outputs)
         return flat if self.out_tree is None else jax.tree_util.tree_unflatten(self.out_tree, flat)
 
     def predicted_bytes_by_kind(self) -> dict[str, float]:
@@ -191,6 +203,12 @@ class Plan:
         if self.memory is not None:
             parts = ", ".join(f"{k.replace('_', ' ')} {_fmt_bytes(v)}" for k, v in self.memory.breakdown.items() if v)
             lines[-1] += f" ({parts})"
+        if self.host_inputs:
+            host = f" ({_fmt_bytes(self.memory.host_bytes)}/device)" if self.memory is not None else ""
+            seconds = self.stats.get("host_transfer_seconds")
+            moved = f" ({seconds * 1e3:.3f} ms over the host link)" if seconds is not None else ""
+            lines.append(f"  offloaded to host memory: {len(self.host_inputs)} optimizer-state leaves{host}, "
+                         f"moved in and out every step{moved}")
         if self.stats.get("timings"):
             t = self.stats["timings"]
             lines.append("  planning: " + ", ".join(f"{k} {v:.2f}s" for k, v in t.items()))
@@ -243,6 +261,8 @@ class Plan:
             "value_specs": [[v, _spec_json(s)] for v, s in sorted(self.value_specs.items())],
             "operand_specs": [[k[0], k[1], _spec_json(s)] for k, s in sorted(self.operand_specs.items())],
             "warnings": list(self.warnings),
+            "host_inputs": list(self.host_inputs),
+            "host_outputs": list(self.host_outputs),
         })
 
     @classmethod
@@ -277,6 +297,8 @@ class Plan:
                 operand_specs={(i, j): _spec_from(s) for i, j, s in d["operand_specs"]},
                 fingerprint=d["fingerprint"],
                 warnings=tuple(d.get("warnings", ())),
+                host_inputs=tuple(d.get("host_inputs", ())),
+                host_outputs=tuple(d.get("host_outputs", ())),
             )
         except KeyError as e:
             raise PlanError(f"saved plan is missing field {e.args[0]!r}") from None

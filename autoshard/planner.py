@@ -88,7 +88,7 @@ def _params_key(params):
 
 
 def enumerate_strategies(program: CapturedProgram, cost: CostModel, *, pinned=None, donated=(),
-                         tie_outputs=None, host_bandwidth: float | None = None) -> StrategyGraph:
+                         tie_outputs=None, host_bandwidth: float | None = None, offloaded=()) -> StrategyGraph:
     """Pass 1: nodes, strategies and edges for every input, op and scan body.
 
     Args:
@@ -96,6 +96,8 @@ def enumerate_strategies(program: CapturedProgram, cost: CostModel, *, pinned=No
       tie_outputs: flat output index -> flat input index whose layout the output must keep.
       host_bandwidth: bytes/s from host to one device; prices feeding the inputs that are not
         carried over from the previous step (the batch). None: feeding is free.
+      offloaded: flat input indices kept in host memory (see :mod:`autoshard.offload`): each step
+        moves the device's shard in and its replacement out, priced at ``host_bandwidth``.
     """
     mesh = cost.mesh
     pinned = pinned or {}
@@ -132,6 +134,10 @@ def enumerate_strategies(program: CapturedProgram, cost: CostModel, *, pinned=No
             # Fresh inputs (the batch) are fed from the host every step: each device receives its shard.
             itemsize = _itemsize(avals[v])
             strategies = [dataclasses.replace(s, comm=_value_bytes_shape(shape, itemsize, s.out_specs[0], mesh)
+                                              / host_bandwidth) for s in strategies]
+        elif i in offloaded and host_bandwidth:
+            itemsize = _itemsize(avals[v])
+            strategies = [dataclasses.replace(s, comm=2 * _value_bytes_shape(shape, itemsize, s.out_specs[0], mesh)
                                               / host_bandwidth) for s in strategies]
         input_nodes.append(add_node(_Node("input", strategies, (v,), weak=True, label=program.in_paths[i])))
     for v in program.consts:
@@ -523,12 +529,13 @@ class _SpecTable:
 
 def build_problem(merged: MergedGraph, program: CapturedProgram, cost: CostModel, *,
                   memory_limit=None, donated_inputs=(), ties: dict[int, int] | None = None,
-                  carried: dict[int, int] | None = None) -> BuiltProblem:
+                  carried: dict[int, int] | None = None, offloaded=()) -> BuiltProblem:
     """Pass 3: node costs, edge matrices and memory, in root-strategy space.
 
     ``ties`` (from :func:`tie_repeated_layers`) maps roots to the root whose choice they share.
     ``carried`` maps flat outputs to the flat inputs they replace: a donated input's buffer is
-    reused for its replacement, so the two count once."""
+    reused for its replacement, so the two count once. ``offloaded`` flat inputs live in host
+    memory: only their transient device copies count (see :func:`autoshard.offload.device_intervals`)."""
     graph = merged.graph
     mesh = cost.mesh
     roots = tuple(r for r in merged.roots if ties is None or ties[r] == r)
@@ -562,7 +569,7 @@ def build_problem(merged: MergedGraph, program: CapturedProgram, cost: CostModel
     aliased_out = {program.graph.outvars[o] for o, i in (carried or {}).items()
                    if i in donated and isinstance(program.graph.outvars[o], int)}
     memory, intervals = _memory(merged, program, root_of, sizes, mesh, donated_inputs, table, aliased_in,
-                                aliased_out)
+                                aliased_out, offloaded, carried or {})
     names = tuple(_label(graph.nodes[r]) for r in roots)
     problem = ShardingProblem(tuple(node_costs), edges, tuple(pair_costs.values()), memory, intervals,
                               memory_limit, names)
@@ -576,7 +583,7 @@ def _label(node: _Node) -> str:
 
 
 def _memory(merged, program, root_of, sizes, mesh, donated_inputs, table: _SpecTable, aliased_in=(),
-            aliased_out=()):
+            aliased_out=(), offloaded=(), carried=None):
     """Per root: the peak, over its members' overlapping lifetimes, of their summed bytes.
 
     Only materialised values count (see :mod:`autoshard.memory`): results of fused
@@ -588,6 +595,12 @@ def _memory(merged, program, root_of, sizes, mesh, donated_inputs, table: _SpecT
     end_t = len(program.graph.ops) + 1
     for v in aliased_in:  # the replacement is written into this buffer at the end
         live[v] = (0, end_t)
+    if offloaded:
+        from autoshard.offload import device_intervals
+
+        host_resident = device_intervals(program, offloaded, carried or {})
+        live.update(host_resident)
+        aliased_out = set(aliased_out) - set(host_resident)
     uses = {v: len(u) for v, u in program.uses.items()}
     outputs = {x for x in program.graph.outvars if isinstance(x, int)}
     members: dict[int, list] = {}

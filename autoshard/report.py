@@ -110,14 +110,15 @@ def time_breakdown(plan) -> dict[str, float]:
 
 
 def memory_breakdown(plan, budget: float | None = None) -> dict:
-    """Per-device bytes: ``peak`` (predicted), ``arguments`` (state + inputs), ``budget`` (or None),
-    and ``parts``: what makes up the peak.
+    """Per-device bytes: ``peak`` (predicted), ``arguments`` (state + inputs in device memory),
+    ``budget`` (or None), ``host`` (offloaded state in host memory), and ``parts``: what makes up the peak.
 
     ``parts`` is the plan's own breakdown at the peak (``plan.memory.breakdown``: parameters,
     optimizer state, inputs, outputs, intermediates) when planning recorded one; otherwise the
     arguments and the rest of the peak. ``budget`` defaults to ``plan.stats["memory_budget"]``.
     """
-    args = float(sum(r[4] for r in plan.parameter_table()))
+    host_inputs = set(getattr(plan, "host_inputs", ()))
+    args = float(sum(r[4] for i, r in enumerate(plan.parameter_table()) if i not in host_inputs))
     peak = float(plan.cost.peak_memory_bytes)
     if budget is None:
         budget = plan.stats.get("memory_budget") if isinstance(plan.stats, dict) else None
@@ -127,7 +128,9 @@ def memory_breakdown(plan, budget: float | None = None) -> dict:
         parts = {k.replace("_", " "): float(v) for k, v in breakdown.items() if v}
     else:
         parts = {"arguments": min(args, peak), "activations and temporaries": max(peak - args, 0.0)}
-    return {"peak": peak, "arguments": args, "budget": None if budget is None else float(budget), "parts": parts}
+    host = float(getattr(estimate, "host_bytes", 0.0) or 0.0)
+    return {"peak": peak, "arguments": args, "budget": None if budget is None else float(budget), "parts": parts,
+            "host": host}
 
 
 def collective_rows(plan) -> list[tuple[str, str, int, float]]:
@@ -201,6 +204,9 @@ def _html_memory(mem: dict) -> str:
     if budget is not None:
         rows.append(f"<tr><td>budget</td><td style='text-align: right'>{_fmt_bytes(budget)}</td>"
                     f"<td>{_bar(budget / scale, COLORS['budget'], 'budget')}</td></tr>")
+    if mem.get("host"):
+        rows.append(f"<tr><td>host memory (offloaded)</td><td style='text-align: right'>{_fmt_bytes(mem['host'])}"
+                    "</td><td></td></tr>")
     note = "" if budget is not None else "<div style='color: #666'>memory budget: not given</div>"
     return f"<h4 style='margin: 0.8em 0 0.2em'>Memory per device</h4><table>{''.join(rows)}</table>{note}"
 
@@ -295,6 +301,8 @@ def rich_renderables(plan, *, max_rows: int = 40, budget: float | None = None) -
     for part, nbytes in mem["parts"].items():
         m.add_row(f"  {part}", _fmt_bytes(nbytes))
     m.add_row("budget", "not given" if mem["budget"] is None else _fmt_bytes(mem["budget"]))
+    if mem.get("host"):
+        m.add_row("host memory (offloaded)", _fmt_bytes(mem["host"]))
     out.append(m)
 
     rows = collective_rows(plan)

@@ -39,7 +39,7 @@ GUARDED_PATIENCE = 12
 # lagrangian descent stops this many rounds after its best fit last improved
 LAGRANGE_PATIENCE = 25
 # ... and the belief-propagation one after this many (its fits improve little after the first)
-BP_PATIENCE = 12
+BP_PATIENCE = 20
 # Cores up to this many nodes are searched as they are for each penalty.
 _REREDUCE_NODES = 3000
 

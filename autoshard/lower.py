@@ -6,11 +6,17 @@ Every op is re-bound as in the jaxpr; each output is pinned with
 required layout differs from its producer's is resharded right before the op.
 A ``scan`` is re-issued with ``lax.scan`` over a body evaluated the same way, so
 the constraints sit inside the loop body.
+
+A rematerialised program (:func:`autoshard.remat.rematerialize`) comes with its
+recompute groups: before a group's first op, the values it reads from outside
+pass through ``jax.lax.optimization_barrier`` together with a backward value, so
+XLA neither merges the recompute into the forward (CSE) nor hoists it there.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
@@ -24,8 +30,10 @@ def _constrainable(x) -> bool:
 
 
 class _Evaluator:
-    def __init__(self, program: CapturedProgram, value_specs, operand_specs, mesh, info: MeshInfo):
+    def __init__(self, program: CapturedProgram, value_specs, operand_specs, mesh, info: MeshInfo,
+                 remat_groups=()):
         self.program = program
+        self.group_of = {i: g for g in remat_groups for i in g.ops}
         self.value_specs = value_specs
         self.operand_specs = operand_specs
         self.mesh = mesh
@@ -43,11 +51,29 @@ class _Evaluator:
             return x
         return jax.lax.with_sharding_constraint(x, self.sharding(spec))
 
+    def fence(self, group, env: dict) -> dict:
+        """The group's outside inputs, passed through an optimization barrier with its anchor."""
+        vals = [env[v] for v in group.inputs]
+        if group.anchor is not None:
+            *vals, anchor = jax.lax.optimization_barrier((*vals, env[group.anchor]))
+            # Some backends (XLA:CPU) expand the barrier before CSE. A select on a predicate that is
+            # always true but that XLA cannot prove so keeps the recompute distinct from the forward.
+            bits = jax.lax.bitcast_convert_type(jnp.ravel(anchor)[0].astype(jnp.float32), jnp.uint32)
+            keep = (bits | jnp.uint32(1)) != 0
+            vals = [jnp.where(keep, x, jnp.zeros_like(x)) if _constrainable(x) or np.ndim(x) == 0 and
+                    not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended) else x for x in vals]
+        return {v: self.constrain(x, self.value_specs.get(v)) for v, x in zip(group.inputs, vals, strict=True)}
+
     def run(self, graph: OpGraph, env: dict):
+        fenced: dict = {}
         for op in graph.ops:
             invals = []
+            group = self.group_of.get(op.index)
+            if group is not None and id(group) not in fenced:
+                fenced[id(group)] = self.fence(group, env)
+            inside = fenced[id(group)] if group is not None else {}
             for i, x in enumerate(op.inputs):
-                val = x.value if isinstance(x, Const) else env[x]
+                val = x.value if isinstance(x, Const) else inside.get(x, env[x]) if inside else env[x]
                 spec = self.operand_specs.get((op.index, i))
                 invals.append(self.constrain(val, spec) if spec is not None else val)
             if op.body is not None and op.name == "scan":
@@ -92,13 +118,15 @@ class _Evaluator:
         return [*carry, *ys]
 
 
-def make_flat_function(program: CapturedProgram, value_specs, operand_specs, mesh, out_specs=None):
+def make_flat_function(program: CapturedProgram, value_specs, operand_specs, mesh, out_specs=None,
+                       remat_groups=()):
     """The step as a function of flat arguments, with every layout pinned.
 
     ``out_specs`` (one per flat output, or None) reshards outputs whose planned
-    layout differs from their producer's (outputs tied to an input's layout)."""
+    layout differs from their producer's (outputs tied to an input's layout).
+    ``remat_groups``: the :class:`~autoshard.remat.RematGroup`s of a rematerialised program."""
     info = MeshInfo.from_mesh(mesh)
-    ev = _Evaluator(program, value_specs, operand_specs, mesh, info)
+    ev = _Evaluator(program, value_specs, operand_specs, mesh, info, remat_groups)
 
     def flat_fun(*flat_args):
         env = {}

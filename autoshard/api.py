@@ -92,6 +92,9 @@ def _ties(dyn_args, out_shape) -> dict[int, int]:
 TIE_LAYERS_ABOVE = 300
 """Merged-graph size above which ``tie_layers="auto"`` ties repeated layers."""
 
+MERGE_SHRINK = 8.0
+"""Under a remat search, followers this much smaller than their main operand lead their own node."""
+
 
 def _factorizations(n: int):
     return [(a, n // a) for a in range(1, n + 1) if n % a == 0]
@@ -114,13 +117,15 @@ class Parallelized:
             from autoshard.pipeline import PipelinedStep
 
             kwargs.pop("progress", None)  # the pipeline planner reports no progress yet
+            kwargs.pop("remat", None)  # nor rematerialises
             return PipelinedStep(fun, *args, num_microbatches=num_microbatches, pipeline=pipeline, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, fun, *, mesh=None, cluster=None, memory_budget=None, static_argnums=(),
                  donate_argnums=(), plan=None, hints=None, solver_time_limit=10.0, tie_layers="auto",
-                 num_microbatches=1, pipeline=None, progress="auto"):
+                 num_microbatches=1, pipeline=None, progress="auto", remat=True):
         self.fun = fun
+        self.remat = remat
         self.progress = progress
         self.tie_layers = tie_layers
         self.mesh = mesh
@@ -216,10 +221,13 @@ class Parallelized:
             plan = plan_program(program, mesh=self.mesh, cluster=self.cluster, memory_budget=self.memory_budget,
                                 hints=self.hints, donated=donated, ties=ties, time_limit=self.solver_time_limit,
                                 timings=timings, tie_layers=self.tie_layers,
-                                progress=_progress_callback(self.progress))
+                                progress=_progress_callback(self.progress), remat=self.remat)
         plan = dataclasses.replace(plan, in_tree=jax.tree_util.tree_structure(abstract),
                                    out_tree=program.out_tree)
-        flat = make_flat_function(program, plan.value_specs, plan.operand_specs, plan.mesh, plan.out_specs)
+        from autoshard.remat import apply_remat
+
+        program, groups = apply_remat(program, plan.remat, ties)
+        flat = make_flat_function(program, plan.value_specs, plan.operand_specs, plan.mesh, plan.out_specs, groups)
         info = plan.mesh_info
         in_sh = tuple(NamedSharding(plan.mesh, s.to_partition_spec(info)) for s in plan.in_specs)
         out_sh = tuple(NamedSharding(plan.mesh, s.to_partition_spec(info)) for s in plan.out_specs)
@@ -273,7 +281,7 @@ class Parallelized:
 
 def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static_argnums=(), donate_argnums=(),
                 plan=None, hints=None, solver_time_limit=10.0, tie_layers="auto", num_microbatches=1, pipeline=None,
-                progress="auto"):
+                progress="auto", remat=True):
     """Plan and run a single-device step function sharded over a device mesh.
 
     Works bare (``@parallelize``) and with arguments (``@parallelize(mesh=...)``).
@@ -298,6 +306,9 @@ def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static
         ``"rich"``, a ``callback(stage, done, total)``, or None to silence it.
       pipeline: an :class:`autoshard.PipelineOptions`: run the step as a pipeline of stages on
         sub-meshes (inter-operator parallelism). None: no pipeline.
+      remat: when the memory budget binds, let the planner also consider recomputing
+        forward segments in the backward pass (chosen jointly with the sharding; see
+        :mod:`autoshard.remat`). ``plan.remat`` reports the choice.
 
     Example:
       >>> import autoshard, jax.numpy as jnp
@@ -309,7 +320,8 @@ def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static
     """
     kw = dict(mesh=mesh, cluster=cluster, memory_budget=memory_budget, static_argnums=static_argnums,
               donate_argnums=donate_argnums, plan=plan, hints=hints, solver_time_limit=solver_time_limit,
-              tie_layers=tie_layers, num_microbatches=num_microbatches, pipeline=pipeline, progress=progress)
+              tie_layers=tie_layers, num_microbatches=num_microbatches, pipeline=pipeline, progress=progress,
+              remat=remat)
     if fun is None:
         return lambda f: Parallelized(f, **kw)
     return Parallelized(fun, **kw)
@@ -371,8 +383,11 @@ _PASSES = ("capture", "strategies", "problem", "solve")
 
 
 def plan_program(program, *, mesh=None, cluster=None, memory_budget=None, hints=None, donated=(), ties=None,
-                 time_limit=10.0, timings=None, tie_layers="auto", progress=None):
-    """Plan a captured program. With ``mesh=None``, try every 2-D factorization of all devices."""
+                 time_limit=10.0, timings=None, tie_layers="auto", progress=None, remat=False):
+    """Plan a captured program. With ``mesh=None``, try every 2-D factorization of all devices.
+
+    ``remat=True``: when the budget binds, also consider recomputing forward segments
+    (:mod:`autoshard.remat`); the plan's ``remat`` says which."""
     from autoshard.cluster import make_mesh
     from autoshard.planner import warn_unsupported
 
@@ -392,7 +407,7 @@ def plan_program(program, *, mesh=None, cluster=None, memory_budget=None, hints=
             m = make_mesh(shape, ("data", "model"))
             try:
                 p = _plan_on_mesh(program, m, cluster, memory_budget, hints, donated, ties, time_limit,
-                                  dict(timings), tie_layers, report)
+                                  dict(timings), tie_layers, report, remat)
             except InfeasibleError as e:  # another factorization may fit the memory budget
                 infeasible.append(e)
                 continue
@@ -402,7 +417,7 @@ def plan_program(program, *, mesh=None, cluster=None, memory_budget=None, hints=
             raise min(infeasible, key=lambda e: math.inf if e.smallest_memory is None else e.smallest_memory)
     else:
         best = _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings,
-                             tie_layers, report)
+                             tie_layers, report, remat)
     if progress is not None:
         progress("done", total, total)
     # Warn here, once per plan, not once per candidate mesh.
@@ -411,7 +426,16 @@ def plan_program(program, *, mesh=None, cluster=None, memory_budget=None, hints=
 
 
 def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings,
-                  tie_layers="auto", report=lambda stage: None):
+                  tie_layers="auto", report=lambda stage: None, remat=False, remat_split=False):
+    if remat:  # plan with and without recomputing forward segments (autoshard/remat.py)
+        from autoshard.remat import choose_remat
+
+        cluster = _default_cluster(mesh) if cluster is None else cluster
+        plan, choice = choose_remat(
+            lambda prog: _plan_on_mesh(prog, mesh, cluster, memory_budget, hints, donated, ties, time_limit,
+                                       dict(timings), tie_layers, report, remat_split=True),
+            program, ties, flops_per_second=cluster.flops * mesh.devices.size)
+        return plan if choice is None else dataclasses.replace(plan, fingerprint=program.fingerprint(), remat=choice)
     from autoshard.cost import CostModel
     from autoshard.memory import estimate_memory
     from autoshard.plan import Plan, PlanCost
@@ -429,7 +453,7 @@ def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, t
     timings["strategies"] = time.perf_counter() - t
     report(f"strategies {info.shape}")
     t = time.perf_counter()
-    merged = merge_followers(sgraph, cost, program.avals)
+    merged = merge_followers(sgraph, cost, program.avals, shrink=MERGE_SHRINK if remat_split else None)
     if tie_layers == "auto":
         tie_layers = len(merged.roots) > TIE_LAYERS_ABOVE
     layer_ties = tie_repeated_layers(merged, program.avals) if tie_layers else None
@@ -443,7 +467,8 @@ def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, t
     # it is also the constrained optimum. Only otherwise solve again with the budget.
     unconstrained = dataclasses.replace(built.problem, memory_limit=None)
     sol = solve(unconstrained, time_limit=time_limit)
-    if budget is not None and sol.peak_memory > budget:
+    free_objective, budget_bound = float(sol.cost), budget is not None and sol.peak_memory > budget
+    if budget_bound:
         try:
             sol = solve(built.problem, time_limit=max(time_limit - (time.perf_counter() - t), 1.0))
         except InfeasibleError as e:
@@ -477,7 +502,8 @@ def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, t
     pcost = PlanCost(dec.compute_seconds, dec.comm_seconds, comm_bytes, memory.peak_bytes, float(sol.cost))
     stats = {"timings": dict(timings), "nodes": built.problem.num_nodes, "edges": built.problem.num_edges,
              "graph_nodes": len(sgraph.nodes), "eqns": program.num_eqns, "solver": dict(sol.stats),
-             "optimal": sol.optimal, "memory_budget": budget}
+             "optimal": sol.optimal, "memory_budget": budget, "budget_bound": budget_bound,
+             "unconstrained_objective": free_objective}
     return Plan(
         mesh=mesh,
         in_specs=in_specs,

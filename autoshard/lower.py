@@ -33,7 +33,7 @@ class _Evaluator:
     def __init__(self, program: CapturedProgram, value_specs, operand_specs, mesh, info: MeshInfo,
                  remat_groups=()):
         self.program = program
-        self.group_of = {i: g for g in remat_groups for i in g.ops}
+        self.group_of = {i: g for g in remat_groups for i in g.fences}
         self.value_specs = value_specs
         self.operand_specs = operand_specs
         self.mesh = mesh
@@ -51,29 +51,33 @@ class _Evaluator:
             return x
         return jax.lax.with_sharding_constraint(x, self.sharding(spec))
 
-    def fence(self, group, env: dict) -> dict:
-        """The group's outside inputs, passed through an optimization barrier with its anchor."""
-        vals = [env[v] for v in group.inputs]
+    def fence(self, group, env: dict):
+        """All of a recompute group's fences at once: one barrier with the group's anchor."""
+        ops = [self.program.ops[i] for i in group.fences]
+        vals = [self.constrain(env[op.inputs[0]], self.operand_specs.get((op.index, 0))) for op in ops]
         if group.anchor is not None:
             *vals, anchor = jax.lax.optimization_barrier((*vals, env[group.anchor]))
             # Some backends (XLA:CPU) expand the barrier before CSE. A select on a predicate that is
             # always true but that XLA cannot prove so keeps the recompute distinct from the forward.
             bits = jax.lax.bitcast_convert_type(jnp.ravel(anchor)[0].astype(jnp.float32), jnp.uint32)
             keep = (bits | jnp.uint32(1)) != 0
-            vals = [jnp.where(keep, x, jnp.zeros_like(x)) if _constrainable(x) or np.ndim(x) == 0 and
-                    not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended) else x for x in vals]
-        return {v: self.constrain(x, self.value_specs.get(v)) for v, x in zip(group.inputs, vals, strict=True)}
+            vals = [x if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended) else
+                    jnp.where(keep, x, jnp.zeros_like(x)) for x in vals]
+        else:
+            vals = jax.lax.optimization_barrier(tuple(vals))
+        for op, x in zip(ops, vals, strict=True):
+            env[op.outputs[0]] = self.constrain(x, self.value_specs.get(op.outputs[0]))
 
     def run(self, graph: OpGraph, env: dict):
-        fenced: dict = {}
         for op in graph.ops:
-            invals = []
             group = self.group_of.get(op.index)
-            if group is not None and id(group) not in fenced:
-                fenced[id(group)] = self.fence(group, env)
-            inside = fenced[id(group)] if group is not None else {}
+            if group is not None:
+                if op.outputs[0] not in env:
+                    self.fence(group, env)
+                continue
+            invals = []
             for i, x in enumerate(op.inputs):
-                val = x.value if isinstance(x, Const) else inside.get(x, env[x]) if inside else env[x]
+                val = x.value if isinstance(x, Const) else env[x]
                 spec = self.operand_specs.get((op.index, i))
                 invals.append(self.constrain(val, spec) if spec is not None else val)
             if op.body is not None and op.name == "scan":

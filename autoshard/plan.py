@@ -87,6 +87,8 @@ class Plan:
       stats: timings per pass and solver diagnostics.
       warnings: primitives that ran replicated for lack of a rule.
       memory: the predicted :class:`~autoshard.memory.MemoryEstimate` (peak and its breakdown).
+      remat: the :class:`~autoshard.remat.RematChoice` when the planner considered recomputing
+        forward segments (the budget bound); None otherwise.
     """
 
     mesh: Any
@@ -105,6 +107,7 @@ class Plan:
     in_tree: Any = None
     out_tree: Any = None
     memory: Any = None
+    remat: Any = None
 
     @property
     def mesh_info(self) -> MeshInfo:
@@ -191,6 +194,8 @@ class Plan:
         if self.memory is not None:
             parts = ", ".join(f"{k.replace('_', ' ')} {_fmt_bytes(v)}" for k, v in self.memory.breakdown.items() if v)
             lines[-1] += f" ({parts})"
+        if self.remat is not None and self.remat.units:
+            lines.append(f"  {self.remat.describe()}")
         if self.stats.get("timings"):
             t = self.stats["timings"]
             lines.append("  planning: " + ", ".join(f"{k} {v:.2f}s" for k, v in t.items()))
@@ -243,6 +248,8 @@ class Plan:
             "value_specs": [[v, _spec_json(s)] for v, s in sorted(self.value_specs.items())],
             "operand_specs": [[k[0], k[1], _spec_json(s)] for k, s in sorted(self.operand_specs.items())],
             "warnings": list(self.warnings),
+            **({"remat": [self.remat.units, self.remat.num_units, self.remat.max_units, self.remat.extra_flops]}
+               if self.remat is not None else {}),
         })
 
     @classmethod
@@ -277,9 +284,18 @@ class Plan:
                 operand_specs={(i, j): _spec_from(s) for i, j, s in d["operand_specs"]},
                 fingerprint=d["fingerprint"],
                 warnings=tuple(d.get("warnings", ())),
+                remat=_remat_from(d.get("remat")),
             )
         except KeyError as e:
             raise PlanError(f"saved plan is missing field {e.args[0]!r}") from None
+
+
+def _remat_from(r):
+    if r is None:
+        return None
+    from autoshard.remat import RematChoice
+
+    return RematChoice(int(r[0]), int(r[1]), int(r[2]), float(r[3]))
 
 
 def _spec_json(s: ShardingSpec):

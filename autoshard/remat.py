@@ -46,7 +46,8 @@ class RematUnit:
         value entering the segment, parameters, the batch).
       insert_at: the position in the top-level op list before which the recompute runs.
       anchor: a backward value available at ``insert_at`` that the recompute waits for.
-      flops: the recomputed flops (unsharded).
+      flops: the recomputed flops (unsharded; elementwise ops count one per element).
+      matmul_flops: the part of ``flops`` in contractions (a lower bound on what the planner prices).
       source: ``file:line`` of the segment's first and last ops, for reports.
     """
 
@@ -56,15 +57,21 @@ class RematUnit:
     insert_at: int
     anchor: int | None
     flops: float
+    matmul_flops: float
     source: str
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RematGroup:
-    """In a rematerialised program: one unit's duplicated ops, and what lowering must fence."""
+    """In a rematerialised program: one unit's fences and duplicated ops.
 
+    Each value the recompute reads from outside (``RematUnit.inputs``) passes through a fence:
+    an ``optimization_barrier`` op of its own, so the planner gives the recompute's inputs
+    layouts and lifetimes of their own. Lowering evaluates a group's fences as one barrier
+    together with ``anchor``."""
+
+    fences: tuple[int, ...]  # op indices of the fences, one per outside input
     ops: tuple[int, ...]  # op indices of the duplicates
-    inputs: tuple[int, ...]  # value ids read from outside the duplicates
     anchor: int | None  # backward value the recompute must wait for
 
 
@@ -73,28 +80,30 @@ class RematChoice:
     """The rematerialisation a plan uses (``Plan.remat``).
 
     Attributes:
-      units: indices into :func:`find_remat_units`'s list, in forward order.
+      units: how many forward segments are recomputed: the first ``units`` of
+        :func:`find_remat_units` (``max_units``), in forward order.
       num_units: how many units the program offers.
+      max_units: the ``max_units`` they were found with (to redo the rewrite at lowering).
       extra_flops: recomputed flops per step (unsharded).
-      recompute_seconds: the predicted time of the recomputed ops (sharded, with their collectives).
-      saved_bytes: predicted peak without remat (same sharding search) minus with it, per device.
-      sources: ``file:line`` span of each chosen unit.
-      candidates: ``(number of units, predicted objective or None if infeasible)`` per candidate tried.
+      peak_without: the smallest predicted peak per device without remat (same budget search).
+      candidates: ``(units, predicted objective or None when infeasible, predicted peak or None)``
+        for every candidate the search planned.
+      sources: ``file:line`` span of each recomputed unit.
     """
 
-    units: tuple[int, ...]
+    units: int
     num_units: int
-    extra_flops: float
-    recompute_seconds: float = 0.0
-    saved_bytes: float = 0.0
-    sources: tuple[str, ...] = ()
+    max_units: int
+    extra_flops: float = 0.0
+    peak_without: float | None = None
     candidates: tuple = ()
+    sources: tuple[str, ...] = ()
 
     def describe(self) -> str:
         if not self.units:
             return "no rematerialisation"
-        return (f"rematerialise {len(self.units)} of {self.num_units} forward segments "
-                f"(+{self.extra_flops / 1e9:.3g} GFLOP recomputed, {self.recompute_seconds * 1e3:.3f} ms)")
+        return (f"rematerialise {self.units} of {self.num_units} forward segments "
+                f"(+{self.extra_flops / 1e9:.3g} GFLOP recomputed per step)")
 
 
 _CONTRACTIONS = ("dot_general", "conv_general_dilated")
@@ -243,9 +252,10 @@ def find_remat_units(program: CapturedProgram, ties=None, max_units: int = DEFAU
         insert_at = min(t for v in residuals for t in late_reads[v])
         anchor = _anchor(ops[insert_at], produced_by, forward, pos, insert_at)
         flops = sum(_op_flops(op, avals) for op in rec)
+        matmul = sum(_op_flops(op, avals) for op in rec if op.name in _CONTRACTIONS)
         source = f"{rec[0].source()}..{rec[-1].source()}"
         units.append(RematUnit(tuple(op.index for op in rec), tuple(residuals), tuple(inputs), insert_at, anchor,
-                               flops, source))
+                               flops, matmul, source))
     return tuple(units)
 
 
@@ -260,42 +270,63 @@ def _anchor(consumer: Op, produced_by, forward, pos, insert_at) -> int | None:
     return best
 
 
+def _barrier_primitive():
+    import jax
+    import jax.numpy as jnp
+
+    return jax.make_jaxpr(jax.lax.optimization_barrier)(jnp.zeros((), jnp.float32)).jaxpr.eqns[0].primitive
+
+
 def rematerialize(program: CapturedProgram, units) -> tuple[CapturedProgram, tuple[RematGroup, ...]]:
     """Pass 2: duplicate each unit's ops before its first backward read; point later reads at them.
 
+    Before the duplicates, each outside input gets a fence (an ``optimization_barrier`` op).
     Deterministic: the same program and units give the same value ids and op indices, so a plan
     made on the rewritten program applies to a rewrite made again at lowering.
 
     Returns:
-      The rewritten program (its ``ops`` extended by the duplicates, new value ids appended to
-      ``avals``) and one :class:`RematGroup` per unit for lowering.
+      The rewritten program (its ``ops`` extended by fences and duplicates, new value ids
+      appended to ``avals``) and one :class:`RematGroup` per unit for lowering.
     """
     if not units:
         return program, ()
+    barrier = _barrier_primitive()
     avals = list(program.avals)
     all_ops = list(program.ops)
     inserts: dict[int, list[Op]] = {}
     groups = []
     redirect_from: dict[int, dict[int, int]] = {}  # insert position -> {old value: new value}
+
+    def new_value(v):
+        avals.append(avals[v])
+        return len(avals) - 1
+
     for u in sorted(units, key=lambda u: u.insert_at):
+        first = program.ops[u.ops[0]]
         rename: dict[int, int] = {}
+        fences = []
+        for x in u.inputs:
+            rename[x] = new_value(x)
+            fence = Op(index=len(all_ops), primitive=barrier, params={}, inputs=(x,), outputs=(rename[x],),
+                       ctx=first.ctx, source_info=first.source_info)
+            all_ops.append(fence)
+            fences.append(fence)
         dups = []
         for i in u.ops:
             op = program.ops[i]
             outs = []
             for v in op.outputs:
-                avals.append(avals[v])
-                rename[v] = len(avals) - 1
+                rename[v] = new_value(v)
                 outs.append(rename[v])
             new = dataclasses.replace(op, index=len(all_ops), outputs=tuple(outs),
                                       inputs=tuple(rename.get(x, x) if isinstance(x, int) else x
                                                    for x in op.inputs))
             all_ops.append(new)
             dups.append(new)
-        inserts.setdefault(u.insert_at, []).extend(dups)
+        inserts.setdefault(u.insert_at, []).extend(fences + dups)
         redirect_from[u.insert_at] = {**redirect_from.get(u.insert_at, {}),
                                       **{v: rename[v] for v in u.residuals}}
-        groups.append(RematGroup(tuple(d.index for d in dups), u.inputs, u.anchor))
+        groups.append(RematGroup(tuple(f.index for f in fences), tuple(d.index for d in dups), u.anchor))
     # Later backward reads of a residual use its recomputed copy.
     active: dict[int, int] = {}
     new_top = []
@@ -308,8 +339,7 @@ def rematerialize(program: CapturedProgram, units) -> tuple[CapturedProgram, tup
                                                       for x in op.inputs))
             all_ops[op.index] = op
         new_top.append(op)
-    outvars = tuple(program.graph.outvars)  # residuals are never outputs
-    graph = OpGraph(program.graph.invars, tuple(new_top), outvars)
+    graph = OpGraph(program.graph.invars, tuple(new_top), program.graph.outvars)  # residuals are never outputs
     producer, uses = {}, {}
     for op in all_ops:
         for k, v in enumerate(op.outputs):
@@ -324,3 +354,100 @@ def rematerialize(program: CapturedProgram, units) -> tuple[CapturedProgram, tup
 
 def recompute_flops(units) -> float:
     return float(np.sum([u.flops for u in units])) if units else 0.0
+
+
+def apply_remat(program: CapturedProgram, choice: RematChoice | None, ties=None):
+    """The rewritten program and recompute groups a plan's ``remat`` asks for (lowering)."""
+    if choice is None or not choice.units:
+        return program, ()
+    units = find_remat_units(program, ties, choice.max_units)
+    if len(units) != choice.num_units:
+        from autoshard.errors import PlanError
+
+        raise PlanError(f"the plan rematerialises {choice.units} of {choice.num_units} forward segments, but this "
+                        f"program has {len(units)}: it is not the program the plan was made for. Fix: re-plan.")
+    return rematerialize(program, units[:choice.units])
+
+
+def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, flops_per_second: float,
+                 max_units: int = DEFAULT_MAX_UNITS):
+    """Pass 3: the remat set and sharding plan of least predicted step time within the budget.
+
+    ``plan_fn(program) -> Plan`` plans a program under the memory budget (raising
+    :class:`~autoshard.errors.InfeasibleError` when nothing fits) and records in
+    ``plan.stats`` whether the budget bound (``budget_bound``) and the unconstrained optimum
+    (``unconstrained_objective``). Remat is only considered when the plan without it is
+    bound by the budget.
+
+    Candidates are the prefixes of the forward segments: recompute the first ``k``. Each
+    candidate program is planned whole, so the sharding of every op, recomputed ones
+    included, is chosen with the memory the recompute frees; the best ``k`` is the joint
+    optimum over (remat set, sharding) restricted to prefixes. Why prefixes: recomputing
+    segment ``i`` frees its residuals from the end of the forward until segment ``i``'s
+    backward. At the turnaround (the usual peak) every choice of ``k`` segments frees the
+    same bytes when segments are alike (repeated layers), and the recompute costs the same;
+    but during the backward, a segment's recompute lands on top of the residuals of the
+    segments before it that were kept. Choosing the earliest ``k`` leaves none kept below
+    any recompute, so its peak is the smallest among all ``k``-subsets: for ``L`` identical
+    layers, the prefixes contain an optimum of every size ``k``, and the search over ``k``
+    is exact. ``tests/test_remat.py`` checks this against brute force over every subset.
+
+    The search: when the plan without remat does not fit, bisect for the fewest segments that
+    fit (the predicted peak falls as ``k`` grows); then try larger ``k`` while a lower bound
+    (the fitting candidate's unconstrained optimum plus the recomputed matmuls on all devices
+    at full speed) can still beat the best plan found.
+
+    Returns:
+      ``(plan, choice, rewritten program, groups)``; ``choice`` is None when remat was not
+      considered.
+    """
+    from autoshard.errors import InfeasibleError
+
+    errors: dict[int, InfeasibleError] = {}
+    plans: dict[int, object] = {}
+
+    def attempt(k: int, prog=None):
+        if k not in plans:
+            p = prog if prog is not None else rematerialize(program, units[:k])[0]
+            try:
+                plans[k] = plan_fn(p)
+            except InfeasibleError as e:
+                plans[k], errors[k] = None, e
+        return plans[k]
+
+    units: tuple[RematUnit, ...] = ()
+    base = attempt(0, program)
+    if base is not None and not base.stats.get("budget_bound"):
+        return base, None
+    units = find_remat_units(program, ties, max_units)
+    if not units:
+        if base is None:
+            raise errors[0]
+        return base, None
+    n = len(units)
+    k0 = 0
+    if base is None:
+        if attempt(n) is None:
+            e = errors[n]
+            raise InfeasibleError(f"{e} Rematerialising all {n} forward segments does not fit either.",
+                                  smallest_memory=e.smallest_memory) from None
+        lo, hi = 0, n  # lo does not fit, hi does
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if attempt(mid) is None else (lo, mid)
+        k0 = hi
+    best_k = min((k for k, p in plans.items() if p is not None), key=lambda k: plans[k].cost.objective)
+    floor = plans[k0].stats.get("unconstrained_objective", 0.0)
+    for k in range(k0 + 1, n + 1):
+        bound = floor + sum(u.matmul_flops for u in units[k0:k]) / flops_per_second
+        if bound >= plans[best_k].cost.objective:
+            break
+        p = attempt(k)
+        if p is not None and p.cost.objective < plans[best_k].cost.objective:
+            best_k = k
+    peak_without = base.cost.peak_memory_bytes if base is not None else errors[0].smallest_memory
+    choice = RematChoice(best_k, n, max_units, recompute_flops(units[:best_k]), peak_without,
+                         tuple((k, None if p is None else p.cost.objective,
+                                None if p is None else p.cost.peak_memory_bytes) for k, p in sorted(plans.items())),
+                         tuple(u.source for u in units[:best_k]))
+    return plans[best_k], choice

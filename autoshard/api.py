@@ -92,6 +92,10 @@ def _ties(dyn_args, out_shape) -> dict[int, int]:
 TIE_LAYERS_ABOVE = 300
 """Merged-graph size above which ``tie_layers="auto"`` ties repeated layers."""
 
+TIE_LAYERS_ABOVE_UNDER_BUDGET = 1500
+"""The same, when a binding memory budget is searched with remat: a tied group's memory is charged
+over the lifetimes of all its layers at once, which hides what recomputing a layer frees."""
+
 MERGE_SHRINK = 8.0
 """Under a remat search, followers this much smaller than their main operand lead their own node."""
 
@@ -455,7 +459,7 @@ def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, t
     t = time.perf_counter()
     merged = merge_followers(sgraph, cost, program.avals, shrink=MERGE_SHRINK if remat_split else None)
     if tie_layers == "auto":
-        tie_layers = len(merged.roots) > TIE_LAYERS_ABOVE
+        tie_layers = len(merged.roots) > (TIE_LAYERS_ABOVE_UNDER_BUDGET if remat_split else TIE_LAYERS_ABOVE)
     layer_ties = tie_repeated_layers(merged, program.avals) if tie_layers else None
     budget = memory_budget if memory_budget is not None else getattr(cluster, "memory", None)
     built = build_problem(merged, program, cost, memory_limit=budget, donated_inputs=donated,
@@ -475,16 +479,20 @@ def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, t
             if e.smallest_memory is None:
                 raise
             origin = "memory_budget" if memory_budget is not None else f"the memory of ClusterSpec {cluster.name!r}"
-            raise InfeasibleError(
+            err = InfeasibleError(
                 f"no plan fits {origin}={budget:.4g} bytes per device on mesh "
                 f"{dict(zip(info.names, info.shape, strict=True))}; the smallest peak the solver found is "
                 f"{e.smallest_memory:.4g} bytes. Fix: raise memory_budget to at least {e.smallest_memory:.4g}, "
-                "or use more devices.", smallest_memory=e.smallest_memory) from None
+                "or use more devices.", smallest_memory=e.smallest_memory)
+            err.unconstrained_objective = free_objective  # a floor for the remat search
+            raise err from None
         if not sol.feasible:
-            raise InfeasibleError(
+            err = InfeasibleError(
                 f"the solver found no plan under {budget:.4g} bytes per device within {time_limit:g} s "
                 f"(best peak {sol.peak_memory:.4g}). Fix: raise memory_budget or solver_time_limit.",
                 smallest_memory=sol.peak_memory)
+            err.unconstrained_objective = free_objective
+            raise err
     timings["solve"] = time.perf_counter() - t
     report(f"solved {info.shape}")
     dec = decode(built, sol.choice, program, cost)
@@ -503,7 +511,7 @@ def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, t
     stats = {"timings": dict(timings), "nodes": built.problem.num_nodes, "edges": built.problem.num_edges,
              "graph_nodes": len(sgraph.nodes), "eqns": program.num_eqns, "solver": dict(sol.stats),
              "optimal": sol.optimal, "memory_budget": budget, "budget_bound": budget_bound,
-             "unconstrained_objective": free_objective}
+             "unconstrained_objective": free_objective, "solver_peak": float(sol.peak_memory)}
     return Plan(
         mesh=mesh,
         in_specs=in_specs,

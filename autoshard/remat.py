@@ -392,14 +392,15 @@ def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, flops_per_seco
     layers, the prefixes contain an optimum of every size ``k``, and the search over ``k``
     is exact. ``tests/test_remat.py`` checks this against brute force over every subset.
 
-    The search: when the plan without remat does not fit, bisect for the fewest segments that
-    fit (the predicted peak falls as ``k`` grows); then try larger ``k`` while a lower bound
-    (the fitting candidate's unconstrained optimum plus the recomputed matmuls on all devices
-    at full speed) can still beat the best plan found.
+    The search tries ``k = 1, 2, ...`` in turn (the peak is not monotone in ``k``: recomputing
+    the last segments lands right at the turnaround, on top of everything kept), and stops
+    once a floor (the unconstrained optimum without remat, plus the first ``k`` segments'
+    matmuls on all devices at full speed) reaches the best plan found. The floor is exact
+    for the recompute's compute time; it treats the reshards the redirected backward reads
+    pay as free, so it prunes, it does not prove.
 
     Returns:
-      ``(plan, choice, rewritten program, groups)``; ``choice`` is None when remat was not
-      considered.
+      ``(plan, choice)``; ``choice`` is None when remat was not considered.
     """
     from autoshard.errors import InfeasibleError
 
@@ -425,26 +426,23 @@ def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, flops_per_seco
             raise errors[0]
         return base, None
     n = len(units)
-    k0 = 0
-    if base is None:
-        if attempt(n) is None:
-            e = errors[n]
-            raise InfeasibleError(f"{e} Rematerialising all {n} forward segments does not fit either.",
-                                  smallest_memory=e.smallest_memory) from None
-        lo, hi = 0, n  # lo does not fit, hi does
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if attempt(mid) is None else (lo, mid)
-        k0 = hi
-    best_k = min((k for k, p in plans.items() if p is not None), key=lambda k: plans[k].cost.objective)
-    floor = plans[k0].stats.get("unconstrained_objective", 0.0)
-    for k in range(k0 + 1, n + 1):
-        bound = floor + sum(u.matmul_flops for u in units[k0:k]) / flops_per_second
-        if bound >= plans[best_k].cost.objective:
+    # The floor: no candidate beats the plan without remat and without a budget, plus its recomputed
+    # matmuls at full speed on every device.
+    floor = base.stats["unconstrained_objective"] if base is not None else \
+        getattr(errors[0], "unconstrained_objective", 0.0)
+    best_k = 0 if base is not None else None
+    for k in range(1, n + 1):
+        bound = floor + sum(u.matmul_flops for u in units[:k]) / flops_per_second
+        if best_k is not None and bound >= plans[best_k].cost.objective:
             break
         p = attempt(k)
-        if p is not None and p.cost.objective < plans[best_k].cost.objective:
+        if p is not None and (best_k is None or p.cost.objective < plans[best_k].cost.objective):
             best_k = k
+    if best_k is None:
+        smallest = min(e.smallest_memory for e in errors.values() if e.smallest_memory is not None)
+        raise InfeasibleError(f"{errors[0]} Rematerialising the first 1..{n} forward segments does not fit "
+                              f"either; the smallest peak the solver found is {smallest:.4g} bytes.",
+                              smallest_memory=smallest) from None
     peak_without = base.cost.peak_memory_bytes if base is not None else errors[0].smallest_memory
     choice = RematChoice(best_k, n, max_units, recompute_flops(units[:best_k]), peak_without,
                          tuple((k, None if p is None else p.cost.objective,

@@ -432,13 +432,15 @@ def plan_program(program, *, mesh=None, cluster=None, memory_budget=None, hints=
 def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings,
                   tie_layers="auto", report=lambda stage: None, remat=False, remat_split=False):
     if remat:  # plan with and without recomputing forward segments (autoshard/remat.py)
-        from autoshard.remat import choose_remat
+        from autoshard.remat import choose_remat, compiled_peak
 
         cluster = _default_cluster(mesh) if cluster is None else cluster
+        budget = memory_budget if memory_budget is not None else getattr(cluster, "memory", None)
         plan, choice = choose_remat(
-            lambda prog: _plan_on_mesh(prog, mesh, cluster, memory_budget, hints, donated, ties, time_limit,
-                                       dict(timings), tie_layers, report, remat_split=True),
-            program, ties, flops_per_second=cluster.flops * mesh.devices.size)
+            lambda prog, limit: _plan_on_mesh(prog, mesh, cluster, limit, hints, donated, ties, time_limit,
+                                              dict(timings), tie_layers, report, remat_split=True),
+            program, ties, budget=budget, flops_per_second=cluster.flops * mesh.devices.size,
+            check=lambda p, prog, groups: compiled_peak(prog, p, groups, donated))
         return plan if choice is None else dataclasses.replace(plan, fingerprint=program.fingerprint(), remat=choice)
     from autoshard.cost import CostModel
     from autoshard.memory import estimate_memory

@@ -86,9 +86,12 @@ class RematChoice:
       max_units: the ``max_units`` they were found with (to redo the rewrite at lowering).
       extra_flops: recomputed flops per step (unsharded).
       peak_without: the smallest predicted peak per device without remat (same budget search).
-      candidates: ``(units, predicted objective or None when infeasible, predicted peak or None)``
-        for every candidate the search planned.
+      candidates: ``(units, budget planned against, predicted objective or None when infeasible,
+        predicted peak or None)`` for every candidate the search planned.
       sources: ``file:line`` span of each recomputed unit.
+      planned_budget: the budget the chosen plan was solved against (below the user's when a
+        compiled check asked for a margin).
+      compiled_peak: XLA's peak per device for the chosen plan, when the search compiled it.
     """
 
     units: int
@@ -98,6 +101,8 @@ class RematChoice:
     peak_without: float | None = None
     candidates: tuple = ()
     sources: tuple[str, ...] = ()
+    planned_budget: float | None = None
+    compiled_peak: float | None = None
 
     def describe(self) -> str:
         if not self.units:
@@ -369,11 +374,11 @@ def apply_remat(program: CapturedProgram, choice: RematChoice | None, ties=None)
     return rematerialize(program, units[:choice.units])
 
 
-def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, flops_per_second: float,
-                 max_units: int = DEFAULT_MAX_UNITS):
+def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float, flops_per_second: float,
+                 max_units: int = DEFAULT_MAX_UNITS, check=None, check_rounds: int = 2):
     """Pass 3: the remat set and sharding plan of least predicted step time within the budget.
 
-    ``plan_fn(program) -> Plan`` plans a program under the memory budget (raising
+    ``plan_fn(program, budget) -> Plan`` plans a program under a memory budget (raising
     :class:`~autoshard.errors.InfeasibleError` when nothing fits) and records in
     ``plan.stats`` whether the budget bound (``budget_bound``) and the unconstrained optimum
     (``unconstrained_objective``). Remat is only considered when the plan without it is
@@ -399,53 +404,97 @@ def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, flops_per_seco
     for the recompute's compute time; it treats the reshards the redirected backward reads
     pay as free, so it prunes, it does not prove.
 
+    ``check(plan, program, groups) -> bytes``, when given, compiles the chosen candidate and
+    returns XLA's peak per device. When that exceeds ``budget`` (XLA's schedule keeps more
+    alive than the predicted order), the search runs again against a budget shrunk by the
+    ratio, at most ``check_rounds`` times.
+
     Returns:
       ``(plan, choice)``; ``choice`` is None when remat was not considered.
     """
     from autoshard.errors import InfeasibleError
 
-    errors: dict[int, InfeasibleError] = {}
-    plans: dict[int, object] = {}
+    errors: dict[tuple, InfeasibleError] = {}
+    plans: dict[tuple, object] = {}
+    units: tuple[RematUnit, ...] = ()
 
-    def attempt(k: int, prog=None):
-        if k not in plans:
+    def attempt(k: int, limit: float, prog=None):
+        key = (k, limit)
+        if key not in plans:
             p = prog if prog is not None else rematerialize(program, units[:k])[0]
             try:
-                plans[k] = plan_fn(p)
+                plans[key] = plan_fn(p, limit)
             except InfeasibleError as e:
-                plans[k], errors[k] = None, e
-        return plans[k]
+                plans[key], errors[key] = None, e
+        return plans[key]
 
-    units: tuple[RematUnit, ...] = ()
-    base = attempt(0, program)
+    base = attempt(0, budget, program)
     if base is not None and not base.stats.get("budget_bound"):
         return base, None
     units = find_remat_units(program, ties, max_units)
     if not units:
         if base is None:
-            raise errors[0]
+            raise errors[(0, budget)]
         return base, None
     n = len(units)
-    # The floor: no candidate beats the plan without remat and without a budget, plus its recomputed
-    # matmuls at full speed on every device.
-    floor = base.stats["unconstrained_objective"] if base is not None else \
-        getattr(errors[0], "unconstrained_objective", 0.0)
-    best_k = 0 if base is not None else None
-    for k in range(1, n + 1):
-        bound = floor + sum(u.matmul_flops for u in units[:k]) / flops_per_second
-        if best_k is not None and bound >= plans[best_k].cost.objective:
+
+    def search(limit: float) -> int | None:
+        first = attempt(0, limit, program)
+        # The floor: no candidate beats the plan without remat and without a budget, plus its
+        # recomputed matmuls at full speed on every device.
+        floor = first.stats["unconstrained_objective"] if first is not None else \
+            getattr(errors[(0, limit)], "unconstrained_objective", 0.0)
+        best_k = 0 if first is not None else None
+        for k in range(1, n + 1):
+            bound = floor + sum(u.matmul_flops for u in units[:k]) / flops_per_second
+            if best_k is not None and bound >= plans[(best_k, limit)].cost.objective:
+                break
+            p = attempt(k, limit)
+            if p is not None and (best_k is None or p.cost.objective < plans[(best_k, limit)].cost.objective):
+                best_k = k
+        return best_k
+
+    limit, compiled, chosen = budget, None, None
+    for _ in range(1 + (check_rounds if check is not None else 0)):
+        k = search(limit)
+        if k is None:
             break
-        p = attempt(k)
-        if p is not None and (best_k is None or p.cost.objective < plans[best_k].cost.objective):
-            best_k = k
-    if best_k is None:
+        chosen = (k, limit)
+        if check is None:
+            break
+        compiled = check(plans[chosen], *rematerialize(program, units[:k]))
+        if compiled <= budget:
+            break
+        # XLA kept more alive than predicted (its schedule is not ours): plan against less.
+        limit *= budget / compiled * 0.98
+    if chosen is None:
         smallest = min(e.smallest_memory for e in errors.values() if e.smallest_memory is not None)
-        raise InfeasibleError(f"{errors[0]} Rematerialising the first 1..{n} forward segments does not fit "
-                              f"either; the smallest peak the solver found is {smallest:.4g} bytes.",
+        raise InfeasibleError(f"{errors[(0, budget)]} Rematerialising the first 1..{n} forward segments does not "
+                              f"fit either; the smallest peak the solver found is {smallest:.4g} bytes.",
                               smallest_memory=smallest) from None
-    peak_without = base.cost.peak_memory_bytes if base is not None else errors[0].smallest_memory
+    best_k = chosen[0]
+    peak_without = base.cost.peak_memory_bytes if base is not None else errors[(0, budget)].smallest_memory
     choice = RematChoice(best_k, n, max_units, recompute_flops(units[:best_k]), peak_without,
-                         tuple((k, None if p is None else p.cost.objective,
-                                None if p is None else p.cost.peak_memory_bytes) for k, p in sorted(plans.items())),
-                         tuple(u.source for u in units[:best_k]))
-    return plans[best_k], choice
+                         tuple((k, lim, None if p is None else p.cost.objective,
+                                None if p is None else p.cost.peak_memory_bytes)
+                               for (k, lim), p in sorted(plans.items())),
+                         tuple(u.source for u in units[:best_k]), chosen[1], compiled)
+    return plans[chosen], choice
+
+
+def compiled_peak(program: CapturedProgram, plan, groups, donated=()) -> float:
+    """Lower and compile a plan of a (rewritten) program from abstract inputs; XLA's peak bytes per device."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    from autoshard.hlo import memory_stats
+    from autoshard.lower import make_flat_function
+
+    mesh, info = plan.mesh, plan.mesh_info
+    flat = make_flat_function(program, plan.value_specs, plan.operand_specs, mesh, plan.out_specs, groups)
+    in_sh = [NamedSharding(mesh, s.to_partition_spec(info)) for s in plan.in_specs]
+    out_sh = [NamedSharding(mesh, s.to_partition_spec(info)) for s in plan.out_specs]
+    args = [jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype, sharding=s)
+            for v, s in zip(program.graph.invars, in_sh, strict=True)]
+    jitted = jax.jit(flat, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=tuple(sorted(donated)))
+    return memory_stats(jitted.lower(*args).compile())["peak"]

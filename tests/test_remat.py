@@ -67,12 +67,12 @@ def test_rewrite_recomputes_in_the_backward_and_lowers_xla_temp_memory():
     assert temps[1] < 0.75 * temps[0], temps
 
 
-def _plan_fn(mesh, budget, donated=()):
+def _plan_fn(mesh, donated=()):
     cluster = autoshard.cluster_preset("h100-nvlink")
+    ties = _capture_chain()[1]
 
-    def plan(prog):
-        return _plan_on_mesh(prog, mesh, cluster, budget, None, donated, _capture_chain()[1], 10.0, {},
-                             remat_split=True)
+    def plan(prog, budget):
+        return _plan_on_mesh(prog, mesh, cluster, budget, None, donated, ties, 10.0, {}, remat_split=True)
 
     return plan, cluster
 
@@ -87,22 +87,22 @@ def test_prefix_search_matches_brute_force_over_every_remat_subset(fraction):
     units = find_remat_units(program, ties, max_units=4)
     assert len(units) == 4
     mesh = autoshard.make_mesh((8,), ("data",))
-    probe, _ = _plan_fn(mesh, None)
-    free = probe(program)
+    plan_fn, cluster = _plan_fn(mesh)
+    free = plan_fn(program, None)
     budget = fraction * free.stats["solver_peak"]  # the unconstrained plan does not fit the solver's memory row
-    plan_fn, cluster = _plan_fn(mesh, budget)
     best = None
     for r in range(len(units) + 1):
         for subset in itertools.combinations(units, r):
             try:
-                p = plan_fn(rematerialize(program, subset)[0])
+                p = plan_fn(rematerialize(program, subset)[0], budget)
             except autoshard.InfeasibleError:
                 continue
             assert p.stats["optimal"], "brute force needs exact sharding solves"
             if best is None or p.cost.objective < best[0] - 1e-15:
                 best = (p.cost.objective, r)
     assert best is not None and best[1] > 0  # remat is needed to fit
-    plan, choice = choose_remat(plan_fn, program, ties, flops_per_second=cluster.flops * 8, max_units=4)
+    plan, choice = choose_remat(plan_fn, program, ties, budget=budget, flops_per_second=cluster.flops * 8,
+                                max_units=4)
     assert choice is not None and choice.units == best[1]
     assert plan.cost.objective == pytest.approx(best[0], rel=1e-9)
     assert plan.stats["solver_peak"] <= budget

@@ -112,6 +112,7 @@ class RematChoice:
 
 
 _CONTRACTIONS = ("dot_general", "conv_general_dilated")
+_NOT_DUPLICATED = frozenset({"debug_callback", "io_callback", "while", "cond"})
 
 
 def _op_flops(op: Op, avals) -> float:
@@ -246,8 +247,8 @@ def find_remat_units(program: CapturedProgram, ties=None, max_units: int = DEFAU
             need.add(i)
             stack.extend(produced_by[x] for x in program.ops[i].inputs if isinstance(x, int) and x in produced_by)
         rec = [op for op in seg if op.index in need]
-        if any(op.body is not None for op in rec):
-            continue  # loops and opaque calls are not duplicated
+        if any(op.body is not None or op.name in _NOT_DUPLICATED for op in rec):
+            continue  # loops and effects are not duplicated
         made = {v for op in rec for v in op.outputs}
         inputs = []
         for op in rec:
@@ -466,7 +467,7 @@ def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float,
         if compiled <= budget:
             break
         # XLA kept more alive than predicted (its schedule is not ours): plan against less.
-        limit *= budget / compiled * 0.98
+        limit *= budget / compiled * 0.97
     if chosen is None:
         smallest = min(e.smallest_memory for e in errors.values() if e.smallest_memory is not None)
         raise InfeasibleError(f"{errors[(0, budget)]} Rematerialising the first 1..{n} forward segments does not "

@@ -137,6 +137,13 @@ def test_tiny_gpt_under_a_budget_that_data_parallelism_cannot_meet(gpt_remat):
     out_state, losses = run_steps(step, jax.tree.map(np.asarray, real_state), real_batch)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(out_state["params"], ref_state["params"], rtol=1e-5, atol=5e-5, what="params")
+    # A saved plan redoes the same rewrite.
+    saved = autoshard.Plan.from_json(plan.to_json(), mesh=mesh)
+    assert saved.remat.units == plan.remat.units
+    again = autoshard.parallelize(spec.train_step, mesh=mesh, cluster=cluster, plan=saved, donate_argnums=(0,),
+                                  progress=None)
+    _, again_losses = run_steps(again, jax.tree.map(np.asarray, real_state), real_batch)
+    np.testing.assert_allclose(again_losses, ref_losses, rtol=1e-5)
 
 
 def test_generous_budget_plans_without_remat(gpt_remat):

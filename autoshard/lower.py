@@ -55,8 +55,9 @@ class _Evaluator:
         """All of a recompute group's fences at once: one barrier with the group's anchor."""
         ops = [self.program.ops[i] for i in group.fences]
         vals = [self.constrain(env[op.inputs[0]], self.operand_specs.get((op.index, 0))) for op in ops]
-        if group.anchor is not None:
-            *vals, anchor = jax.lax.optimization_barrier((*vals, env[group.anchor]))
+        anchor = None if group.anchor is None else env[group.anchor]
+        if anchor is not None and not jax.dtypes.issubdtype(anchor.dtype, jax.dtypes.extended):
+            *vals, anchor = jax.lax.optimization_barrier((*vals, anchor))
             # Some backends (XLA:CPU) expand the barrier before CSE. A select on a predicate that is
             # always true but that XLA cannot prove so keeps the recompute distinct from the forward.
             bits = jax.lax.bitcast_convert_type(jnp.ravel(anchor)[0].astype(jnp.float32), jnp.uint32)

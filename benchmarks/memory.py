@@ -28,6 +28,8 @@ import time
 
 def state_sharding(plan) -> dict:
     """Fractions of parameter and optimizer-state bytes that are split across devices, and a label."""
+    import numpy as np
+
     info = plan.mesh_info
     total = {"params": 0.0, "opt_state": 0.0}
     split = {"params": 0.0, "opt_state": 0.0}
@@ -35,8 +37,6 @@ def state_sharding(plan) -> dict:
         kind = "opt_state" if "opt_state" in path else "params" if "params" in path else None
         if kind is None or not shape:
             continue
-        import numpy as np
-
         nbytes = math.prod(shape) * np.dtype(dtype).itemsize
         total[kind] += nbytes
         if math.prod(spec.shard_shape(shape, info)) < math.prod(shape):

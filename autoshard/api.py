@@ -92,6 +92,13 @@ def _ties(dyn_args, out_shape) -> dict[int, int]:
 TIE_LAYERS_ABOVE = 300
 """Merged-graph size above which ``tie_layers="auto"`` ties repeated layers."""
 
+TIE_LAYERS_ABOVE_UNDER_BUDGET = 1500
+"""The same, when a binding memory budget is searched with remat: a tied group's memory is charged
+over the lifetimes of all its layers at once, which hides what recomputing a layer frees."""
+
+MERGE_SHRINK = 8.0
+"""Under a remat search, followers this much smaller than their main operand lead their own node."""
+
 
 def _factorizations(n: int):
     return [(a, n // a) for a in range(1, n + 1) if n % a == 0]
@@ -118,16 +125,18 @@ class Parallelized:
             if kwargs.pop("precision", None) not in (None, "fp32"):
                 raise InputError("precision= is not supported with num_microbatches or pipeline yet. "
                                  "Fix: drop precision=, or run without a pipeline.")
+            kwargs.pop("remat", None)  # nor rematerialises
             return PipelinedStep(fun, *args, num_microbatches=num_microbatches, pipeline=pipeline, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, fun, *, mesh=None, cluster=None, memory_budget=None, static_argnums=(),
                  donate_argnums=(), plan=None, hints=None, solver_time_limit=10.0, tie_layers="auto",
                  num_microbatches=1, pipeline=None, progress="auto", batch_argnums=None, step_timeout=None,
-                 precision=None):
+                 precision=None, remat=True):
         from autoshard.precision import compute_dtype
 
         self.fun = fun
+        self.remat = remat
         self.compute_dtype = compute_dtype(precision)
         self.batch_argnums = batch_argnums
         self._watchdog = None
@@ -244,7 +253,7 @@ class Parallelized:
             return plan_program(program, mesh=mesh, cluster=self.cluster, memory_budget=self.memory_budget,
                                 hints=hints, donated=donated, ties=ties, time_limit=self.solver_time_limit,
                                 timings=timings, tie_layers=self.tie_layers,
-                                progress=_progress_callback(self.progress))
+                                progress=_progress_callback(self.progress), remat=self.remat)
 
         if self.saved_plan is not None:
             plan = self._apply_saved(program)
@@ -254,7 +263,10 @@ class Parallelized:
             plan = solve()
         plan = dataclasses.replace(plan, in_tree=jax.tree_util.tree_structure(abstract),
                                    out_tree=program.out_tree)
-        flat = make_flat_function(program, plan.value_specs, plan.operand_specs, plan.mesh, plan.out_specs,
+        from autoshard.remat import apply_remat
+
+        program, groups = apply_remat(program, plan.remat, ties)
+        flat = make_flat_function(program, plan.value_specs, plan.operand_specs, plan.mesh, plan.out_specs, groups,
                                   host_inputs=plan.host_inputs, host_outputs=plan.host_outputs)
         in_sh = tuple(plan._named(plan.in_specs, plan.host_inputs))
         out_sh = tuple(plan._named(plan.out_specs, plan.host_outputs))
@@ -315,7 +327,7 @@ class Parallelized:
 
 def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static_argnums=(), donate_argnums=(),
                 plan=None, hints=None, solver_time_limit=10.0, tie_layers="auto", num_microbatches=1, pipeline=None,
-                progress="auto", batch_argnums=None, step_timeout=None, precision=None):
+                progress="auto", batch_argnums=None, step_timeout=None, precision=None, remat=True):
     """Plan and run a single-device step function sharded over a device mesh.
 
     Works bare (``@parallelize``) and with arguments (``@parallelize(mesh=...)``).
@@ -358,6 +370,9 @@ def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static
       precision: ``"bf16"``: every fp32 matmul and convolution reads bf16 copies of its operands and
         accumulates in fp32; parameters, optimizer state and the update stay fp32 (master weights).
         None or ``"fp32"``: the step's own dtypes. See :mod:`autoshard.precision`.
+      remat: when the memory budget binds, let the planner also consider recomputing
+        forward segments in the backward pass (chosen jointly with the sharding; see
+        :mod:`autoshard.remat`). ``plan.remat`` reports the choice.
 
     Example:
       >>> import autoshard, jax.numpy as jnp
@@ -369,7 +384,8 @@ def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static
     """
     kw = dict(mesh=mesh, cluster=cluster, memory_budget=memory_budget, static_argnums=static_argnums,
               donate_argnums=donate_argnums, plan=plan, hints=hints, solver_time_limit=solver_time_limit,
-              tie_layers=tie_layers, num_microbatches=num_microbatches, pipeline=pipeline, progress=progress)
+              tie_layers=tie_layers, num_microbatches=num_microbatches, pipeline=pipeline, progress=progress,
+              remat=remat)
     if batch_argnums is not None:
         kw["batch_argnums"] = batch_argnums
     if step_timeout is not None:
@@ -437,8 +453,11 @@ _PASSES = ("capture", "strategies", "problem", "solve")
 
 
 def plan_program(program, *, mesh=None, cluster=None, memory_budget=None, hints=None, donated=(), ties=None,
-                 time_limit=10.0, timings=None, tie_layers="auto", progress=None):
-    """Plan a captured program. With ``mesh=None``, try every 2-D factorization of all devices."""
+                 time_limit=10.0, timings=None, tie_layers="auto", progress=None, remat=False):
+    """Plan a captured program. With ``mesh=None``, try every 2-D factorization of all devices.
+
+    ``remat=True``: when the budget binds, also consider recomputing forward segments
+    (:mod:`autoshard.remat`); the plan's ``remat`` says which."""
     from autoshard.cluster import make_mesh
     from autoshard.planner import warn_unsupported
 
@@ -458,7 +477,7 @@ def plan_program(program, *, mesh=None, cluster=None, memory_budget=None, hints=
             m = make_mesh(shape, ("data", "model"))
             try:
                 p = _plan_on_mesh(program, m, cluster, memory_budget, hints, donated, ties, time_limit,
-                                  dict(timings), tie_layers, report)
+                                  dict(timings), tie_layers, report, remat)
             except InfeasibleError as e:  # another factorization may fit the memory budget
                 infeasible.append(e)
                 continue
@@ -468,7 +487,7 @@ def plan_program(program, *, mesh=None, cluster=None, memory_budget=None, hints=
             raise min(infeasible, key=lambda e: math.inf if e.smallest_memory is None else e.smallest_memory)
     else:
         best = _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings,
-                             tie_layers, report)
+                             tie_layers, report, remat)
     if progress is not None:
         progress("done", total, total)
     # Warn here, once per plan, not once per candidate mesh.
@@ -477,26 +496,37 @@ def plan_program(program, *, mesh=None, cluster=None, memory_budget=None, hints=
 
 
 def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings,
-                  tie_layers="auto", report=lambda stage: None):
+                  tie_layers="auto", report=lambda stage: None, remat=False):
+    """Plan on one mesh: sharding alone; when the budget binds, also recomputation (remat.py);
+    when nothing fits the device, optimizer state in host memory (offload.py)."""
+    cluster = _default_cluster(mesh) if cluster is None else cluster
+    budget = memory_budget if memory_budget is not None else cluster.memory
     try:
-        return _solve_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings,
-                              tie_layers, report)
+        if not remat:
+            return _solve_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings,
+                                  tie_layers, report)
+        from autoshard.remat import choose_remat, compiled_peak
+
+        plan, choice = choose_remat(
+            lambda prog, limit: _solve_on_mesh(prog, mesh, cluster, limit, hints, donated, ties, time_limit,
+                                               dict(timings), tie_layers, report, remat_split=True),
+            program, ties, budget=budget, flops_per_second=cluster.flops * mesh.devices.size,
+            check=lambda p, prog, groups: compiled_peak(prog, p, groups, donated))
+        return plan if choice is None else dataclasses.replace(plan, fingerprint=program.fingerprint(), remat=choice)
     except InfeasibleError as e:
         if e.smallest_memory is None:
             raise
-        # No sharding fits the device: try keeping optimizer state in host memory (autoshard/offload.py).
+        # No sharding (nor recomputation) fits the device: keep optimizer state in host memory.
         from autoshard.offload import plan_with_offload
 
         return plan_with_offload(
             lambda offloaded: _solve_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit,
                                              timings, tie_layers, report, offloaded=offloaded),
-            program, ties or {}, e,
-            budget=memory_budget if memory_budget is not None else (cluster or _default_cluster(mesh)).memory,
-            num_devices=mesh.devices.size)
+            program, ties or {}, e, budget=budget, num_devices=mesh.devices.size)
 
 
 def _solve_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings,
-                   tie_layers="auto", report=lambda stage: None, offloaded=()):
+                   tie_layers="auto", report=lambda stage: None, offloaded=(), remat_split=False):
     from autoshard.cost import CostModel
     from autoshard.memory import estimate_memory
     from autoshard.plan import Plan, PlanCost
@@ -514,9 +544,9 @@ def _solve_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, 
     timings["strategies"] = time.perf_counter() - t
     report(f"strategies {info.shape}")
     t = time.perf_counter()
-    merged = merge_followers(sgraph, cost, program.avals)
+    merged = merge_followers(sgraph, cost, program.avals, shrink=MERGE_SHRINK if remat_split else None)
     if tie_layers == "auto":
-        tie_layers = len(merged.roots) > TIE_LAYERS_ABOVE
+        tie_layers = len(merged.roots) > (TIE_LAYERS_ABOVE_UNDER_BUDGET if remat_split else TIE_LAYERS_ABOVE)
     layer_ties = tie_repeated_layers(merged, program.avals) if tie_layers else None
     budget = memory_budget if memory_budget is not None else getattr(cluster, "memory", None)
     built = build_problem(merged, program, cost, memory_limit=budget, donated_inputs=donated,
@@ -528,23 +558,28 @@ def _solve_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, 
     # it is also the constrained optimum. Only otherwise solve again with the budget.
     unconstrained = dataclasses.replace(built.problem, memory_limit=None)
     sol = solve(unconstrained, time_limit=time_limit)
-    if budget is not None and sol.peak_memory > budget:
+    free_objective, budget_bound = float(sol.cost), budget is not None and sol.peak_memory > budget
+    if budget_bound:
         try:
             sol = solve(built.problem, time_limit=max(time_limit - (time.perf_counter() - t), 1.0))
         except InfeasibleError as e:
             if e.smallest_memory is None:
                 raise
             origin = "memory_budget" if memory_budget is not None else f"the memory of ClusterSpec {cluster.name!r}"
-            raise InfeasibleError(
+            err = InfeasibleError(
                 f"no plan fits {origin}={budget:.4g} bytes per device on mesh "
                 f"{dict(zip(info.names, info.shape, strict=True))}; the smallest peak the solver found is "
                 f"{e.smallest_memory:.4g} bytes. Fix: raise memory_budget to at least {e.smallest_memory:.4g}, "
-                "or use more devices.", smallest_memory=e.smallest_memory) from None
+                "or use more devices.", smallest_memory=e.smallest_memory)
+            err.unconstrained_objective = free_objective  # a floor for the remat search
+            raise err from None
         if not sol.feasible:
-            raise InfeasibleError(
+            err = InfeasibleError(
                 f"the solver found no plan under {budget:.4g} bytes per device within {time_limit:g} s "
                 f"(best peak {sol.peak_memory:.4g}). Fix: raise memory_budget or solver_time_limit.",
                 smallest_memory=sol.peak_memory)
+            err.unconstrained_objective = free_objective
+            raise err
     timings["solve"] = time.perf_counter() - t
     report(f"solved {info.shape}")
     dec = decode(built, sol.choice, program, cost)
@@ -563,7 +598,8 @@ def _solve_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, 
     pcost = PlanCost(dec.compute_seconds, dec.comm_seconds, comm_bytes, memory.peak_bytes, float(sol.cost))
     stats = {"timings": dict(timings), "nodes": built.problem.num_nodes, "edges": built.problem.num_edges,
              "graph_nodes": len(sgraph.nodes), "eqns": program.num_eqns, "solver": dict(sol.stats),
-             "optimal": sol.optimal, "memory_budget": budget}
+             "optimal": sol.optimal, "memory_budget": budget, "budget_bound": budget_bound,
+             "unconstrained_objective": free_objective, "solver_peak": float(sol.peak_memory)}
     if offloaded:
         from autoshard.offload import transfer_seconds
 

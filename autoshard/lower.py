@@ -6,11 +6,17 @@ Every op is re-bound as in the jaxpr; each output is pinned with
 required layout differs from its producer's is resharded right before the op.
 A ``scan`` is re-issued with ``lax.scan`` over a body evaluated the same way, so
 the constraints sit inside the loop body.
+
+A rematerialised program (:func:`autoshard.remat.rematerialize`) comes with its
+recompute groups: before a group's first op, the values it reads from outside
+pass through ``jax.lax.optimization_barrier`` together with a backward value, so
+XLA neither merges the recompute into the forward (CSE) nor hoists it there.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
@@ -24,8 +30,10 @@ def _constrainable(x) -> bool:
 
 
 class _Evaluator:
-    def __init__(self, program: CapturedProgram, value_specs, operand_specs, mesh, info: MeshInfo):
+    def __init__(self, program: CapturedProgram, value_specs, operand_specs, mesh, info: MeshInfo,
+                 remat_groups=()):
         self.program = program
+        self.group_of = {i: g for g in remat_groups for i in g.fences}
         self.value_specs = value_specs
         self.operand_specs = operand_specs
         self.mesh = mesh
@@ -43,8 +51,31 @@ class _Evaluator:
             return x
         return jax.lax.with_sharding_constraint(x, self.sharding(spec))
 
+    def fence(self, group, env: dict):
+        """All of a recompute group's fences at once: one barrier with the group's anchor."""
+        ops = [self.program.ops[i] for i in group.fences]
+        vals = [self.constrain(env[op.inputs[0]], self.operand_specs.get((op.index, 0))) for op in ops]
+        anchor = None if group.anchor is None else env[group.anchor]
+        if anchor is not None and not jax.dtypes.issubdtype(anchor.dtype, jax.dtypes.extended):
+            *vals, anchor = jax.lax.optimization_barrier((*vals, anchor))
+            # Some backends (XLA:CPU) expand the barrier before CSE. A select on a predicate that is
+            # always true but that XLA cannot prove so keeps the recompute distinct from the forward.
+            bits = jax.lax.bitcast_convert_type(jnp.ravel(anchor)[0].astype(jnp.float32), jnp.uint32)
+            keep = (bits | jnp.uint32(1)) != 0
+            vals = [x if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended) else
+                    jnp.where(keep, x, jnp.zeros_like(x)) for x in vals]
+        else:
+            vals = jax.lax.optimization_barrier(tuple(vals))
+        for op, x in zip(ops, vals, strict=True):
+            env[op.outputs[0]] = self.constrain(x, self.value_specs.get(op.outputs[0]))
+
     def run(self, graph: OpGraph, env: dict):
         for op in graph.ops:
+            group = self.group_of.get(op.index)
+            if group is not None:
+                if op.outputs[0] not in env:
+                    self.fence(group, env)
+                continue
             invals = []
             for i, x in enumerate(op.inputs):
                 val = x.value if isinstance(x, Const) else env[x]
@@ -92,17 +123,18 @@ class _Evaluator:
         return [*carry, *ys]
 
 
-def make_flat_function(program: CapturedProgram, value_specs, operand_specs, mesh, out_specs=None, *,
-                       host_inputs=(), host_outputs=()):
+def make_flat_function(program: CapturedProgram, value_specs, operand_specs, mesh, out_specs=None,
+                       remat_groups=(), *, host_inputs=(), host_outputs=()):
     """The step as a function of flat arguments, with every layout pinned.
 
     ``out_specs`` (one per flat output, or None) reshards outputs whose planned
     layout differs from their producer's (outputs tied to an input's layout).
+    ``remat_groups``: the :class:`~autoshard.remat.RematGroup`s of a rematerialised program.
     ``host_inputs`` / ``host_outputs``: flat indices of arguments and outputs that live in
     host memory (offloaded, see :mod:`autoshard.offload`): they are moved to device memory
     on entry and back to host memory on exit."""
     info = MeshInfo.from_mesh(mesh)
-    ev = _Evaluator(program, value_specs, operand_specs, mesh, info)
+    ev = _Evaluator(program, value_specs, operand_specs, mesh, info, remat_groups)
     host_inputs, host_outputs = frozenset(host_inputs), frozenset(host_outputs)
 
     def flat_fun(*flat_args):

@@ -89,6 +89,8 @@ class Plan:
       memory: the predicted :class:`~autoshard.memory.MemoryEstimate` (peak and its breakdown).
       host_inputs, host_outputs: flat arguments / outputs kept in host memory (``pinned_host``),
         chosen when no sharding fits the device budget (see :mod:`autoshard.offload`).
+      remat: the :class:`~autoshard.remat.RematChoice` when the planner considered recomputing
+        forward segments (the budget bound); None otherwise.
     """
 
     mesh: Any
@@ -109,6 +111,7 @@ class Plan:
     memory: Any = None
     host_inputs: tuple[int, ...] = ()
     host_outputs: tuple[int, ...] = ()
+    remat: Any = None
 
     @property
     def mesh_info(self) -> MeshInfo:
@@ -209,6 +212,8 @@ class Plan:
             moved = f" ({seconds * 1e3:.3f} ms over the host link)" if seconds is not None else ""
             lines.append(f"  offloaded to host memory: {len(self.host_inputs)} optimizer-state leaves{host}, "
                          f"moved in and out every step{moved}")
+        if self.remat is not None and self.remat.units:
+            lines.append(f"  {self.remat.describe()}")
         if self.stats.get("timings"):
             t = self.stats["timings"]
             lines.append("  planning: " + ", ".join(f"{k} {v:.2f}s" for k, v in t.items()))
@@ -263,6 +268,8 @@ class Plan:
             "warnings": list(self.warnings),
             "host_inputs": list(self.host_inputs),
             "host_outputs": list(self.host_outputs),
+            **({"remat": [self.remat.units, self.remat.num_units, self.remat.max_units, self.remat.extra_flops]}
+               if self.remat is not None else {}),
         })
 
     @classmethod
@@ -299,9 +306,18 @@ class Plan:
                 warnings=tuple(d.get("warnings", ())),
                 host_inputs=tuple(d.get("host_inputs", ())),
                 host_outputs=tuple(d.get("host_outputs", ())),
+                remat=_remat_from(d.get("remat")),
             )
         except KeyError as e:
             raise PlanError(f"saved plan is missing field {e.args[0]!r}") from None
+
+
+def _remat_from(r):
+    if r is None:
+        return None
+    from autoshard.remat import RematChoice
+
+    return RematChoice(int(r[0]), int(r[1]), int(r[2]), float(r[3]))
 
 
 def _spec_json(s: ShardingSpec):

@@ -188,7 +188,7 @@ def enumerate_strategies(program: CapturedProgram, cost: CostModel, *, pinned=No
                 continue
             ctx = op_context(op)
             strategies, is_follower = op_strategies(op, ctx)
-            weak = op.name in ("broadcast_in_dim", "iota")
+            weak = op.name in ("broadcast_in_dim", "iota", "optimization_barrier")  # remat fences: see remat.py
             n = add_node(_Node("op", strategies, op.outputs, trips=op.trips, op=op, weak=weak, label=op.name))
             follows[n] = is_follower
             for i, x in enumerate(op.inputs):
@@ -278,13 +278,19 @@ class MergedGraph:
     roots: tuple[int, ...]
 
 
-def merge_followers(graph: StrategyGraph, cost: CostModel, avals) -> MergedGraph:
+def merge_followers(graph: StrategyGraph, cost: CostModel, avals, shrink: float | None = None) -> MergedGraph:
     """Pass 2: fold each follower into the node that produces its main operand.
 
     The main operand is the largest one, preferring producers that are not weak
     layout sources (inputs, broadcasts, iota). For each strategy of the producer's
     root, the follower takes its strategy that expects exactly that layout (the
-    cheapest such), or else the one cheapest including the reshard."""
+    cheapest such), or else the one cheapest including the reshard.
+
+    ``shrink``: a follower whose output is more than ``shrink`` times smaller than its
+    main operand (a bias gradient summed over the batch) leads a node of its own. A
+    merged group's memory is charged over its whole lifetime, so chaining the long-lived
+    small values (gradients, their optimizer update) onto a short-lived activation makes
+    the memory row count the activation until the update; the remat search uses this."""
     n = len(graph.nodes)
     root = np.arange(n)
     index_map: list[np.ndarray] = [np.arange(len(node.strategies)) for node in graph.nodes]
@@ -305,6 +311,9 @@ def merge_followers(graph: StrategyGraph, cost: CostModel, avals) -> MergedGraph
             if e.value not in numel:
                 numel[e.value] = math.prod(_aval_shape(avals[e.value]))
         main = max(cands, key=lambda e: (numel[e.value], not weak[root[e.src]], -e.dst_pos))
+        if shrink is not None and sum(math.prod(_aval_shape(avals[v])) for v in node.outputs) * shrink < \
+                numel[main.value]:
+            continue  # a reduction to a much smaller value leads a node of its own (see merge_followers)
         r = root[main.src]
         weak[i] = weak[r]
         src_ids = table.out_ids(graph.nodes[main.src], main.src_pos)[index_map[main.src]]

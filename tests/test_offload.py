@@ -121,7 +121,7 @@ def test_gpt_offload_matches_reference():
     spec = get_model("gpt", "tiny", 8)
     step = autoshard.parallelize(spec.train_step, mesh=autoshard.make_mesh((8,), ("data",)),
                                  cluster=autoshard.cluster_preset("h100-nvlink"), memory_budget=7.2e5,
-                                 donate_argnums=(0,))
+                                 donate_argnums=(0,), remat=False)  # remat alone meets this budget
     state, b = spec.abstract_state(), spec.abstract_batch()
     plan = step.plan(state, b)
     assert plan.offloaded

@@ -1,0 +1,501 @@
+"""Automatic rematerialisation: recompute forward activations in the backward pass.
+
+The captured program is the *whole* train step after ``jax.grad``: the forward
+pass, then the backward pass, then the update. A *residual* is a value the forward
+pass makes and the backward pass reads after the forward has finished; between
+the two it occupies memory. Rematerialising it means recomputing it right before
+its first backward read, from values that are kept anyway.
+
+Passes (pure functions over :class:`~autoshard.capture.CapturedProgram`):
+
+1. ``find_remat_units``: the forward ops (ancestors of the step's metrics, i.e. of
+   the loss) are cut where a single activation crosses (the residual stream
+   between two blocks, or between a block's attention and its MLP). Each segment
+   between two cuts is a :class:`RematUnit`: its ops that produce residuals, the
+   residuals, and the first backward position that reads one.
+2. ``rematerialize``: a new program where each chosen unit's ops are duplicated
+   right before that position and every later backward read points at the
+   duplicates. The cut value that enters the unit lives until the recompute; the
+   unit's residuals die in the forward. The rewritten program is planned like any
+   other (the duplicates get strategies, costs and memory of their own), which is
+   what makes remat and sharding one joint problem (see :func:`choose_remat`).
+3. Lowering (:mod:`autoshard.lower`) routes each recompute group's outside inputs
+   through ``jax.lax.optimization_barrier`` together with a backward value (the
+   cotangent that the first recomputed read meets), as ``jax.checkpoint`` does:
+   otherwise XLA's CSE would merge the duplicates back into the forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from autoshard.capture import CapturedProgram, Const, Op, OpGraph
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RematUnit:
+    """One segment of the forward pass that may be recomputed.
+
+    Attributes:
+      ops: top-level op indices (``Op.index``) to recompute, in program order.
+      residuals: value ids they produce that the backward reads after the forward.
+      inputs: value ids produced outside ``ops`` that the recompute reads (the cut
+        value entering the segment, parameters, the batch).
+      insert_at: the position in the top-level op list before which the recompute runs.
+      anchor: a backward value available at ``insert_at`` that the recompute waits for.
+      flops: the recomputed flops (unsharded; elementwise ops count one per element).
+      matmul_flops: the part of ``flops`` in contractions (a lower bound on what the planner prices).
+      source: ``file:line`` of the segment's first and last ops, for reports.
+    """
+
+    ops: tuple[int, ...]
+    residuals: tuple[int, ...]
+    inputs: tuple[int, ...]
+    insert_at: int
+    anchor: int | None
+    flops: float
+    matmul_flops: float
+    source: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RematGroup:
+    """In a rematerialised program: one unit's fences and duplicated ops.
+
+    Each value the recompute reads from outside (``RematUnit.inputs``) passes through a fence:
+    an ``optimization_barrier`` op of its own, so the planner gives the recompute's inputs
+    layouts and lifetimes of their own. Lowering evaluates a group's fences as one barrier
+    together with ``anchor``."""
+
+    fences: tuple[int, ...]  # op indices of the fences, one per outside input
+    ops: tuple[int, ...]  # op indices of the duplicates
+    anchor: int | None  # backward value the recompute must wait for
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RematChoice:
+    """The rematerialisation a plan uses (``Plan.remat``).
+
+    Attributes:
+      units: how many forward segments are recomputed: the first ``units`` of
+        :func:`find_remat_units` (``max_units``), in forward order.
+      num_units: how many units the program offers.
+      max_units: the ``max_units`` they were found with (to redo the rewrite at lowering).
+      extra_flops: recomputed flops per step (unsharded).
+      peak_without: the smallest predicted peak per device without remat (same budget search).
+      candidates: ``(units, budget planned against, predicted objective or None when infeasible,
+        predicted peak or None)`` for every candidate the search planned.
+      sources: ``file:line`` span of each recomputed unit.
+      planned_budget: the budget the chosen plan was solved against (below the user's when a
+        compiled check asked for a margin).
+      compiled_peak: XLA's peak per device for the chosen plan, when the search compiled it.
+    """
+
+    units: int
+    num_units: int
+    max_units: int
+    extra_flops: float = 0.0
+    peak_without: float | None = None
+    candidates: tuple = ()
+    sources: tuple[str, ...] = ()
+    planned_budget: float | None = None
+    compiled_peak: float | None = None
+
+    def describe(self) -> str:
+        if not self.units:
+            return "no rematerialisation"
+        return (f"rematerialise {self.units} of {self.num_units} forward segments "
+                f"(+{self.extra_flops / 1e9:.3g} GFLOP recomputed per step)")
+
+
+_CONTRACTIONS = ("dot_general", "conv_general_dilated")
+_NOT_DUPLICATED = frozenset({"debug_callback", "io_callback", "while", "cond"})
+
+
+def _op_flops(op: Op, avals) -> float:
+    out = sum(math.prod(getattr(avals[v], "shape", ())) for v in op.outputs)
+    if op.name == "dot_general":
+        (lc, _), _ = op.params["dimension_numbers"]
+        a = op.inputs[0]
+        shape = a.shape if isinstance(a, Const) else tuple(avals[a].shape)
+        return 2.0 * out * math.prod(shape[d] for d in lc)
+    return float(out)
+
+
+def _forward_ops(program: CapturedProgram, ties) -> set[int]:
+    """Top-level ops the step's metrics (outputs that are not the next state) depend on."""
+    tied = set((ties or {}).keys())
+    want = {x for j, x in enumerate(program.graph.outvars) if isinstance(x, int) and j not in tied}
+    position = {op.index: op for op in program.graph.ops}
+    top_producer = {v: op.index for op in program.graph.ops for v in op.outputs}
+    forward: set[int] = set()
+    stack = [top_producer[v] for v in want if v in top_producer]
+    while stack:
+        i = stack.pop()
+        if i in forward:
+            continue
+        forward.add(i)
+        for x in position[i].inputs:
+            if isinstance(x, int) and x in top_producer:
+                stack.append(top_producer[x])
+    return forward
+
+
+def _balance(cuts: list[int], flops: list[float], max_units: int) -> list[int]:
+    """Merge consecutive segments until each holds at least 1/max_units of the forward flops.
+
+    A chain without skip connections cuts after every op; recomputing one op from the value
+    before it saves nothing, since that value is kept. Merged segments recompute their inner
+    cut values too."""
+    total = sum(flops)
+    target = total / max(max_units, 1)
+    out, acc = [cuts[0]], 0.0
+    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+        acc += sum(flops[a:b])
+        if acc >= target or b == cuts[-1]:
+            out.append(b)
+            acc = 0.0
+    return out
+
+
+DEFAULT_MAX_UNITS = 8
+"""How many forward segments :func:`find_remat_units` offers at most."""
+
+
+def find_remat_units(program: CapturedProgram, ties=None, max_units: int = DEFAULT_MAX_UNITS
+                     ) -> tuple[RematUnit, ...]:
+    """Pass 1: the forward segments of a train step that can be recomputed, in forward order.
+
+    Args:
+      program: the captured step (forward, backward and update in one program).
+      ties: flat output index -> flat input index (the carried state); the other outputs are
+        metrics, and the forward pass is what they depend on.
+      max_units: at most this many units; consecutive segments merge, balancing their flops.
+
+    Returns:
+      One unit per segment between single-activation cuts that has residuals. Empty when the
+      program has no recognisable forward/backward split (no metrics, scans, ...).
+    """
+    ops = program.graph.ops
+    avals = program.avals
+    forward = _forward_ops(program, ties)
+    if not forward:
+        return ()
+    pos = {op.index: t for t, op in enumerate(ops)}
+    turnaround = max(pos[i] for i in forward)
+    # The forward region also holds the residual computations AD interleaves (``1 - tanh(x)**2``).
+    fwd_ops = list(ops[:turnaround + 1])
+    forward = {op.index for op in fwd_ops}
+    produced_by = {v: op.index for op in ops for v in op.outputs}
+    outputs = {x for x in program.graph.outvars if isinstance(x, int)}
+
+    # Values that depend on no argument (iota, broadcast literals) are free to keep: they never cut.
+    dynamic: set[int] = set(program.graph.invars)
+    for op in ops:
+        if op.body is not None or any(isinstance(x, int) and x in dynamic for x in op.inputs):
+            dynamic.update(op.outputs)
+
+    # Forward reads after position k, to find cuts: a cut before forward op k is crossed by the
+    # forward-made, argument-dependent values made before k and read by a forward op at or after k.
+    last_fwd_read: dict[int, int] = {}
+    for k, op in enumerate(fwd_ops):
+        for x in op.inputs:
+            if isinstance(x, int) and x in produced_by and x in dynamic:
+                last_fwd_read[x] = k
+    crossing: set[int] = set()
+    cuts = [0]
+    cut_value = {0: None}
+    for k, op in enumerate(fwd_ops):
+        crossing = {v for v in crossing if last_fwd_read.get(v, -1) >= k}
+        if k and len(crossing) == 1:
+            (v,) = crossing
+            if math.prod(getattr(avals[v], "shape", ())) > 1 and cuts[-1] < k:
+                cuts.append(k)
+                cut_value[k] = v
+        for v in op.outputs:
+            if v in dynamic and last_fwd_read.get(v, -1) > k:
+                crossing.add(v)
+    cuts.append(len(fwd_ops))
+    cuts = _balance(cuts, [_op_flops(op, avals) for op in fwd_ops], max_units)
+
+    # Backward reads (after the turnaround) of forward values.
+    late_reads: dict[int, list[int]] = {}
+    for t in range(turnaround + 1, len(ops)):
+        for x in ops[t].inputs:
+            if isinstance(x, int) and x in produced_by and produced_by[x] in forward:
+                late_reads.setdefault(x, []).append(t)
+
+    units = []
+    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+        seg = fwd_ops[a:b]
+        seg_ids = {op.index for op in seg}
+        keep_out = cut_value.get(b)  # the value crossing into the next segment is kept, not recomputed
+        residuals = [v for op in seg for v in op.outputs
+                     if v in late_reads and v != keep_out and v not in outputs and v in dynamic]
+        if not residuals:
+            continue
+        # The recompute: the segment's ops the residuals depend on.
+        need: set[int] = set()
+        stack = [produced_by[v] for v in residuals]
+        while stack:
+            i = stack.pop()
+            if i in need or i not in seg_ids:
+                continue
+            need.add(i)
+            stack.extend(produced_by[x] for x in program.ops[i].inputs if isinstance(x, int) and x in produced_by)
+        rec = [op for op in seg if op.index in need]
+        if any(op.body is not None or op.name in _NOT_DUPLICATED for op in rec):
+            continue  # loops and effects are not duplicated
+        made = {v for op in rec for v in op.outputs}
+        inputs = []
+        for op in rec:
+            for x in op.inputs:
+                if isinstance(x, int) and x not in made and x not in inputs:
+                    inputs.append(x)
+        insert_at = min(t for v in residuals for t in late_reads[v])
+        anchor = _anchor(ops[insert_at], produced_by, forward, pos, insert_at)
+        flops = sum(_op_flops(op, avals) for op in rec)
+        matmul = sum(_op_flops(op, avals) for op in rec if op.name in _CONTRACTIONS)
+        source = f"{rec[0].source()}..{rec[-1].source()}"
+        units.append(RematUnit(tuple(op.index for op in rec), tuple(residuals), tuple(inputs), insert_at, anchor,
+                               flops, matmul, source))
+    return tuple(units)
+
+
+def _anchor(consumer: Op, produced_by, forward, pos, insert_at) -> int | None:
+    """The backward value the first recomputed read meets (latest-made non-forward operand)."""
+    best, best_t = None, -1
+    for x in consumer.inputs:
+        if isinstance(x, int) and x in produced_by and produced_by[x] not in forward:
+            t = pos[produced_by[x]]
+            if best_t < t < insert_at:
+                best, best_t = x, t
+    return best
+
+
+def _barrier_primitive():
+    import jax
+    import jax.numpy as jnp
+
+    return jax.make_jaxpr(jax.lax.optimization_barrier)(jnp.zeros((), jnp.float32)).jaxpr.eqns[0].primitive
+
+
+def rematerialize(program: CapturedProgram, units) -> tuple[CapturedProgram, tuple[RematGroup, ...]]:
+    """Pass 2: duplicate each unit's ops before its first backward read; point later reads at them.
+
+    Before the duplicates, each outside input gets a fence (an ``optimization_barrier`` op).
+    Deterministic: the same program and units give the same value ids and op indices, so a plan
+    made on the rewritten program applies to a rewrite made again at lowering.
+
+    Returns:
+      The rewritten program (its ``ops`` extended by fences and duplicates, new value ids
+      appended to ``avals``) and one :class:`RematGroup` per unit for lowering.
+    """
+    if not units:
+        return program, ()
+    barrier = _barrier_primitive()
+    avals = list(program.avals)
+    all_ops = list(program.ops)
+    inserts: dict[int, list[Op]] = {}
+    groups = []
+    redirect_from: dict[int, dict[int, int]] = {}  # insert position -> {old value: new value}
+
+    def new_value(v):
+        avals.append(avals[v])
+        return len(avals) - 1
+
+    for u in sorted(units, key=lambda u: u.insert_at):
+        first = program.ops[u.ops[0]]
+        rename: dict[int, int] = {}
+        fences = []
+        for x in u.inputs:
+            rename[x] = new_value(x)
+            fence = Op(index=len(all_ops), primitive=barrier, params={}, inputs=(x,), outputs=(rename[x],),
+                       ctx=first.ctx, source_info=first.source_info)
+            all_ops.append(fence)
+            fences.append(fence)
+        dups = []
+        for i in u.ops:
+            op = program.ops[i]
+            outs = []
+            for v in op.outputs:
+                rename[v] = new_value(v)
+                outs.append(rename[v])
+            new = dataclasses.replace(op, index=len(all_ops), outputs=tuple(outs),
+                                      inputs=tuple(rename.get(x, x) if isinstance(x, int) else x
+                                                   for x in op.inputs))
+            all_ops.append(new)
+            dups.append(new)
+        inserts.setdefault(u.insert_at, []).extend(fences + dups)
+        redirect_from[u.insert_at] = {**redirect_from.get(u.insert_at, {}),
+                                      **{v: rename[v] for v in u.residuals}}
+        groups.append(RematGroup(tuple(f.index for f in fences), tuple(d.index for d in dups), u.anchor))
+    # Later backward reads of a residual use its recomputed copy.
+    active: dict[int, int] = {}
+    new_top = []
+    for t, op in enumerate(program.graph.ops):
+        if t in inserts:
+            new_top.extend(inserts[t])
+            active.update(redirect_from[t])
+        if active and any(isinstance(x, int) and x in active for x in op.inputs):
+            op = dataclasses.replace(op, inputs=tuple(active.get(x, x) if isinstance(x, int) else x
+                                                      for x in op.inputs))
+            all_ops[op.index] = op
+        new_top.append(op)
+    graph = OpGraph(program.graph.invars, tuple(new_top), program.graph.outvars)  # residuals are never outputs
+    producer, uses = {}, {}
+    for op in all_ops:
+        for k, v in enumerate(op.outputs):
+            producer[v] = (op.index, k)
+        for k, x in enumerate(op.inputs):
+            if isinstance(x, int):
+                uses.setdefault(x, []).append((op.index, k))
+    out = dataclasses.replace(program, graph=graph, avals=tuple(avals), ops=tuple(all_ops), producer=producer,
+                              uses=uses)
+    return out, tuple(groups)
+
+
+def recompute_flops(units) -> float:
+    return float(np.sum([u.flops for u in units])) if units else 0.0
+
+
+def apply_remat(program: CapturedProgram, choice: RematChoice | None, ties=None):
+    """The rewritten program and recompute groups a plan's ``remat`` asks for (lowering)."""
+    if choice is None or not choice.units:
+        return program, ()
+    units = find_remat_units(program, ties, choice.max_units)
+    if len(units) != choice.num_units:
+        from autoshard.errors import PlanError
+
+        raise PlanError(f"the plan rematerialises {choice.units} of {choice.num_units} forward segments, but this "
+                        f"program has {len(units)}: it is not the program the plan was made for. Fix: re-plan.")
+    return rematerialize(program, units[:choice.units])
+
+
+def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float, flops_per_second: float,
+                 max_units: int = DEFAULT_MAX_UNITS, check=None, check_rounds: int = 2):
+    """Pass 3: the remat set and sharding plan of least predicted step time within the budget.
+
+    ``plan_fn(program, budget) -> Plan`` plans a program under a memory budget (raising
+    :class:`~autoshard.errors.InfeasibleError` when nothing fits) and records in
+    ``plan.stats`` whether the budget bound (``budget_bound``) and the unconstrained optimum
+    (``unconstrained_objective``). Remat is only considered when the plan without it is
+    bound by the budget.
+
+    Candidates are the prefixes of the forward segments: recompute the first ``k``. Each
+    candidate program is planned whole, so the sharding of every op, recomputed ones
+    included, is chosen with the memory the recompute frees; the best ``k`` is the joint
+    optimum over (remat set, sharding) restricted to prefixes. Why prefixes: recomputing
+    segment ``i`` frees its residuals from the end of the forward until segment ``i``'s
+    backward. At the turnaround (the usual peak) every choice of ``k`` segments frees the
+    same bytes when segments are alike (repeated layers), and the recompute costs the same;
+    but during the backward, a segment's recompute lands on top of the residuals of the
+    segments before it that were kept. Choosing the earliest ``k`` leaves none kept below
+    any recompute, so its peak is the smallest among all ``k``-subsets: for ``L`` identical
+    layers, the prefixes contain an optimum of every size ``k``, and the search over ``k``
+    is exact. ``tests/test_remat.py`` checks this against brute force over every subset.
+
+    The search tries ``k = 1, 2, ...`` in turn (the peak is not monotone in ``k``: recomputing
+    the last segments lands right at the turnaround, on top of everything kept), and stops
+    once a floor (the unconstrained optimum without remat, plus the first ``k`` segments'
+    matmuls on all devices at full speed) reaches the best plan found. The floor is exact
+    for the recompute's compute time; it treats the reshards the redirected backward reads
+    pay as free, so it prunes, it does not prove.
+
+    ``check(plan, program, groups) -> bytes``, when given, compiles the chosen candidate and
+    returns XLA's peak per device. When that exceeds ``budget`` (XLA's schedule keeps more
+    alive than the predicted order), the search runs again against a budget shrunk by the
+    ratio, at most ``check_rounds`` times.
+
+    Returns:
+      ``(plan, choice)``; ``choice`` is None when remat was not considered.
+    """
+    from autoshard.errors import InfeasibleError
+
+    errors: dict[tuple, InfeasibleError] = {}
+    plans: dict[tuple, object] = {}
+    units: tuple[RematUnit, ...] = ()
+
+    def attempt(k: int, limit: float, prog=None):
+        key = (k, limit)
+        if key not in plans:
+            p = prog if prog is not None else rematerialize(program, units[:k])[0]
+            try:
+                plans[key] = plan_fn(p, limit)
+            except InfeasibleError as e:
+                plans[key], errors[key] = None, e
+        return plans[key]
+
+    base = attempt(0, budget, program)
+    if base is not None and not base.stats.get("budget_bound"):
+        return base, None
+    units = find_remat_units(program, ties, max_units)
+    if not units:
+        if base is None:
+            raise errors[(0, budget)]
+        return base, None
+    n = len(units)
+
+    def search(limit: float) -> int | None:
+        first = attempt(0, limit, program)
+        # The floor: no candidate beats the plan without remat and without a budget, plus its
+        # recomputed matmuls at full speed on every device.
+        floor = first.stats["unconstrained_objective"] if first is not None else \
+            getattr(errors[(0, limit)], "unconstrained_objective", 0.0)
+        best_k = 0 if first is not None else None
+        for k in range(1, n + 1):
+            bound = floor + sum(u.matmul_flops for u in units[:k]) / flops_per_second
+            if best_k is not None and bound >= plans[(best_k, limit)].cost.objective:
+                break
+            p = attempt(k, limit)
+            if p is not None and (best_k is None or p.cost.objective < plans[(best_k, limit)].cost.objective):
+                best_k = k
+        return best_k
+
+    limit, compiled, chosen = budget, None, None
+    for _ in range(1 + (check_rounds if check is not None else 0)):
+        k = search(limit)
+        if k is None:
+            break
+        chosen = (k, limit)
+        if check is None:
+            break
+        compiled = check(plans[chosen], *rematerialize(program, units[:k]))
+        if compiled <= budget:
+            break
+        # XLA kept more alive than predicted (its schedule is not ours): plan against less.
+        limit *= budget / compiled * 0.97
+    if chosen is None:
+        smallest = min(e.smallest_memory for e in errors.values() if e.smallest_memory is not None)
+        raise InfeasibleError(f"{errors[(0, budget)]} Rematerialising the first 1..{n} forward segments does not "
+                              f"fit either; the smallest peak the solver found is {smallest:.4g} bytes.",
+                              smallest_memory=smallest) from None
+    best_k = chosen[0]
+    peak_without = base.cost.peak_memory_bytes if base is not None else errors[(0, budget)].smallest_memory
+    choice = RematChoice(best_k, n, max_units, recompute_flops(units[:best_k]), peak_without,
+                         tuple((k, lim, None if p is None else p.cost.objective,
+                                None if p is None else p.cost.peak_memory_bytes)
+                               for (k, lim), p in sorted(plans.items())),
+                         tuple(u.source for u in units[:best_k]), chosen[1], compiled)
+    return plans[chosen], choice
+
+
+def compiled_peak(program: CapturedProgram, plan, groups, donated=()) -> float:
+    """Lower and compile a plan of a (rewritten) program from abstract inputs; XLA's peak bytes per device."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    from autoshard.hlo import memory_stats
+    from autoshard.lower import make_flat_function
+
+    mesh, info = plan.mesh, plan.mesh_info
+    flat = make_flat_function(program, plan.value_specs, plan.operand_specs, mesh, plan.out_specs, groups)
+    in_sh = [NamedSharding(mesh, s.to_partition_spec(info)) for s in plan.in_specs]
+    out_sh = [NamedSharding(mesh, s.to_partition_spec(info)) for s in plan.out_specs]
+    args = [jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype, sharding=s)
+            for v, s in zip(program.graph.invars, in_sh, strict=True)]
+    jitted = jax.jit(flat, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=tuple(sorted(donated)))
+    return memory_stats(jitted.lower(*args).compile())["peak"]

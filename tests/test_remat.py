@@ -1,0 +1,176 @@
+"""Automatic rematerialisation: the rewrite, the joint search, and what XLA compiled."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import autoshard
+from autoshard.api import _solve_on_mesh, _ties
+from autoshard.capture import capture_graph
+from autoshard.hlo import memory_stats
+from autoshard.lower import make_flat_function
+from autoshard.remat import choose_remat, find_remat_units, rematerialize
+from autoshard.spec import replicated
+from tests.helpers import assert_trees_close, run_steps
+
+WIDTH, BATCH, LAYERS = 128, 1024, 4
+
+
+def _chain_step(ws, x):
+    """Identical tanh layers without skip connections, plain SGD: the activations dominate."""
+
+    def loss(ws):
+        h = x
+        for w in ws:
+            h = jnp.tanh(jnp.tanh(h @ w) @ w)
+        return jnp.mean(h * h)
+
+    value, grads = jax.value_and_grad(loss)(ws)
+    return [w - 0.1 * g for w, g in zip(ws, grads, strict=True)], {"loss": value}
+
+
+def _chain_args():
+    ws = [jax.random.normal(jax.random.key(i), (WIDTH, WIDTH)) / WIDTH ** 0.5 for i in range(LAYERS)]
+    x = jax.random.normal(jax.random.key(99), (BATCH, WIDTH))
+    return ws, x
+
+
+def _capture_chain():
+    ws, x = _chain_args()
+    program = capture_graph(_chain_step, (ws, x))
+    ties = _ties((ws, x), jax.eval_shape(_chain_step, ws, x))
+    return program, ties, (ws, x)
+
+
+def test_rewrite_recomputes_in_the_backward_and_lowers_xla_temp_memory():
+    """Single device: every unit rematerialised cuts XLA's temp buffers; results equal jax.jit."""
+    program, ties, args = _capture_chain()
+    units = find_remat_units(program, ties, max_units=2)  # a chain keeps every unit's input: few, long units
+    assert len(units) == 2
+    assert all(u.insert_at > max(program.graph.ops.index(program.ops[i]) for i in u.ops) for u in units)
+    mesh = autoshard.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    leaves = jax.tree.leaves(args)
+    ref = jax.tree.leaves(jax.jit(_chain_step)(*args))
+    temps = []
+    for k in (0, len(units)):
+        prog, groups = rematerialize(program, units[:k])
+        specs = {v: replicated(len(getattr(a, "shape", ()))) for v, a in enumerate(prog.avals)}
+        jitted = jax.jit(make_flat_function(prog, specs, {}, mesh, None, groups))
+        temps.append(memory_stats(jitted.lower(*leaves).compile())["temp"])
+        for got, want in zip(jitted(*leaves), ref, strict=True):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
+    assert temps[1] < 0.75 * temps[0], temps
+
+
+def _plan_fn(mesh, donated=()):
+    cluster = autoshard.cluster_preset("h100-nvlink")
+    ties = _capture_chain()[1]
+
+    def plan(prog, budget):
+        return _solve_on_mesh(prog, mesh, cluster, budget, None, donated, ties, 10.0, {}, remat_split=True)
+
+    return plan, cluster
+
+
+@pytest.mark.parametrize("fraction", [0.9, 0.8])
+def test_prefix_search_matches_brute_force_over_every_remat_subset(fraction):
+    """The joint optimum over (remat subset x sharding): every subset of units, each planned exactly.
+
+    The sharding solves are exact (``stats["optimal"]``; the MILP is checked against brute force over
+    strategy assignments in test_solver.py), so the minimum over subsets is the joint optimum."""
+    program, ties, _ = _capture_chain()
+    units = find_remat_units(program, ties, max_units=4)
+    assert len(units) == 4
+    mesh = autoshard.make_mesh((8,), ("data",))
+    plan_fn, cluster = _plan_fn(mesh)
+    free = plan_fn(program, None)
+    budget = fraction * free.stats["solver_peak"]  # the unconstrained plan does not fit the solver's memory row
+    best = None
+    for r in range(len(units) + 1):
+        for subset in itertools.combinations(units, r):
+            try:
+                p = plan_fn(rematerialize(program, subset)[0], budget)
+            except autoshard.InfeasibleError:
+                continue
+            assert p.stats["optimal"], "brute force needs exact sharding solves"
+            if best is None or p.cost.objective < best[0] - 1e-15:
+                best = (p.cost.objective, r)
+    assert best is not None and best[1] > 0  # remat is needed to fit
+    plan, choice = choose_remat(plan_fn, program, ties, budget=budget, flops_per_second=cluster.flops * 8,
+                                max_units=4)
+    assert choice is not None and choice.units == best[1]
+    assert plan.cost.objective == pytest.approx(best[0], rel=1e-9)
+    assert plan.stats["solver_peak"] <= budget
+
+
+@pytest.fixture(scope="module")
+def gpt_remat():
+    from benchmarks.models import get_model
+
+    spec = get_model("gpt", "tiny", 128)
+    mesh = autoshard.make_mesh((8,), ("data",))
+    cluster = autoshard.cluster_preset("h100-nvlink")
+    return spec, mesh, cluster
+
+
+def test_tiny_gpt_under_a_budget_that_data_parallelism_cannot_meet(gpt_remat):
+    spec, mesh, cluster = gpt_remat
+    state, batch = spec.abstract_state(), spec.abstract_batch()
+    free = autoshard.parallelize(spec.train_step, mesh=mesh, cluster=cluster, donate_argnums=(0,), progress=None)
+    free_peak = memory_stats(free.lower(state, batch).compile())["peak"]
+    budget = 8e6
+    assert free_peak > budget  # the data-parallel plan does not fit
+    step = autoshard.parallelize(spec.train_step, mesh=mesh, cluster=cluster, memory_budget=budget,
+                                 donate_argnums=(0,), progress=None)
+    plan = step.plan(state, batch)
+    assert plan.remat is not None and plan.remat.units > 0
+    assert "rematerialise" in plan.summary(rich=False)
+    compiled_peak = memory_stats(step.lower(state, batch).compile())["peak"]
+    assert compiled_peak <= budget, (compiled_peak, plan.memory)
+    real_state, real_batch = spec.init_state(jax.random.key(0)), spec.make_batch(jax.random.key(1))
+    ref_state, ref_losses = run_steps(jax.jit(spec.train_step), real_state, real_batch)
+    out_state, losses = run_steps(step, jax.tree.map(np.asarray, real_state), real_batch)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(out_state["params"], ref_state["params"], rtol=1e-5, atol=5e-5, what="params")
+    # A saved plan redoes the same rewrite.
+    saved = autoshard.Plan.from_json(plan.to_json(), mesh=mesh)
+    assert saved.remat.units == plan.remat.units
+    again = autoshard.parallelize(spec.train_step, mesh=mesh, cluster=cluster, plan=saved, donate_argnums=(0,),
+                                  progress=None)
+    _, again_losses = run_steps(again, jax.tree.map(np.asarray, real_state), real_batch)
+    np.testing.assert_allclose(again_losses, ref_losses, rtol=1e-5)
+
+
+def test_generous_budget_plans_without_remat(gpt_remat):
+    spec, mesh, cluster = gpt_remat
+    step = autoshard.parallelize(spec.train_step, mesh=mesh, cluster=cluster, memory_budget=1e9,
+                                 donate_argnums=(0,), progress=None)
+    plan = step.plan(spec.abstract_state(), spec.abstract_batch())
+    assert plan.remat is None
+    assert plan.stats["budget_bound"] is False
+
+
+def test_remat_with_tensor_parallel_layouts_matches_reference():
+    """A 2x4 mesh on the CPU preset: the recompute runs under model-axis layouts too."""
+    from benchmarks.models import get_model
+
+    spec = get_model("gpt", "tiny", 128)
+    mesh = autoshard.make_mesh((2, 4), ("data", "model"))
+    budget = 5.5e6  # the unconstrained plan compiles to about 10 MB
+    # The solver's limits are wall-clock: a generous one keeps the plan the same on a busy machine.
+    step = autoshard.parallelize(spec.train_step, mesh=mesh, cluster=autoshard.cluster_preset("cpu-sim"),
+                                 memory_budget=budget, donate_argnums=(0,), progress=None, solver_time_limit=30.0)
+    state, batch = spec.abstract_state(), spec.abstract_batch()
+    plan = step.plan(state, batch)
+    assert plan.remat is not None and plan.remat.units > 0
+    assert memory_stats(step.lower(state, batch).compile())["peak"] <= budget
+    real_state, real_batch = spec.init_state(jax.random.key(0)), spec.make_batch(jax.random.key(1))
+    ref_state, ref_losses = run_steps(jax.jit(spec.train_step), real_state, real_batch)
+    out_state, losses = run_steps(step, jax.tree.map(np.asarray, real_state), real_batch)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(out_state["params"], ref_state["params"], rtol=1e-5, atol=5e-5, what="params")

@@ -352,8 +352,33 @@ def _lowering_buffers(graph: OpGraph, materialised: set, nbytes) -> tuple[list, 
     return extras, transient
 
 
+def _resharded_buffers(program: CapturedProgram, value_specs: dict, operand_specs: dict, mesh) -> list:
+    """Buffers the plan's resharding collectives write: ``(bytes, op made at or None, op last read at)``.
+
+    An operand a reader needs in a larger layout (an all-gather) is a new buffer, shared by
+    every top-level reader that needs that layout (XLA merges identical collectives), from the
+    first such reader to the last; one of a program input is gathered at the step's start, as
+    XLA schedules it. Smaller layouts are slices that fuse into the reader."""
+    position = {op.index: t for t, op in enumerate(program.graph.ops)}
+    invars = set(program.graph.invars)
+    spans: dict = {}
+    for (index, pos), spec in operand_specs.items():
+        t = position.get(index)
+        if t is None:
+            continue
+        x = program.graph.ops[t].inputs[pos]
+        if not isinstance(x, int):
+            continue
+        b = value_bytes(program.avals[x], spec, mesh)
+        if b <= value_bytes(program.avals[x], value_specs.get(x), mesh):
+            continue
+        lo, hi, _ = spans.get((x, spec), (t, t, b))
+        spans[(x, spec)] = (min(lo, t), max(hi, t), b)
+    return [(b, None if x in invars else lo, hi) for (x, _), (lo, hi, b) in spans.items()]
+
+
 def estimate_memory(program: CapturedProgram, value_specs: dict, mesh: MeshInfo, *, donated=(),
-                    out_specs=None, ties=None, offloaded=()) -> MemoryEstimate:
+                    out_specs=None, ties=None, offloaded=(), operand_specs=None) -> MemoryEstimate:
     """Per-device peak as XLA accounts it: arguments + outputs + the peak of live temporaries.
 
     XLA allocates the entry's arguments and results apart from its temporaries, for the whole
@@ -370,6 +395,8 @@ def estimate_memory(program: CapturedProgram, value_specs: dict, mesh: MeshInfo,
       ties: flat output index -> flat input index it replaces (the carried state).
       offloaded: flat input indices kept in host memory; they and their replacements count on
         the device only while in use (:func:`autoshard.offload.device_intervals`).
+      operand_specs: (op index, operand position) -> the layout that op reads the operand in,
+        where it differs from the value's (``Plan.operand_specs``).
     """
     graph = program.graph
     ops = graph.ops
@@ -428,6 +455,7 @@ def estimate_memory(program: CapturedProgram, value_specs: dict, mesh: MeshInfo,
     transient = {t: _graph_peak(ops[t].body, program, value_specs, mesh, 0.0) for t in nodes
                  if ops[t].body is not None}
     extras, lowering = _lowering_buffers(graph, materialised, _ShardBytes(program, value_specs, mesh))
+    extras += _resharded_buffers(program, value_specs, operand_specs or {}, mesh)
 
     def scheduled(t):  # a fused op runs inside the next op that is not fused
         return nodes[min(bisect.bisect_left(nodes, t), len(nodes) - 1)]

@@ -594,7 +594,7 @@ def _solve_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, 
             out_specs.append(ShardingSpec(((),) * np.ndim(v.value)))
     comm_bytes = sum(c.bytes * k for c, k in dec.collectives)
     memory = estimate_memory(program, dec.value_specs, info, donated=donated, out_specs=out_specs, ties=ties,
-                             offloaded=offloaded)
+                             offloaded=offloaded, operand_specs=dec.operand_specs)
     pcost = PlanCost(dec.compute_seconds, dec.comm_seconds, comm_bytes, memory.peak_bytes, float(sol.cost))
     stats = {"timings": dict(timings), "nodes": built.problem.num_nodes, "edges": built.problem.num_edges,
              "graph_nodes": len(sgraph.nodes), "eqns": program.num_eqns, "solver": dict(sol.stats),

@@ -1,14 +1,25 @@
-"""Predicted per-device memory of a plan: value liveness over the program order.
+"""Predicted per-device memory of a plan, as XLA's ``memory_analysis`` counts it.
 
-XLA fuses chains of elementwise and layout ops, so their intermediate results
-never exist as buffers. The estimate therefore counts a value only when it is
-materialised: a program input or output, the result of a non-fusible op (dots,
-convolutions, reductions, gathers, scans, ...), or a value that several ops read.
-Donated inputs share their buffer with the output that replaces them.
+The peak is arguments + results + XLA's temp allocation (see :func:`autoshard.hlo.memory_stats`);
+a result aliased to a donated argument shares its buffer. The temp allocation is the peak of
+the live temporaries over XLA's sequential schedule:
+
+- which values are buffers: XLA fuses elementwise and layout ops into their readers
+  (duplicating the cheap ones), so a value is materialised when it is an output, comes from a
+  dot, convolution, gather, scan or reduction, is an expensive elementwise op read twice, or is
+  read by an op that is not a fusion (:func:`_materialised`);
+- when they live: from the op that writes them to their last reader, where a fused producer's
+  operands live until the reader that computes it runs (:func:`_fused_reads`), over the lower
+  of program order and a greedy memory-minimising list schedule (XLA keeps the best of
+  several schedulers, and moves each optimizer update next to its gradient);
+- buffer reuse: an elementwise fusion writes over an operand it reads last, and a result's
+  buffer holds one smaller temporary until the result is written (:func:`_sweep`);
+- what XLA:CPU adds when lowering: layout copies of convolution operands and the index
+  buffers of expanded max-pool gradients (:func:`_lowering_buffers`), and 64-byte alignment.
 """
-
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 
@@ -45,7 +56,8 @@ def is_optimizer_state(path: str) -> bool:
     return "opt_state" in path or ".mu" in path or ".nu" in path
 
 
-def _nbytes(aval, spec: ShardingSpec | None, mesh: MeshInfo) -> float:
+def value_bytes(aval, spec: ShardingSpec | None, mesh: MeshInfo) -> float:
+    """Bytes of one device's shard of a value laid out as ``spec`` (whole when ``spec`` is None)."""
     shape = tuple(getattr(aval, "shape", ()))
     try:
         itemsize = np.dtype(aval.dtype).itemsize
@@ -56,21 +68,90 @@ def _nbytes(aval, spec: ShardingSpec | None, mesh: MeshInfo) -> float:
     return float(math.prod(spec.shard_shape(shape, mesh)) * itemsize)
 
 
+_ALIGNMENT = 64  # XLA:CPU starts every temporary buffer on a 64-byte boundary
+
+
+def _aligned(b: float) -> float:
+    return float(math.ceil(b / _ALIGNMENT) * _ALIGNMENT)
+
+
+class _ShardBytes:
+    """Per-device bytes, element count and shape of a value under its layout."""
+
+    def __init__(self, program, value_specs, mesh):
+        self.program, self.value_specs, self.mesh = program, value_specs, mesh
+
+    def shape(self, v) -> tuple:
+        return tuple(getattr(self.program.avals[v], "shape", ()))
+
+    def __call__(self, v) -> float:
+        return value_bytes(self.program.avals[v], self.value_specs.get(v), self.mesh)
+
+    def count(self, v) -> float:
+        return self(v) / max(np.dtype(self.program.avals[v].dtype).itemsize, 1)
+
+
 def _fusible(op) -> bool:
     entry = lookup_rule(op.name)
     return entry is not None and entry.follows and op.body is None
 
 
+# Reductions take their producers into the same fusion (XLA's input fusion), but their own
+# result is written to a buffer: XLA does not fuse a reduce into its consumers.
+_REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax "
+                        "argmin reduce_window_sum reduce_window_max reduce_window_min reduce_window cumsum cumprod "
+                        "cummax cummin cumlogsumexp select_and_scatter_add select_and_gather_add sort".split())
+# Elementwise ops XLA's fusion deems expensive (instruction_fusion.cc IsExpensive): it will not
+# duplicate them into several consumers, so their result is materialised once.
+_EXPENSIVE = frozenset("exp exp2 expm1 log log1p logistic tanh erf erfc erf_inv pow sqrt rsqrt cbrt div atan2 "
+                       "lgamma digamma igamma igammac".split())
+# Reshapes of a buffer are bitcasts: they name the same bytes.
+_BITCASTS = frozenset("reshape squeeze expand_dims".split())
+
+
+def _materialised(graph: OpGraph) -> set:
+    """The values of a graph that XLA writes to a buffer.
+
+    Elementwise and layout ops fuse into their readers (cheap ones duplicated into each
+    reader); a result is materialised when it is a graph output, comes from a non-fusible
+    op (dots, convolutions, gathers, scans, ...) or a reduction, is an expensive op read
+    twice, or is read by an op that takes only buffers (anything but a fusion)."""
+    outs = {x for x in graph.outvars if isinstance(x, int)}
+    producer = {v: op for op in graph.ops for v in op.outputs}
+    readers: dict[int, list] = {}
+    for op in graph.ops:
+        for x in op.inputs:
+            if isinstance(x, int):
+                readers.setdefault(x, []).append(op)
+    mat: set = set()
+    for op in graph.ops:
+        loop = _fusible(op) and op.name not in _REDUCTIONS
+        for v in op.outputs:
+            rs = readers.get(v, ())
+            if v in outs or not loop or (len(rs) > 1 and op.name in _EXPENSIVE):
+                mat.add(v)
+    for op in graph.ops:  # operands of ops that are not fusions must be buffers
+        if _fusible(op):
+            continue
+        for x in op.inputs:
+            if not isinstance(x, int) or x in mat or x not in producer:
+                continue
+            p = producer[x]
+            src = next((y for y in p.inputs if isinstance(y, int)), None)
+            if p.name in _BITCASTS and src is not None and (src in mat or src not in producer):
+                continue
+            mat.add(x)
+    return mat
+
+
 def _graph_peak(graph: OpGraph, program, value_specs, mesh, fixed_live: float) -> float:
     """Peak of a scan body's own buffers, evaluated once per iteration."""
-    uses: dict[int, int] = {}
     last: dict[int, int] = {}
     for t, op in enumerate(graph.ops):
         for x in op.inputs:
             if isinstance(x, int):
-                uses[x] = uses.get(x, 0) + 1
                 last[x] = t
-    outs = {x for x in graph.outvars if isinstance(x, int)}
+    mat = _materialised(graph)
     live = 0.0
     peak = 0.0
     ends: dict[int, list[float]] = {}
@@ -79,8 +160,8 @@ def _graph_peak(graph: OpGraph, program, value_specs, mesh, fixed_live: float) -
         if op.body is not None:
             extra = _graph_peak(op.body, program, value_specs, mesh, 0.0)
         for v in op.outputs:
-            if v in outs or not _fusible(op) or uses.get(v, 0) > 1:
-                b = _nbytes(program.avals[v], value_specs.get(v), mesh)
+            if v in mat:
+                b = value_bytes(program.avals[v], value_specs.get(v), mesh)
                 live += b
                 ends.setdefault(last.get(v, len(graph.ops)), []).append(b)
         peak = max(peak, live + extra)
@@ -89,9 +170,224 @@ def _graph_peak(graph: OpGraph, program, value_specs, mesh, fixed_live: float) -
     return peak + fixed_live
 
 
+def _fused_reads(graph: OpGraph, materialised: set) -> list[tuple[int, ...]]:
+    """Per op, the materialised values it reads once fused producers are inlined into it.
+
+    A value XLA fuses into its single reader has no buffer: the reader computes it from
+    the fused producer's own operands, so those stay live until the reader runs."""
+    made_here = {v for op in graph.ops for v in op.outputs}
+    sources: dict[int, frozenset] = {}
+    reads = []
+    for op in graph.ops:
+        eff: set = set()
+        for x in op.inputs:
+            if not isinstance(x, int):
+                continue
+            if x in materialised or x not in made_here:
+                eff.add(x)
+            else:
+                eff |= sources.get(x, frozenset())
+        frozen = frozenset(eff)
+        for v in op.outputs:
+            if v not in materialised:
+                sources[v] = frozen
+        reads.append(tuple(sorted(eff)))
+    return reads
+
+
+def _list_schedule(nodes, reads, made, size, kept, alloc_at=()) -> list[int]:
+    """A greedy memory-minimising order, like XLA's list scheduler: of the ready ops, run the
+    one that frees the most temporary bytes net of what it allocates (program order breaks ties)."""
+    import heapq
+
+    producer = {v: n for n in nodes for v in made[n]}
+    consumers: dict[int, list[int]] = {}
+    waiting: dict[int, int] = {}
+    readers: dict[int, set] = {}
+    for n in nodes:
+        deps = {producer[v] for v in reads[n] if v in producer and producer[v] != n}
+        waiting[n] = len(deps)
+        for d in deps:
+            consumers.setdefault(d, []).append(n)
+        for v in reads[n]:
+            if v in size and v not in kept:
+                readers.setdefault(v, set()).add(n)
+    remaining = {v: len(r) for v, r in readers.items()}
+    done: set = set()
+
+    def score(n):  # an offloaded input is copied in by its first reader
+        if n < 0:  # the step's start comes first
+            return float("inf")
+        freed = sum(size[v] for v in reads[n] if v in remaining and remaining[v] == 1)
+        copied = sum(size[v] for v in reads[n] if v in alloc_at and remaining[v] == len(readers[v]))
+        return freed - copied - sum(size.get(v, 0.0) for v in made[n])
+
+    heap = [(-score(n), n) for n in nodes if waiting[n] == 0]
+    heapq.heapify(heap)
+    order = []
+    while heap:
+        s, n = heapq.heappop(heap)
+        if n in done or -s != score(n):
+            if n not in done:
+                heapq.heappush(heap, (-score(n), n))
+            continue
+        done.add(n)
+        order.append(n)
+        for v in reads[n]:
+            if v in remaining:
+                remaining[v] -= 1
+                if remaining[v] == 1:  # its last reader now frees it: that reader's score rises
+                    last = next(iter(readers[v] - done))
+                    if waiting[last] == 0:
+                        heapq.heappush(heap, (-score(last), last))
+        for c in consumers.get(n, ()):
+            waiting[c] -= 1
+            if waiting[c] == 0:
+                heapq.heappush(heap, (-score(c), c))
+    return order
+
+
+def _hosted(temps, free) -> float:
+    """Bytes of ``temps`` that fit, one per buffer, in the free result buffers ``free`` (sorted)."""
+    import bisect
+
+    free = list(free)
+    hosted = 0.0
+    for b in sorted(temps, reverse=True):
+        i = bisect.bisect_left(free, b)
+        if i < len(free):
+            hosted += b
+            free.pop(i)
+    return hosted
+
+
+def _sweep(order, reads, made, size, inplace, transient, alloc_at=(), kept=()) -> tuple[float, int]:
+    """Peak bytes of XLA's temp allocation over an order, and the op at the peak.
+
+    Results (``kept``) have buffers of their own for the whole step; until its result is
+    written, each such buffer can hold one temporary no larger than itself (XLA's buffer
+    assignment reuses it), so only the temporaries that find no such buffer count."""
+    import bisect
+
+    last: dict[int, int] = {}
+    for k, n in enumerate(order):
+        for v in reads[n]:
+            if v in size and v not in kept:
+                last[v] = k
+    first_read: dict[int, int] = {}
+    if alloc_at:
+        for k, n in enumerate(order):
+            for v in reads[n]:
+                if v in alloc_at:
+                    first_read.setdefault(v, k)
+    unwritten = sorted(size[v] for v in kept)
+    live_set: dict[int, float] = {}
+    live, best, best_n = 0.0, 0.0, -1
+    for k, n in enumerate(order):
+        new = [v for v in made[n] if v in size and v not in kept]
+        new += [v for v in reads[n] if first_read.get(v) == k]
+        for v in made[n]:
+            if v in kept:
+                unwritten.pop(bisect.bisect_left(unwritten, size[v]))
+        dying = [v for v in reads[n] if v in live_set and last.get(v) == k]
+        added = sum(size[v] for v in new)
+        # An elementwise fusion may write its result over an operand it is the last to read.
+        reuse = min(added, sum(size[v] for v in dying)) if inplace[n] else 0.0
+        total = live + added - reuse + transient.get(n, 0.0)
+        if total > best:
+            temps = [b for v, b in live_set.items()] + [size[v] for v in new]
+            total -= _hosted(temps, unwritten) if unwritten else 0.0
+            if total > best:
+                best, best_n = total, n
+        for v in new:
+            if last.get(v, -1) >= k:
+                live_set[v] = size[v]
+                live += size[v]
+        for v in dying:
+            live -= live_set.pop(v)
+    return best, best_n
+
+
+def _conv_copy(spec, shape, kernel: bool) -> bool:
+    """Whether XLA:CPU must transpose a convolution operand (or result) to its one layout:
+    [batch, spatial..., feature] for images, [spatial..., in, out] for kernels."""
+    perm = (*spec[2:], spec[1], spec[0]) if kernel else (spec[0], *spec[2:], spec[1])
+    moved = [d for d in perm if shape[d] != 1]  # moving size-1 dims is a bitcast
+    return moved != sorted(moved)
+
+
+def _lowering_buffers(graph: OpGraph, materialised: set, nbytes) -> tuple[list, dict]:
+    """Buffers XLA:CPU adds when it lowers convolutions and max-pool gradients.
+
+    Returns ``(extras, transient)``: ``extras`` are ``(bytes, op made at or None for the
+    step's start, op last read at)``; ``transient`` is op position -> bytes live only there.
+    A convolution operand in the wrong layout is copied: the copy of a program input is
+    made at the start (XLA schedules it first), others just before the convolution, and a
+    result in the wrong layout is written to a temporary first. ``select_and_scatter_add``
+    is expanded into an argmax over each window next to the forward pooling (index iotas
+    of the operand's shape, and the winners' indices, kept until the gradient)."""
+    producer = {v: t for t, op in enumerate(graph.ops) for v in op.outputs}
+    extras, transient = [], {}
+    for t, op in enumerate(graph.ops):
+        if op.name == "conv_general_dilated":
+            dn = op.params["dimension_numbers"]
+            for x, spec, kernel in ((op.inputs[0], dn.lhs_spec, False), (op.inputs[1], dn.rhs_spec, True)):
+                if isinstance(x, int) and (x in materialised or x not in producer) and _conv_copy(
+                        spec, nbytes.shape(x), kernel):
+                    if x in producer:
+                        transient[t] = transient.get(t, 0.0) + nbytes(x)
+                    else:
+                        extras.append((nbytes(x), None, t))
+            y = op.outputs[0]
+            if _conv_copy(dn.out_spec, nbytes.shape(y), False):
+                transient[t] = transient.get(t, 0.0) + nbytes(y)
+        elif op.name == "select_and_scatter_add" and isinstance(op.inputs[1], int):
+            source, operand = op.inputs[0], op.inputs[1]
+            rank = len(nbytes.shape(operand))
+            per_index = nbytes.count(source) * 4  # s32 per window winner and dimension
+            at = producer.get(operand)
+            extras.append((rank * per_index, at, t))
+            if at is not None:
+                transient[at] = transient.get(at, 0.0) + rank * nbytes.count(operand) * 4 + rank * per_index
+    return extras, transient
+
+
+def _resharded_buffers(program: CapturedProgram, value_specs: dict, operand_specs: dict, mesh) -> list:
+    """Buffers the plan's resharding collectives write: ``(bytes, op made at or None, op last read at)``.
+
+    An operand a reader needs in a larger layout (an all-gather) is a new buffer, shared by
+    every top-level reader that needs that layout (XLA merges identical collectives), from the
+    first such reader to the last; one of a program input is gathered at the step's start, as
+    XLA schedules it. Smaller layouts are slices that fuse into the reader."""
+    position = {op.index: t for t, op in enumerate(program.graph.ops)}
+    invars = set(program.graph.invars)
+    spans: dict = {}
+    for (index, pos), spec in operand_specs.items():
+        t = position.get(index)
+        if t is None:
+            continue
+        x = program.graph.ops[t].inputs[pos]
+        if not isinstance(x, int):
+            continue
+        b = value_bytes(program.avals[x], spec, mesh)
+        if b <= value_bytes(program.avals[x], value_specs.get(x), mesh):
+            continue
+        lo, hi, _ = spans.get((x, spec), (t, t, b))
+        spans[(x, spec)] = (min(lo, t), max(hi, t), b)
+    return [(b, None if x in invars else lo, hi) for (x, _), (lo, hi, b) in spans.items()]
+
+
 def estimate_memory(program: CapturedProgram, value_specs: dict, mesh: MeshInfo, *, donated=(),
-                    out_specs=None, ties=None, offloaded=()) -> MemoryEstimate:
-    """Sweep the top-level program in order; scan bodies add their own peak at the scan.
+                    out_specs=None, ties=None, offloaded=(), operand_specs=None) -> MemoryEstimate:
+    """Per-device peak as XLA accounts it: arguments + outputs + the peak of live temporaries.
+
+    XLA allocates the entry's arguments and results apart from its temporaries, for the whole
+    step; a result aliased to a donated argument shares that argument's buffer. Temporaries
+    are the materialised intermediates, live from the op that writes them to their last
+    reader, in the lower-peak of two orders (XLA also keeps the best of several schedulers):
+    program order, and a greedy order that runs first what frees the most bytes (it moves
+    each optimizer update next to the gradient it consumes). Scan bodies add their own peak
+    while the scan runs.
 
     Args:
       donated: flat input indices whose buffers are donated.
@@ -99,86 +395,87 @@ def estimate_memory(program: CapturedProgram, value_specs: dict, mesh: MeshInfo,
       ties: flat output index -> flat input index it replaces (the carried state).
       offloaded: flat input indices kept in host memory; they and their replacements count on
         the device only while in use (:func:`autoshard.offload.device_intervals`).
+      operand_specs: (op index, operand position) -> the layout that op reads the operand in,
+        where it differs from the value's (``Plan.operand_specs``).
     """
-    from autoshard.offload import device_intervals
-
     graph = program.graph
     ops = graph.ops
-    end_t = len(ops) + 1
     ties = ties or {}
     donated = set(donated)
     offloaded = set(offloaded)
     host_outputs = {o for o, i in ties.items() if i in offloaded}
     aliased_outputs = {o for o, i in ties.items() if i in donated} - host_outputs
-    on_device = device_intervals(program, offloaded, ties) if offloaded else {}
     host_bytes = 0.0
-    uses: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for t, op in enumerate(ops, start=1):
-        for x in op.inputs:
-            if isinstance(x, int):
-                uses[x] = uses.get(x, 0) + 1
-                last[x] = t
-    out_pos: dict[int, list[int]] = {}
-    for j, x in enumerate(graph.outvars):
-        if isinstance(x, int):
-            out_pos.setdefault(x, []).append(j)
-            last[x] = end_t
 
     def category(i: int) -> str:
-        path = program.in_paths[i]
         if i not in ties.values():
             return "inputs"
-        if is_optimizer_state(path):
-            return "optimizer_state"
-        return "parameters"
+        return "optimizer_state" if is_optimizer_state(program.in_paths[i]) else "parameters"
 
-    # (start, end, bytes, category)
-    buffers: list[tuple[int, int, float, str]] = []
+    fixed: dict[str, float] = {}
+    size: dict[int, float] = {}  # temporaries: value id -> bytes
+    alloc_at: set = set()  # offloaded inputs: copied in before their first reader
+    kept: set = set()  # results: live from their op to the end
     for i, v in enumerate(graph.invars):
-        b = _nbytes(program.avals[v], value_specs.get(v), mesh)
+        b = value_bytes(program.avals[v], value_specs.get(v), mesh)
         if i in offloaded:  # a host buffer (two unless donated), and a device copy while in use
             host_bytes += b if i in donated else 2 * b
-            buffers.append((*on_device[v], b, category(i)))
+            size[v] = b
+            alloc_at.add(v)
             continue
-        end = last.get(v, 0) + 1 if i in donated and i in ties.values() else end_t
-        # A donated, carried input keeps its buffer until its replacement is written at the end.
-        buffers.append((0, end_t if i in donated and i in ties.values() else end, b, category(i)))
-    for v, c in program.consts.items():
-        buffers.append((0, end_t, _nbytes(program.avals[v], value_specs.get(v), mesh), "parameters"))
-    body_peak: dict[int, float] = {}
-    for t, op in enumerate(ops, start=1):
-        if op.body is not None:
-            body_peak[t] = _graph_peak(op.body, program, value_specs, mesh, 0.0)
-        for v in op.outputs:
-            js = out_pos.get(v, ())
-            if js and all(j in aliased_outputs for j in js):
-                continue  # written into a donated input's buffer
-            if js or not _fusible(op) or uses.get(v, 0) > 1:
-                spec = value_specs.get(v)
-                if js and out_specs is not None:
-                    spec = out_specs[js[0]]
-                cat = "outputs" if js else "intermediates"
-                start, end = on_device.get(v, (t, last.get(v, t) + 1 if not js else end_t))
-                buffers.append((start, end, _nbytes(program.avals[v], spec, mesh), cat))
-    events: dict[int, list] = {}
-    for s, e, b, c in buffers:
-        events.setdefault(s, []).append((b, c))
-        events.setdefault(e, []).append((-b, c))
-    live: dict[str, float] = {}
-    best, best_t, best_breakdown = 0.0, 0, {}
-    for t in sorted(events):
-        for b, c in events[t]:
-            live[c] = live.get(c, 0.0) + b
-        total = sum(live.values()) + body_peak.get(t, 0.0)
-        if total > best:
-            best, best_t = total, t
-            best_breakdown = {k: v for k, v in live.items() if v > 0}
-            if body_peak.get(t):
-                best_breakdown["intermediates"] = best_breakdown.get("intermediates", 0.0) + body_peak[t]
-    for k in ("parameters", "optimizer_state", "inputs", "outputs", "intermediates"):
-        best_breakdown.setdefault(k, 0.0)
-    return MemoryEstimate(best, best_breakdown, best_t, host_bytes)
+        fixed[category(i)] = fixed.get(category(i), 0.0) + b
+    for v in program.consts:
+        fixed["parameters"] = fixed.get("parameters", 0.0) + value_bytes(program.avals[v], value_specs.get(v), mesh)
+    outputs = {x for x in graph.outvars if isinstance(x, int)}
+    host_values = {graph.outvars[o] for o in host_outputs}
+    out_bytes: dict[int, float] = {}  # result buffers not aliased to a donated argument
+    for j, x in enumerate(graph.outvars):
+        if j in aliased_outputs or j in host_outputs:
+            continue
+        if isinstance(x, int):
+            spec = out_specs[j] if out_specs is not None else value_specs.get(x)
+            b = value_bytes(program.avals[x], spec, mesh)
+            fixed["outputs"] = fixed.get("outputs", 0.0) + b
+            out_bytes[x] = out_bytes.get(x, 0.0) + b
+        else:
+            fixed["outputs"] = fixed.get("outputs", 0.0) + float(np.asarray(x.value).nbytes)
 
+    materialised = _materialised(graph)
+    reads = _fused_reads(graph, materialised)
+    nodes = [t for t, op in enumerate(ops) if not _fusible(op) or any(v in materialised for v in op.outputs)]
+    made = {t: tuple(v for v in ops[t].outputs if v in materialised) for t in nodes}
+    for t in nodes:
+        for v in made[t]:
+            if v not in outputs or v in host_values:
+                size[v] = _aligned(value_bytes(program.avals[v], value_specs.get(v), mesh))
+            elif v in out_bytes:  # the result's buffer, which holds other temporaries before it is written
+                size[v] = out_bytes[v]
+                kept.add(v)
+    inplace = {t: _fusible(ops[t]) and ops[t].name not in _REDUCTIONS for t in nodes}
+    transient = {t: _graph_peak(ops[t].body, program, value_specs, mesh, 0.0) for t in nodes
+                 if ops[t].body is not None}
+    extras, lowering = _lowering_buffers(graph, materialised, _ShardBytes(program, value_specs, mesh))
+    extras += _resharded_buffers(program, value_specs, operand_specs or {}, mesh)
 
+    def scheduled(t):  # a fused op runs inside the next op that is not fused
+        return nodes[min(bisect.bisect_left(nodes, t), len(nodes) - 1)]
 
+    for t, b in lowering.items():
+        transient[scheduled(t)] = transient.get(scheduled(t), 0.0) + b
+    reads = dict(enumerate(reads))
+    start = -1  # a step before the first op, for buffers XLA makes from the arguments first
+    reads[start], made[start], inplace[start] = (), (), False
+    for k, (b, at, last_reader) in enumerate(extras):
+        fake = -2 - k
+        size[fake] = _aligned(b)
+        at = start if at is None else scheduled(at)
+        made[at] = made[at] + (fake,)
+        reads[scheduled(last_reader)] = reads[scheduled(last_reader)] + (fake,)
+    nodes = [start] + nodes
+    best = _sweep(nodes, reads, made, size, inplace, transient, alloc_at, kept)
+    order = _list_schedule(nodes, reads, made, size, kept, alloc_at)
+    best = min(best, _sweep(order, reads, made, size, inplace, transient, alloc_at, kept), key=lambda r: r[0])
+    temp, at = best
+    breakdown = {k: fixed.get(k, 0.0) for k in ("parameters", "optimizer_state", "inputs", "outputs")}
+    breakdown["intermediates"] = temp
+    return MemoryEstimate(sum(fixed.values()) + temp, breakdown, at + 1, host_bytes)

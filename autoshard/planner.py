@@ -396,8 +396,9 @@ def _value_bytes_shape(shape, itemsize, spec: ShardingSpec, mesh) -> float:
 
 
 def _value_bytes(aval, spec: ShardingSpec, mesh) -> float:
-    shape = _aval_shape(aval)
-    return float(math.prod(spec.shard_shape(shape, mesh)) * _itemsize(aval)) if shape else float(_itemsize(aval))
+    from autoshard.memory import value_bytes  # one byte count for the solver's row and the estimate
+
+    return value_bytes(aval, spec, mesh)
 
 
 def liveness(program: CapturedProgram, donated_inputs=()) -> dict[int, tuple[int, int]]:

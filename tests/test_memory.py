@@ -9,9 +9,13 @@ from autoshard.hlo import memory_stats
 from benchmarks.models import get_model
 
 CASES = [("mlp", "h1024", 32, ()), ("gpt", "tiny", 64, (0,)), ("gpt_scan", "tiny", 8, ())]
+# Slower models where the estimate also holds to 15% (benchmarks/memory_gap.py has the full table).
+SLOW_CASES = [("moe", "tiny", 16, (0,)), ("wresnet", "tiny", 16, ())]
 
 
-@pytest.mark.parametrize("family,config,batch,donate", CASES, ids=[f"{c[0]}-{c[2]}-d{len(c[3])}" for c in CASES])
+@pytest.mark.parametrize("family,config,batch,donate",
+                         CASES + [pytest.param(*c, marks=pytest.mark.slow) for c in SLOW_CASES],
+                         ids=[f"{c[0]}-{c[2]}-d{len(c[3])}" for c in CASES + SLOW_CASES])
 def test_predicted_peak_memory_tracks_xla(family, config, batch, donate):
     spec = get_model(family, config, batch)
     mesh = autoshard.make_mesh((2, 4), ("data", "model"))
@@ -22,7 +26,7 @@ def test_predicted_peak_memory_tracks_xla(family, config, batch, donate):
     compiled = step.lower(state, b).compile()
     xla_peak = memory_stats(compiled)["peak"]
     predicted = plan.cost.peak_memory_bytes
-    assert predicted == pytest.approx(xla_peak, rel=0.25), (predicted, xla_peak, plan.memory.breakdown)
+    assert predicted == pytest.approx(xla_peak, rel=0.15), (predicted, xla_peak, plan.memory.breakdown)
     assert plan.memory.peak_bytes == predicted
     assert set(plan.memory.breakdown) >= {"parameters", "optimizer_state", "inputs", "outputs", "intermediates"}
 

@@ -63,29 +63,42 @@ def choose_microbatches(make_step, build_args, budget_of, error: InfeasibleError
         _, batch_size = batch_leaf_positions(abstract, probe._batch_args(abstract, dyn_index, ties), 1, in_paths)
     except InputError as e:
         raise _annotated(error, f"it has no batch to split ({e})") from None
-    tried = []
-    for k in _divisors(batch_size):
+
+    def attempt(k):
+        """``(step, entry, peaks)`` when k microbatches fit, else why not."""
         step = make_step(k)
         try:
             entry = step._build(*build_args)
         except InfeasibleError as e:
-            tried.append(f"k={k}: {e.smallest_memory or 0:.4g} bytes (planner)")
-            continue
+            return f"k={k}: planner's smallest peak {e.smallest_memory or 0:.4g} bytes"
         except InputError as e:  # not accumulation-compatible (a max over the batch, BatchNorm): no k helps
             raise _annotated(error, str(e)) from None
-        budget = budget_of(entry.plan)
         peaks = compiled_task_peaks(entry.executable)
         peak = max(peaks.values(), default=0.0)
-        if peak > budget:
-            tried.append(f"k={k}: {peak:.4g} bytes (compiled)")
-            continue
-        stats = {**entry.plan.stats, "num_microbatches": k, "task_peaks": {"/".join(map(str, t)): p
-                                                                           for t, p in peaks.items()},
-                 "accumulated_because": str(error).split("\n")[0]}
-        entry = dataclasses.replace(entry, plan=dataclasses.replace(entry.plan, stats=stats))
-        return step, entry
-    raise _annotated(error, "no number of microbatches dividing the batch size "
-                            f"{batch_size} fits either: " + "; ".join(tried))
+        if peak > budget_of(entry.plan):
+            return f"k={k}: compiled peak {peak:.4g} bytes"
+        return step, entry, peaks
+
+    candidates = _divisors(batch_size)
+    if not candidates:
+        raise _annotated(error, f"the batch size is {batch_size}")
+    # Activations shrink with k, parameters and optimizer state do not: when the most microbatches do
+    # not fit, fewer will not either. Try them first, so that a hopeless budget costs one plan, not many.
+    most = attempt(candidates[-1])
+    if isinstance(most, str):
+        raise _annotated(error, f"not even {candidates[-1]} microbatches (the batch size) fit ({most})")
+    for k in candidates[:-1]:
+        got = attempt(k)
+        if not isinstance(got, str):
+            return _chosen(k, *got, error)
+    return _chosen(candidates[-1], *most, error)
+
+
+def _chosen(k, step, entry, peaks, error):
+    stats = {**entry.plan.stats, "num_microbatches": k,
+             "task_peaks": {"/".join(map(str, key)): p for key, p in peaks.items()},
+             "accumulated_because": str(error).split("\n")[0]}
+    return step, dataclasses.replace(entry, plan=dataclasses.replace(entry.plan, stats=stats))
 
 
 def _annotated(error: InfeasibleError, why: str) -> InfeasibleError:

@@ -273,8 +273,8 @@ class Parallelized:
             try:
                 plan = solve()
             except InfeasibleError as e:
-                # bf16 matmuls are cast in this runtime only: a split step would silently run fp32.
-                if not self.accumulate or e.smallest_memory is None or self.compute_dtype is not None:
+                # bf16 casts and hints live in this runtime only: a split step would silently drop them.
+                if not self.accumulate or e.smallest_memory is None or self.compute_dtype is not None or hints:
                     raise
                 return self._accumulated(dyn, stat, dyn_index, n_args, e)
         plan = dataclasses.replace(plan, in_tree=jax.tree_util.tree_structure(abstract),
@@ -431,7 +431,7 @@ def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static
         BatchNorm) is never split and keeps the InfeasibleError. Then ``step.plan(...)`` is a
         :class:`~autoshard.pipeline.PipelinePlan` with ``num_microbatches == k`` (also
         ``plan.stats["num_microbatches"]``). A budget that the full batch meets is planned as
-        without it. Not with ``precision=``. False: raise the InfeasibleError instead.
+        without it. Not with ``precision=`` or ``hints=``. False: raise the InfeasibleError instead.
 
     Example:
       >>> import autoshard, jax.numpy as jnp

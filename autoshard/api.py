@@ -105,6 +105,14 @@ def _factorizations(n: int):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class _Accumulated:
+    """A step that only fits its memory budget split into microbatches (see autoshard/pipeline/auto.py)."""
+
+    step: Any  # a PipelinedStep whose cache holds the entry for these argument shapes
+    plan: Any  # its PipelinePlan; plan.stats["num_microbatches"] is k
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class _Compiled:
     plan: Any
     jitted: Any
@@ -126,17 +134,19 @@ class Parallelized:
                 raise InputError("precision= is not supported with num_microbatches or pipeline yet. "
                                  "Fix: drop precision=, or run without a pipeline.")
             kwargs.pop("remat", None)  # nor rematerialises
+            kwargs.pop("accumulate", None)  # the number of microbatches is given
             return PipelinedStep(fun, *args, num_microbatches=num_microbatches, pipeline=pipeline, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, fun, *, mesh=None, cluster=None, memory_budget=None, static_argnums=(),
                  donate_argnums=(), plan=None, hints=None, solver_time_limit=10.0, tie_layers="auto",
                  num_microbatches=1, pipeline=None, progress="auto", batch_argnums=None, step_timeout=None,
-                 precision=None, remat=True):
+                 precision=None, remat=True, accumulate=True):
         from autoshard.precision import compute_dtype
 
         self.fun = fun
         self.remat = remat
+        self.accumulate = accumulate
         self.compute_dtype = compute_dtype(precision)
         self.batch_argnums = batch_argnums
         self._watchdog = None
@@ -260,7 +270,13 @@ class Parallelized:
         elif local is not None:  # process 0 plans, the others load its plan: one plan everywhere
             plan = distributed.broadcast_plan(solve, program, mesh)
         else:
-            plan = solve()
+            try:
+                plan = solve()
+            except InfeasibleError as e:
+                # bf16 casts and hints live in this runtime only: a split step would silently drop them.
+                if not self.accumulate or e.smallest_memory is None or self.compute_dtype is not None or hints:
+                    raise
+                return self._accumulated(dyn, stat, dyn_index, n_args, e)
         plan = dataclasses.replace(plan, in_tree=jax.tree_util.tree_structure(abstract),
                                    out_tree=program.out_tree)
         from autoshard.remat import apply_remat
@@ -272,6 +288,28 @@ class Parallelized:
         out_sh = tuple(plan._named(plan.out_specs, plan.host_outputs))
         jitted = jax.jit(flat, in_shardings=in_sh, out_shardings=list(out_sh), donate_argnums=tuple(sorted(donated)))
         return _Compiled(plan, jitted, in_sh, program.out_tree, local)
+
+    def _accumulated(self, dyn, stat, dyn_index, n_args, error) -> _Accumulated:
+        """The last memory lever: gradient accumulation over the smallest number of microbatches that fits."""
+        from autoshard.pipeline import PipelinedStep
+        from autoshard.pipeline.auto import choose_microbatches
+
+        def make_step(k):
+            return PipelinedStep(self.fun, mesh=self.mesh, cluster=self.cluster, memory_budget=self.memory_budget,
+                                 static_argnums=self.static_argnums, donate_argnums=self.donate_argnums,
+                                 hints=self.hints, solver_time_limit=self.solver_time_limit,
+                                 tie_layers=self.tie_layers, num_microbatches=k)
+
+        def budget_of(pplan):
+            stage_plan = pplan.stages[0].plan
+            if stage_plan is not None and stage_plan.stats.get("memory_budget") is not None:
+                return stage_plan.stats["memory_budget"]
+            return self.memory_budget if self.memory_budget is not None else error.smallest_memory
+
+        args = (dyn, stat, dyn_index, n_args)
+        step, entry = choose_microbatches(make_step, args, budget_of, error)
+        step._cache[step._key(dyn, stat, dyn_index)] = entry
+        return _Accumulated(step, entry.plan)
 
     def _apply_saved(self, program):
         saved = self.saved_plan
@@ -297,6 +335,12 @@ class Parallelized:
     def lower(self, *args):
         """``jax.stages.Lowered`` of the sharded step; ``.compile()`` gives the XLA executable."""
         entry = self._get(args)
+        if isinstance(entry, _Accumulated):
+            raise InputError(
+                f"this step runs as {entry.plan.num_microbatches} accumulated microbatches (no full-batch plan "
+                "fits the memory budget), which is several programs, not one to lower. Fix: inspect "
+                "step.plan(...) (a PipelinePlan; stats['task_peaks'] has each program's compiled peak), or "
+                "raise memory_budget.")
         dyn, _, _ = self._split(args)
         abstract = jax.tree_util.tree_map(_abstract, dyn)
         if entry.process_local is not None:
@@ -308,6 +352,11 @@ class Parallelized:
 
     def __call__(self, *args):
         entry = self._get(args)
+        if isinstance(entry, _Accumulated):
+            outs = entry.step(*args)
+            if self._watchdog is not None:
+                self._watchdog.watch(jax.tree_util.tree_leaves(outs))
+            return outs
         dyn, _, _ = self._split(args)
         leaves = jax.tree_util.tree_leaves(dyn)
         if entry.process_local is not None:
@@ -327,7 +376,8 @@ class Parallelized:
 
 def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static_argnums=(), donate_argnums=(),
                 plan=None, hints=None, solver_time_limit=10.0, tie_layers="auto", num_microbatches=1, pipeline=None,
-                progress="auto", batch_argnums=None, step_timeout=None, precision=None, remat=True):
+                progress="auto", batch_argnums=None, step_timeout=None, precision=None, remat=True,
+                accumulate=True):
     """Plan and run a single-device step function sharded over a device mesh.
 
     Works bare (``@parallelize``) and with arguments (``@parallelize(mesh=...)``).
@@ -373,6 +423,15 @@ def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static
       remat: when the memory budget binds, let the planner also consider recomputing
         forward segments in the backward pass (chosen jointly with the sharding; see
         :mod:`autoshard.remat`). ``plan.remat`` reports the choice.
+      accumulate: when no plan of the full batch fits the memory budget (sharding, ``remat`` and host
+        offload all tried), split the batch arguments into the smallest number ``k`` of
+        microbatches dividing the batch size whose programs fit (XLA's compiled peaks), and
+        accumulate the gradients, as ``num_microbatches=k`` would. Results equal the full step up
+        to float reordering; a step whose batch reductions are not sums (a max over the batch,
+        BatchNorm) is never split and keeps the InfeasibleError. Then ``step.plan(...)`` is a
+        :class:`~autoshard.pipeline.PipelinePlan` with ``num_microbatches == k`` (also
+        ``plan.stats["num_microbatches"]``). A budget that the full batch meets is planned as
+        without it. Not with ``precision=`` or ``hints=``. False: raise the InfeasibleError instead.
 
     Example:
       >>> import autoshard, jax.numpy as jnp
@@ -386,6 +445,8 @@ def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static
               donate_argnums=donate_argnums, plan=plan, hints=hints, solver_time_limit=solver_time_limit,
               tie_layers=tie_layers, num_microbatches=num_microbatches, pipeline=pipeline, progress=progress,
               remat=remat)
+    if accumulate is not True:
+        kw["accumulate"] = accumulate
     if batch_argnums is not None:
         kw["batch_argnums"] = batch_argnums
     if step_timeout is not None:

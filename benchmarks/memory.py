@@ -123,7 +123,8 @@ def main(argv=None) -> int:
         budget = None if base_peak is None else frac * base_peak
         step = autoshard.parallelize(spec.train_step, mesh=mesh, cluster=cluster, memory_budget=budget,
                                      donate_argnums=(0,), progress=None, remat=not args.no_remat,
-                                     solver_time_limit=args.solver_time)
+                                     solver_time_limit=args.solver_time,
+                                     accumulate=False)  # one program per budget, measured by step.lower
         row = {"budget": budget, "fraction": frac}
         t0 = time.perf_counter()
         try:

@@ -83,6 +83,11 @@ class PipelinePlan:
             lines.append(f"{s.index:>5} {str(s.layers[0]) + '-' + str(s.layers[1] - 1):>9} {devs:>18} "
                          f"{'x'.join(map(str, s.mesh_shape)):>7} {s.time_s * 1e3:>11.4f} "
                          f"{s.memory_bytes / 1e6:>9.2f} {s.in_flight:>9}")
+        if "accumulated_because" in self.stats:
+            peaks = self.stats.get("task_peaks", {})
+            lines.append(f"gradient accumulation chosen by the planner: {self.num_microbatches} microbatches, "
+                         f"compiled task peaks <= {max(peaks.values(), default=0.0) / 1e6:.3f} MB "
+                         f"(the full batch: {self.stats['accumulated_because']})")
         if self.cut_sources:
             lines.append("stage starts: " + "; ".join(f"{i}: {src}" for i, src in enumerate(self.cut_sources)))
         return "\n".join(lines)

@@ -1,0 +1,109 @@
+"""Gradient accumulation as the last memory lever: ``parallelize(..., accumulate=True)``.
+
+When no plan of the full batch fits the memory budget (sharding, recomputation and host offload
+all tried, see ``autoshard.api._plan_on_mesh``), the step is split into ``k`` microbatches, the
+smallest ``k`` dividing the batch whose tasks fit: activations shrink by ``k``, parameters and
+optimizer state do not. "Fit" is XLA's compiled peak of every task (microbatch forward/backward
+with its running gradient sum, and the update), not the planner's estimate: the accumulator and
+the un-donated update are not in the microbatch plan's memory row.
+
+Only steps that :func:`~autoshard.pipeline.accumulate.analyze_step` accepts are split: their
+gradients are sums over the batch, so the split step equals the full step up to float reordering.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from autoshard.errors import InfeasibleError, InputError
+from autoshard.hlo import memory_stats
+
+
+def compiled_task_peaks(executable) -> dict[tuple, float]:
+    """XLA's per-device peak (``memory_stats(...)["peak"]``) of every task of a single-stage executable."""
+    peaks = {}
+    avals = executable.analysis.avals
+    for key, task in executable.part.tasks.items():
+        vs = list(task.invars) + list(task.frontier)
+        specs = [jax.ShapeDtypeStruct(avals[v].shape, avals[v].dtype, sharding=executable.sharding(v, task.stage))
+                 for v in vs]
+        compiled = executable.jitted(key, bool(task.frontier)).lower(*specs).compile()
+        peaks[key] = memory_stats(compiled)["peak"]
+    return peaks
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(2, n + 1) if n % d == 0]
+
+
+def choose_microbatches(make_step, build_args, budget_of, error: InfeasibleError):
+    """The smallest ``k`` whose accumulated step fits; raises ``error`` (annotated) when none does.
+
+    Args:
+      make_step: ``k -> PipelinedStep`` with ``num_microbatches=k``.
+      build_args: ``(dyn, stat, dyn_index, n_args)`` for ``PipelinedStep._build``.
+      budget_of: ``PipelinePlan -> bytes`` per device the tasks must fit.
+      error: the full batch's :class:`InfeasibleError`.
+
+    Returns:
+      ``(step, entry)``: the step and its built entry (``entry.plan.stats["num_microbatches"] == k``).
+    """
+    from autoshard.api import _abstract, _ties
+    from autoshard.pipeline.accumulate import batch_leaf_positions
+
+    dyn, stat, dyn_index, n_args = build_args
+    probe = make_step(1)
+    abstract = jax.tree_util.tree_map(_abstract, dyn)
+    fun = probe._bound(stat, n_args, dyn_index)
+    in_paths = tuple(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(abstract)[0])
+    try:
+        ties = _ties(abstract, jax.eval_shape(fun, *abstract))
+        _, batch_size = batch_leaf_positions(abstract, probe._batch_args(abstract, dyn_index, ties), 1, in_paths)
+    except InputError as e:
+        raise _annotated(error, f"it has no batch to split ({e})") from None
+
+    def attempt(k):
+        """``(step, entry, peaks)`` when k microbatches fit, else why not."""
+        step = make_step(k)
+        try:
+            entry = step._build(*build_args)
+        except InfeasibleError as e:
+            return f"k={k}: planner's smallest peak {e.smallest_memory or 0:.4g} bytes"
+        except InputError as e:  # not accumulation-compatible (a max over the batch, BatchNorm): no k helps
+            raise _annotated(error, str(e)) from None
+        peaks = compiled_task_peaks(entry.executable)
+        peak = max(peaks.values(), default=0.0)
+        if peak > budget_of(entry.plan):
+            return f"k={k}: compiled peak {peak:.4g} bytes"
+        return step, entry, peaks
+
+    candidates = _divisors(batch_size)
+    if not candidates:
+        raise _annotated(error, f"the batch size is {batch_size}")
+    # Activations shrink with k, parameters and optimizer state do not: when the most microbatches do
+    # not fit, fewer will not either. Try them first, so that a hopeless budget costs one plan, not many.
+    most = attempt(candidates[-1])
+    if isinstance(most, str):
+        raise _annotated(error, f"not even {candidates[-1]} microbatches (the batch size) fit ({most})")
+    for k in candidates[:-1]:
+        got = attempt(k)
+        if not isinstance(got, str):
+            return _chosen(k, *got, error)
+    return _chosen(candidates[-1], *most, error)
+
+
+def _chosen(k, step, entry, peaks, error):
+    stats = {**entry.plan.stats, "num_microbatches": k,
+             "task_peaks": {"/".join(map(str, key)): p for key, p in peaks.items()},
+             "accumulated_because": str(error).split("\n")[0]}
+    return step, dataclasses.replace(entry, plan=dataclasses.replace(entry.plan, stats=stats))
+
+
+def _annotated(error: InfeasibleError, why: str) -> InfeasibleError:
+    err = InfeasibleError(f"{error}\nGradient accumulation (accumulate=True) cannot help: {why}",
+                          smallest_memory=error.smallest_memory)
+    for name, value in vars(error).items():
+        setattr(err, name, value)
+    return err

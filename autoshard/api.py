@@ -591,7 +591,13 @@ def _solve_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, 
     from autoshard.cost import CostModel
     from autoshard.memory import estimate_memory
     from autoshard.plan import Plan, PlanCost
-    from autoshard.planner import build_problem, decode, enumerate_strategies, merge_followers, tie_repeated_layers
+    from autoshard.planner import (
+        build_problem,
+        decode,
+        enumerate_strategies,
+        merge_followers,
+        tie_repeated_layers,
+    )
     from autoshard.solver import solve
 
     info = MeshInfo.from_mesh(mesh)

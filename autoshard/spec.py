@@ -121,7 +121,7 @@ def replicated(rank: int) -> ShardingSpec:
     return _replicated(rank)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _replicated(rank: int) -> ShardingSpec:
     return ShardingSpec(((),) * rank)
 

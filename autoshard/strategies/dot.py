@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import math
 
-
 from autoshard.strategies.base import RuleContext, Strategy, assign_axes, divides, register_strategy
 
 

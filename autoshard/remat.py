@@ -468,6 +468,13 @@ def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float,
             break
         # XLA kept more alive than predicted (its schedule is not ours): plan against less.
         limit *= budget / compiled * 0.97
+    if chosen is not None and compiled is not None and compiled > budget:
+        # Every round's choice compiled over the budget: report it, never hand back a plan that
+        # does not fit (the caller may still try host offload or gradient accumulation).
+        raise InfeasibleError(
+            f"no plan fits {budget:.4g} bytes per device: the best rematerialised plan ({chosen[0]} of {n} "
+            f"forward segments) compiles to a peak of {compiled:.4g} bytes (XLA's memory_analysis). Fix: raise "
+            f"memory_budget to at least {compiled:.4g}, or use more devices.", smallest_memory=compiled)
     if chosen is None:
         smallest = min(e.smallest_memory for e in errors.values() if e.smallest_memory is not None)
         raise InfeasibleError(f"{errors[(0, budget)]} Rematerialising the first 1..{n} forward segments does not "

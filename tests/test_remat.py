@@ -155,6 +155,7 @@ def test_generous_budget_plans_without_remat(gpt_remat):
     assert plan.stats["budget_bound"] is False
 
 
+@pytest.mark.slow
 def test_remat_with_tensor_parallel_layouts_matches_reference():
     """A 2x4 mesh on the CPU preset: the recompute runs under model-axis layouts too."""
     from benchmarks.models import get_model

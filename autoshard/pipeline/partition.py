@@ -75,6 +75,17 @@ class Partition:
     def update_tasks(self) -> list[Task]:
         return sorted((t for t in self.tasks.values() if t.phase == "R"), key=lambda t: (t.key[2], t.key[1]))
 
+    def task_deps(self, event) -> list:
+        """The ``(phase, stage, microbatch)`` events whose outputs the task event ``event`` reads
+        (the same microbatch; update tasks and the task itself excluded)."""
+        ph, s, m = event
+        out = set()
+        for v in self.tasks[(ph, s)].invars:
+            key = self.producer_task.get(v)
+            if key is not None and key[0] != "R" and key != (ph, s):
+                out.add((key[0], key[1], m))
+        return sorted(out)
+
 
 def forward_positions(analysis: StepAnalysis) -> frozenset:
     """Per-example (non-replicable) ops that a returned metric depends on: the forward pass."""

@@ -72,18 +72,8 @@ class PipelineExecutable:
                 self._out_spec[v_out] = v_in
         self._jits: dict = {}
         present = set(part.tasks)
-
-        def deps(ev):
-            ph, s, m = ev
-            out = set()
-            for v in part.tasks[(ph, s)].invars:
-                key = part.producer_task.get(v)
-                if key is not None and key[0] != "R" and key != (ph, s):
-                    out.add((key[0], key[1], m))
-            return sorted(out)
-
-        self.deps = deps
-        self.events = dispatch_order(self.orders, deps, lambda ev: (ev[0], ev[1]) in present)
+        self.deps = part.task_deps
+        self.events = dispatch_order(self.orders, part.task_deps, lambda ev: (ev[0], ev[1]) in present)
 
     # ---- jitted tasks --------------------------------------------------------------------------------
     def _task_fn(self, task: Task, accumulate: bool):

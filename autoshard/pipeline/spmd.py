@@ -104,17 +104,7 @@ def schedule_ticks(part: Partition, num_microbatches: int, schedule: str) -> dic
     S = part.num_stages
     orders = [[(ph, m) for ph, m in order if (ph, s) in part.tasks]
               for s, order in enumerate(stage_orders(S, num_microbatches, schedule))]
-
-    def deps(ev):
-        ph, s, m = ev
-        out = set()
-        for v in part.tasks[(ph, s)].invars:
-            key = part.producer_task.get(v)
-            if key is not None and key[0] != "R" and key != (ph, s):
-                out.add((key[0], key[1], m))
-        return sorted(out)
-
-    sim = simulate(orders, [1.0] * S, [1.0] * S, deps)
+    sim = simulate(orders, [1.0] * S, [1.0] * S, part.task_deps)
     return {(ph, s, m): int(round(start)) for ph, s, m, start, _ in sim.events}
 
 

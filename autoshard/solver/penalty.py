@@ -126,11 +126,8 @@ def penalty_search(
         t0 = time.perf_counter()
         start = None if best is None else best.choice
         choice = penalised_choice(red, rows, base * 2.0**e, min(deadline, t0 + per_attempt), seed, start)
-        state = CoreState(red, rows, choice)
-        cost, ok = state.total_cost(), state.overflow() <= 0
-        last = time.perf_counter() - t0
-        log(f"penalty 2^{e:g}: cost {cost:.6g}, overflow {state.overflow():.3g} ({last:.1f}s)")
-        if ok and (best is None or cost < best.total_cost()):
+        state, ok, last = _scored_attempt(red, rows, choice, e, t0, log)
+        if ok and (best is None or state.total_cost() < best.total_cost()):
             best = state
         return ok
 
@@ -164,11 +161,8 @@ def _large_penalty_search(
         until = deadline if best is not None else max(deadline, give_up)
         forest = max(0.2 * (until - t0), 1.0)
         choice = penalised_choice(red, rows, base * 2.0**e, until, seed, forest_seconds=forest)
-        state = CoreState(red, rows, choice)
-        cost, ok = state.total_cost(), state.overflow() <= 0
-        last = time.perf_counter() - t0
-        log(f"penalty 2^{e:g}: cost {cost:.6g}, overflow {state.overflow():.3g} ({last:.1f}s)")
-        if ok and (best is None or cost < best.total_cost()):
+        state, ok, last = _scored_attempt(red, rows, choice, e, t0, log)
+        if ok and (best is None or state.total_cost() < best.total_cost()):
             best = state
         return ok
 
@@ -178,6 +172,15 @@ def _large_penalty_search(
 
     _bracket_and_bisect(attempt, time_left, 0.0, 4.0, 0.5)
     return best
+
+
+def _scored_attempt(red: Reduction, rows: MemoryRows, choice: np.ndarray, e: float, t0: float, log):
+    """A penalty attempt's choice as a state, whether it fits, and the attempt's seconds (logged)."""
+    state = CoreState(red, rows, choice)
+    ok = state.overflow() <= 0
+    seconds = time.perf_counter() - t0
+    log(f"penalty 2^{e:g}: cost {state.total_cost():.6g}, overflow {state.overflow():.3g} ({seconds:.1f}s)")
+    return state, ok, seconds
 
 
 def _bracket_and_bisect(attempt, time_left, e: float, step: float, tol: float) -> None:

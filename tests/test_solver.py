@@ -220,3 +220,16 @@ def test_contest_problem_b_reaches_best_known():
         pytest.skip(f"{path} not present")
     sol = solve(read_iopddl(path), time_limit=60)
     assert sol.feasible and sol.cost <= 532843 * 1.01
+
+
+def test_windows_next_to_forbidden_pairs_at_a_short_limit():
+    """Contest B at 5 s reaches the MILP windows with forbidden (infinite) pairs at fixed
+    neighbours; HiGHS takes finite costs only (this used to raise ValueError)."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "shared" / "iopddl" / "asplos-2025-iopddl-B.json.gz"
+    if not path.exists():
+        pytest.skip(f"{path} not present")
+    p = read_iopddl(path)
+    sol = solve(p, time_limit=5)
+    assert sol.feasible and np.isfinite(sol.cost) and sol.cost == pytest.approx(p.cost(sol.choice))

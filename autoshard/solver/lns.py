@@ -139,10 +139,14 @@ class WindowSearch:
             cons.append(mem)
         integrality = np.zeros(nvar)
         integrality[:nx] = 1
+        # A strategy priced infinite by a fixed neighbour's forbidden pair is excluded by its bound:
+        # HiGHS takes finite costs only.
+        allowed = np.isfinite(c)
+        c = np.where(allowed, c, 0.0)
         res = scipy.optimize.milp(
             c,
             integrality=integrality,
-            bounds=scipy.optimize.Bounds(0, 1),
+            bounds=scipy.optimize.Bounds(0, allowed.astype(np.float64)),
             constraints=cons,
             options={"time_limit": max(time_limit, 0.05), "mip_rel_gap": 1e-7},
         )

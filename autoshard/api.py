@@ -660,8 +660,11 @@ def _solve_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, 
         else:
             out_specs.append(ShardingSpec(((),) * np.ndim(v.value)))
     comm_bytes = sum(c.bytes * k for c, k in dec.collectives)
+    reduced = frozenset(v for node, s in zip(built.merged.graph.nodes, dec.node_strategy, strict=True)
+                        if node.kind == "op" and node.trips == 1
+                        and any(c.kind == "all-reduce" for c in s.collectives) for v in node.outputs)
     memory = estimate_memory(program, dec.value_specs, info, donated=donated, out_specs=out_specs, ties=ties,
-                             offloaded=offloaded, operand_specs=dec.operand_specs)
+                             offloaded=offloaded, operand_specs=dec.operand_specs, reduced=reduced)
     pcost = PlanCost(dec.compute_seconds, dec.comm_seconds, comm_bytes, memory.peak_bytes, float(sol.cost))
     stats = {"timings": dict(timings), "nodes": built.problem.num_nodes, "edges": built.problem.num_edges,
              "graph_nodes": len(sgraph.nodes), "eqns": program.num_eqns, "solver": dict(sol.stats),

@@ -69,6 +69,7 @@ def value_bytes(aval, spec: ShardingSpec | None, mesh: MeshInfo) -> float:
 
 
 _ALIGNMENT = 64  # XLA:CPU starts every temporary buffer on a 64-byte boundary
+COMBINE_THRESHOLD = 30 * 2**20  # bytes XLA's all-reduce combiner puts in one all-reduce
 
 
 def _aligned(b: float) -> float:
@@ -101,6 +102,10 @@ def _fusible(op) -> bool:
 _REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax "
                         "argmin reduce_window_sum reduce_window_max reduce_window_min reduce_window cumsum cumprod "
                         "cummax cummin cumlogsumexp select_and_scatter_add select_and_gather_add sort".split())
+# Windowed reductions run on their own (XLA:CPU wraps each in a fusion of one op), so their
+# operands are buffers.
+_WINDOWED = frozenset("reduce_window_sum reduce_window_max reduce_window_min reduce_window "
+                      "select_and_scatter_add select_and_gather_add".split())
 # Elementwise ops XLA's fusion deems expensive (instruction_fusion.cc IsExpensive): it will not
 # duplicate them into several consumers, so their result is materialised once.
 _EXPENSIVE = frozenset("exp exp2 expm1 log log1p logistic tanh erf erfc erf_inv pow sqrt rsqrt cbrt div atan2 "
@@ -131,7 +136,7 @@ def _materialised(graph: OpGraph) -> set:
             if v in outs or not loop or (len(rs) > 1 and op.name in _EXPENSIVE):
                 mat.add(v)
     for op in graph.ops:  # operands of ops that are not fusions must be buffers
-        if _fusible(op):
+        if _fusible(op) and op.name not in _WINDOWED:
             continue
         for x in op.inputs:
             if not isinstance(x, int) or x in mat or x not in producer:
@@ -347,8 +352,13 @@ def _lowering_buffers(graph: OpGraph, materialised: set, nbytes) -> tuple[list, 
             per_index = nbytes.count(source) * 4  # s32 per window winner and dimension
             at = producer.get(operand)
             extras.append((rank * per_index, at, t))
-            if at is not None:
-                transient[at] = transient.get(at, 0.0) + rank * nbytes.count(operand) * 4 + rank * per_index
+            pool = next((u for u, o in enumerate(graph.ops) if o.name == "reduce_window_max" and operand in o.inputs),
+                        t if at is None else at)
+            transient[pool] = transient.get(pool, 0.0) + rank * per_index  # the winners' indices
+            # The index iotas, and the zeros the gradient is scattered into, depend on nothing:
+            # XLA makes them at the step's start.
+            extras.append((rank * nbytes.count(operand) * 4, None, pool))
+            extras.append((nbytes(op.outputs[0]), None, t))
     return extras, transient
 
 
@@ -377,8 +387,51 @@ def _resharded_buffers(program: CapturedProgram, value_specs: dict, operand_spec
     return [(b, None if x in invars else lo, hi) for (x, _), (lo, hi, b) in spans.items()]
 
 
+def _combine_all_reduces(nodes, reads, made, size, reduced) -> None:
+    """XLA's all-reduce combiner, applied to the liveness graph in place.
+
+    XLA merges all-reduces that do not depend on one another (up to ``COMBINE_THRESHOLD``
+    bytes) into one tuple all-reduce, run where its last operand is ready: every partial sum
+    of a group stays live until then, and every reduced result is written there, so all of
+    a data-parallel step's gradient partials and sums are live at once. A combined group
+    becomes one extra node (a negative id, placed after its last member) that reads the
+    partials and makes the reduced values."""
+    group_of: dict[int, int] = {}  # value -> newest group it (transitively) depends on
+    groups: list[list[tuple[int, int]]] = []  # (member op, reduced value)
+    group_bytes: list[float] = []
+    for t in nodes:
+        dep = max((group_of.get(v, -1) for v in reads[t]), default=-1)
+        for v in made[t]:
+            if v in reduced and v in size:
+                open_ = groups and dep < len(groups) - 1 and group_bytes[-1] + size[v] <= COMBINE_THRESHOLD
+                if not open_:
+                    groups.append([])
+                    group_bytes.append(0.0)
+                groups[-1].append((t, v))
+                group_bytes[-1] += size[v]
+                group_of[v] = len(groups) - 1
+            else:
+                group_of[v] = dep
+    fake = min([v for v in size if v < 0], default=0) - 1
+    for members in groups:
+        if len(members) < 2:
+            continue
+        node = fake
+        fake -= 1
+        made[node], reads[node] = (), ()
+        for t, v in members:
+            partial = fake
+            fake -= 1
+            size[partial] = size[v]
+            made[t] = tuple(partial if x == v else x for x in made[t])
+            reads[node] += (partial,)
+            made[node] += (v,)
+        nodes.insert(nodes.index(members[-1][0]) + 1, node)
+
+
 def estimate_memory(program: CapturedProgram, value_specs: dict, mesh: MeshInfo, *, donated=(),
-                    out_specs=None, ties=None, offloaded=(), operand_specs=None) -> MemoryEstimate:
+                    out_specs=None, ties=None, offloaded=(), operand_specs=None,
+                    reduced=frozenset()) -> MemoryEstimate:
     """Per-device peak as XLA accounts it: arguments + outputs + the peak of live temporaries.
 
     XLA allocates the entry's arguments and results apart from its temporaries, for the whole
@@ -397,6 +450,8 @@ def estimate_memory(program: CapturedProgram, value_specs: dict, mesh: MeshInfo,
         the device only while in use (:func:`autoshard.offload.device_intervals`).
       operand_specs: (op index, operand position) -> the layout that op reads the operand in,
         where it differs from the value's (``Plan.operand_specs``).
+      reduced: value ids the plan all-reduces where they are made (partial sums); XLA
+        combines the independent ones (:func:`_combine_all_reduces`).
     """
     graph = program.graph
     ops = graph.ops
@@ -472,10 +527,16 @@ def estimate_memory(program: CapturedProgram, value_specs: dict, mesh: MeshInfo,
         made[at] = made[at] + (fake,)
         reads[scheduled(last_reader)] = reads[scheduled(last_reader)] + (fake,)
     nodes = [start] + nodes
+    if reduced:
+        inplace.update({n: False for n in nodes if n < 0})
+        _combine_all_reduces(nodes, reads, made, size, reduced)
+        inplace.update({n: False for n in nodes if n not in inplace})
     best = _sweep(nodes, reads, made, size, inplace, transient, alloc_at, kept)
     order = _list_schedule(nodes, reads, made, size, kept, alloc_at)
     best = min(best, _sweep(order, reads, made, size, inplace, transient, alloc_at, kept), key=lambda r: r[0])
     temp, at = best
+    if at < -1:  # a combined all-reduce: report the op after which it runs
+        at = max((n for n in nodes[:nodes.index(at)] if n >= -1), default=-1)
     breakdown = {k: fixed.get(k, 0.0) for k in ("parameters", "optimizer_state", "inputs", "outputs")}
     breakdown["intermediates"] = temp
     return MemoryEstimate(sum(fixed.values()) + temp, breakdown, at + 1, host_bytes)

@@ -682,19 +682,24 @@ def decode(built: BuiltProblem, choice, program: CapturedProgram, cost: CostMode
         comm += s.comm * node.trips
         colls.extend((c, node.trips) for c in s.collectives)
     operand_specs = {}
+    resharded: set = set()  # XLA computes one reshard of a value to a layout for all its readers
     for e in graph.edges:
         src_spec = node_strategy[e.src].out_specs[e.src_pos]
         dst_s = node_strategy[e.dst]
         dst_spec = dst_s.out_specs[0] if e.dst_pos < 0 else dst_s.in_specs[e.dst_pos]
         if src_spec == dst_spec:
             continue
+        node = graph.nodes[e.dst]
+        if node.op is not None and e.dst_pos >= 0:
+            operand_specs[(node.op.index, e.dst_pos)] = dst_spec
+        key = (e.value, e.scale, node.trips, src_spec, dst_spec)
+        if key in resharded:
+            continue
+        resharded.add(key)
         aval = program.avals[e.value]
         t, cs = cost.reshard(_aval_shape(aval), _itemsize(aval), src_spec, dst_spec)
         comm += t * e.scale
         colls.extend((c, e.scale) for c in cs)
-        node = graph.nodes[e.dst]
-        if node.op is not None and e.dst_pos >= 0:
-            operand_specs[(node.op.index, e.dst_pos)] = dst_spec
     return Decoded(tuple(node_strategy), value_specs, operand_specs, tuple(colls), compute, comm)
 
 

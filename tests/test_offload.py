@@ -24,6 +24,19 @@ def _step(budget, cluster="h100-nvlink"):
     return spec, step
 
 
+def _runs_like_reference(spec, step, reference=None, *, rtol=1e-5, opt_state=True):
+    """Two steps of ``step`` from real state equal two of ``reference`` (default: jax.jit of the step)."""
+    reference = reference if reference is not None else jax.jit(spec.train_step)
+    real_state, batch = spec.init_state(jax.random.key(0)), spec.make_batch(jax.random.key(1))
+    ref_state, ref_losses = run_steps(reference, real_state, batch)
+    out_state, losses = run_steps(step, jax.tree.map(np.asarray, real_state), batch)
+    np.testing.assert_allclose(losses, ref_losses, rtol=rtol)
+    assert_trees_close(out_state["params"], ref_state["params"], atol=5e-5, what="params")
+    if opt_state:
+        assert_trees_close(out_state["opt_state"], ref_state["opt_state"], atol=1e-6, what="opt_state")
+    return out_state
+
+
 def test_sharding_alone_cannot_meet_the_budget(monkeypatch):
     """Without offload the smallest reachable peak is above BUDGET: offload is what makes it fit."""
     monkeypatch.setattr("autoshard.offload.offload_candidates", lambda program, ties: ())
@@ -52,12 +65,7 @@ def test_budget_only_host_memory_meets_offloads_optimizer_state_and_matches_refe
     assert stats["host_argument"] == pytest.approx(plan.memory.host_bytes)
     assert stats["host_output"] == pytest.approx(plan.memory.host_bytes)
 
-    real_state, batch = spec.init_state(jax.random.key(0)), spec.make_batch(jax.random.key(1))
-    ref_state, ref_losses = run_steps(jax.jit(spec.train_step), real_state, batch)
-    out_state, losses = run_steps(step, jax.tree.map(np.asarray, real_state), batch)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert_trees_close(out_state["params"], ref_state["params"], atol=5e-5, what="params")
-    assert_trees_close(out_state["opt_state"], ref_state["opt_state"], atol=1e-6, what="opt_state")
+    out_state = _runs_like_reference(spec, step)
     host = {jax.tree.leaves(out_state)[i].sharding.memory_kind for i in plan.host_inputs}
     assert host == {"pinned_host"}  # the updated state stays in host memory for the next step
 
@@ -108,13 +116,9 @@ def test_offload_with_bf16_precision_matches_the_cast_reference():
     plan = step.plan(state, b)
     assert plan.offloaded
     assert memory_stats(step.lower(state, b).compile())["peak"] <= BUDGET
-    real_state, batch = spec.init_state(jax.random.key(0)), spec.make_batch(jax.random.key(1))
-    ref_state, ref_losses = run_steps(jax.jit(cast_matmuls(spec.train_step, widen=True)), real_state, batch)
-    out_state, losses = run_steps(step, jax.tree.map(np.asarray, real_state), batch)
     # The sharded sums run in another order; a 1-ulp fp32 difference sometimes rounds to another
     # bf16 value (2^-9 relative): the second loss moves by ~7e-6 relative here.
-    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
-    assert_trees_close(out_state["params"], ref_state["params"], atol=5e-5, what="params")
+    _runs_like_reference(spec, step, jax.jit(cast_matmuls(spec.train_step, widen=True)), rtol=2e-5, opt_state=False)
 
 
 def test_gpt_offload_matches_reference():
@@ -128,12 +132,7 @@ def test_gpt_offload_matches_reference():
     assert plan.offloaded
     stats = memory_stats(step.lower(state, b).compile())
     assert stats["host_argument"] == pytest.approx(plan.memory.host_bytes)
-    real_state, batch = spec.init_state(jax.random.key(0)), spec.make_batch(jax.random.key(1))
-    ref_state, ref_losses = run_steps(jax.jit(spec.train_step), real_state, batch)
-    out_state, losses = run_steps(step, jax.tree.map(np.asarray, real_state), batch)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert_trees_close(out_state["params"], ref_state["params"], atol=5e-5, what="params")
-    assert_trees_close(out_state["opt_state"], ref_state["opt_state"], atol=1e-6, what="opt_state")
+    _runs_like_reference(spec, step)
 
 
 def test_reports_show_the_host_memory():

@@ -71,36 +71,13 @@ def execute_case(
 
     records = []
     for method, preset, shape, step, (st, b) in runs:
+        record = {"model": case.name, "method": method, "preset": preset, "mesh": shape, "devices": num_devices,
+                  "losses": None, "reference_losses": reference, "max_rel_err": None, "ok": False, "error": None}
         try:
             losses = _losses(step, st, b)
             err = float(np.max(np.abs(np.array(losses) - np.array(reference)) / np.abs(np.array(reference))))
-            records.append(
-                {
-                    "model": case.name,
-                    "method": method,
-                    "preset": preset,
-                    "mesh": shape,
-                    "devices": num_devices,
-                    "losses": losses,
-                    "reference_losses": reference,
-                    "max_rel_err": err,
-                    "ok": err <= LOSS_RTOL,
-                    "error": None,
-                }
-            )
+            record.update(losses=losses, max_rel_err=err, ok=err <= LOSS_RTOL)
         except Exception as e:  # noqa: BLE001 - report and continue with the other methods
-            records.append(
-                {
-                    "model": case.name,
-                    "method": method,
-                    "preset": preset,
-                    "mesh": shape,
-                    "devices": num_devices,
-                    "losses": None,
-                    "reference_losses": reference,
-                    "max_rel_err": None,
-                    "ok": False,
-                    "error": f"{type(e).__name__}: {e}"[:300],
-                }
-            )
+            record["error"] = f"{type(e).__name__}: {e}"[:300]
+        records.append(record)
     return records

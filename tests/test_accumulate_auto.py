@@ -89,3 +89,26 @@ def test_max_over_batch_keeps_the_infeasible_error():
     p = autoshard.parallelize(step, mesh=mesh("8"), memory_budget=2e4, progress=None, solver_time_limit=1.0)
     with pytest.raises(InfeasibleError, match=r"(?s)no plan fits.*cannot help:.*`reduce_max` .* not a sum"):
         p.plan(jnp.ones((16, 512)), jnp.ones((512, 16)))
+
+
+def test_a_bias_does_not_stop_accumulation():
+    """At one example per microbatch jax writes a bias gradient's batch sum as a reshape, so that k
+    cannot be split; the planner must go on to the next k, not give up."""
+
+    def step(params, batch):
+        def loss_fn(p):
+            hidden = jnp.tanh(batch["x"] @ p["w1"] + p["b1"])
+            return jnp.mean((hidden @ p["w2"] - batch["y"]) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        return jax.tree_util.tree_map(lambda w, g: w - 0.1 * g, params, grads), {"loss": loss}
+
+    params, batch = _inputs()
+    params = {**params, "b1": jnp.full((HIDDEN,), 0.01)}
+    p = autoshard.parallelize(step, mesh=mesh("8"), memory_budget=2e5, progress=None, solver_time_limit=1.0)
+    plan = p.plan(params, batch)
+    assert isinstance(plan, PipelinePlan) and 1 < plan.num_microbatches < BATCH
+    out_params, metrics = p(params, batch)
+    ref_params, ref_metrics = jax.jit(step)(params, batch)
+    np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
+    assert_trees_close(out_params, ref_params, rtol=1e-5, atol=5e-5, what="params")

@@ -65,3 +65,18 @@ def test_range_max_matches_slices():
     hi = np.minimum(lo + rng.integers(0, 100, 400), 257)
     want = [values[a:b].max() if b > a else 0.0 for a, b in zip(lo, hi, strict=True)]
     np.testing.assert_allclose(_range_max(values, lo, hi), want)
+
+
+def test_bracketing_stops_before_the_penalty_overflows():
+    """An attempt that never fits used to double the exponent until 2.0**e raised OverflowError."""
+    from autoshard.solver.penalty import _MAX_EXPONENT, _bracket_and_bisect
+
+    tried = []
+
+    def attempt(e):
+        tried.append(e)
+        2.0**e  # what the real attempts compute
+        return False
+
+    _bracket_and_bisect(attempt, lambda: True, 0.0, 2.0, 0.1)
+    assert tried and max(abs(e) for e in tried) <= _MAX_EXPONENT

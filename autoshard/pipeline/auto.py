@@ -71,8 +71,8 @@ def choose_microbatches(make_step, build_args, budget_of, error: InfeasibleError
             entry = step._build(*build_args)
         except InfeasibleError as e:
             return f"k={k}: planner's smallest peak {e.smallest_memory or 0:.4g} bytes"
-        except InputError as e:  # not accumulation-compatible (a max over the batch, BatchNorm): no k helps
-            raise _annotated(error, str(e)) from None
+        except InputError as e:  # not accumulation-compatible at this k (see below)
+            return e
         peaks = compiled_task_peaks(entry.executable)
         peak = max(peaks.values(), default=0.0)
         if peak > budget_of(entry.plan):
@@ -84,14 +84,29 @@ def choose_microbatches(make_step, build_args, budget_of, error: InfeasibleError
         raise _annotated(error, f"the batch size is {batch_size}")
     # Activations shrink with k, parameters and optimizer state do not: when the most microbatches do
     # not fit, fewer will not either. Try them first, so that a hopeless budget costs one plan, not many.
-    most = attempt(candidates[-1])
-    if isinstance(most, str):
-        raise _annotated(error, f"not even {candidates[-1]} microbatches (the batch size) fit ({most})")
-    for k in candidates[:-1]:
+    # A k the step cannot be split into is skipped: microbatches of one example trace differently
+    # (jax writes a bias gradient's sum over a batch of 1 as a reshape); a max over the batch or
+    # BatchNorm rejects every k.
+    most, rejected = None, None
+    for k in reversed(candidates):
         got = attempt(k)
-        if not isinstance(got, str):
+        if isinstance(got, InputError):
+            rejected = got
+            continue
+        most = k, got
+        break
+    if most is None:
+        raise _annotated(error, str(rejected))
+    k_most, got_most = most
+    if isinstance(got_most, str):
+        raise _annotated(error, f"not even {k_most} microbatches fit ({got_most})")
+    for k in candidates:
+        if k >= k_most:
+            break
+        got = attempt(k)
+        if not isinstance(got, (str, InputError)):
             return _chosen(k, *got, error)
-    return _chosen(candidates[-1], *most, error)
+    return _chosen(k_most, *got_most, error)
 
 
 def _chosen(k, step, entry, peaks, error):

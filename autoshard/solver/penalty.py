@@ -183,11 +183,16 @@ def _scored_attempt(red: Reduction, rows: MemoryRows, choice: np.ndarray, e: flo
     return state, ok, seconds
 
 
+# Penalty exponents beyond this make the penalty dominate every cost (or underflow to zero);
+# 2.0**e overflows a float at 1024.
+_MAX_EXPONENT = 256.0
+
+
 def _bracket_and_bisect(attempt, time_left, e: float, step: float, tol: float) -> None:
     """Find the smallest penalty exponent whose attempt fits: step out in doubling steps
     from ``e`` until one attempt fits and one does not, then bisect down to ``tol``."""
     lo, hi = None, None
-    while time_left():
+    while time_left() and abs(e) <= _MAX_EXPONENT:  # beyond it memory alone decides (or 2**e overflows)
         if attempt(e):
             hi = e
             if lo is not None:

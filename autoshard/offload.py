@@ -107,7 +107,7 @@ def transfer_seconds(program, in_specs, mesh, offloaded, host_bandwidth: float) 
 
 
 def plan_with_offload(solve_with, program, ties: dict[int, int], error: InfeasibleError, *, budget: float,
-                      num_devices: int):
+                      num_devices: int, check=None, check_rounds: int = 2):
     """A plan that fits ``budget`` with few offloaded bytes, or a clear error.
 
     Greedy by size: offload the largest leaves until their bytes, spread over ``num_devices``,
@@ -115,15 +115,41 @@ def plan_with_offload(solve_with, program, ties: dict[int, int], error: Infeasib
     as many, then bisect back for up to ``REFINE_SOLVES`` solves. A few solves, not an exact minimum.
 
     Args:
-      solve_with: ``offloaded -> Plan``, raising :class:`InfeasibleError` when that set does not fit.
+      solve_with: ``(offloaded, limit) -> Plan``, raising :class:`InfeasibleError` when that set
+        does not fit ``limit`` bytes.
       error: why no plan fits without offload; its ``smallest_memory`` gives the shortfall.
       budget: device bytes the plan must fit.
       num_devices: devices a fully sharded leaf is spread over.
+      check: ``plan -> bytes``, XLA's compiled device peak. When it exceeds ``budget`` the search
+        runs again against a limit shrunk by the ratio, at most ``check_rounds`` times; a plan
+        whose compiled peak stays over the budget is never returned.
     """
     candidates = offload_candidates(program, ties)
     if not candidates:
         raise error
-    shortfall = (error.smallest_memory or math.inf) - budget
+    limit, compiled = budget, None
+    for _ in range(1 + (check_rounds if check is not None else 0)):
+        try:
+            plan = _search(solve_with, program, candidates, error, limit, budget, num_devices)
+        except InfeasibleError:
+            if compiled is None:
+                raise
+            break
+        if check is None:
+            return plan
+        compiled = check(plan)
+        if compiled <= budget:
+            return plan
+        limit *= budget / compiled
+    raise InfeasibleError(
+        f"no plan fits memory_budget={budget:.4g} bytes per device with optimizer state in host memory: "
+        f"the best offload plan found compiles to a device peak of {compiled:.4g} bytes (XLA keeps more "
+        f"alive than the planner's memory row). Fix: raise memory_budget (a plan at {compiled:.4g} "
+        "fits), or use more devices.", smallest_memory=compiled)
+
+
+def _search(solve_with, program, candidates, error, limit, budget, num_devices):
+    shortfall = (error.smallest_memory or math.inf) - limit
     k, covered = 0, 0.0
     while k < len(candidates) and covered < shortfall:
         aval = program.avals[program.graph.invars[candidates[k]]]
@@ -133,7 +159,7 @@ def plan_with_offload(solve_with, program, ties: dict[int, int], error: Infeasib
     fails = 0  # the most leaves known not to fit
     while True:
         try:
-            best = solve_with(candidates[:k])
+            best = solve_with(candidates[:k], limit)
         except InfeasibleError as e:
             if k < len(candidates):
                 fails, k = k, min(2 * k, len(candidates))
@@ -150,7 +176,7 @@ def plan_with_offload(solve_with, program, ties: dict[int, int], error: Infeasib
             break
         mid = (fails + k) // 2
         try:
-            best, k = solve_with(candidates[:mid]), mid
+            best, k = solve_with(candidates[:mid], limit), mid
         except InfeasibleError:
             fails = mid
     return best

@@ -508,7 +508,8 @@ def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float,
 
 
 def compiled_peak(program: CapturedProgram, plan, groups, donated=()) -> float:
-    """Lower and compile a plan of a (rewritten) program from abstract inputs; XLA's peak bytes per device."""
+    """Lower and compile a plan of a (rewritten) program from abstract inputs; XLA's peak bytes per device
+    (device memory only: host-offloaded state is in ``memory_stats``'s ``host_*`` keys)."""
     import jax
     from jax.sharding import NamedSharding
 
@@ -516,9 +517,16 @@ def compiled_peak(program: CapturedProgram, plan, groups, donated=()) -> float:
     from autoshard.lower import make_flat_function
 
     mesh, info = plan.mesh, plan.mesh_info
-    flat = make_flat_function(program, plan.value_specs, plan.operand_specs, mesh, plan.out_specs, groups)
-    in_sh = [NamedSharding(mesh, s.to_partition_spec(info)) for s in plan.in_specs]
-    out_sh = [NamedSharding(mesh, s.to_partition_spec(info)) for s in plan.out_specs]
+    host_in, host_out = frozenset(plan.host_inputs), frozenset(plan.host_outputs)
+    flat = make_flat_function(program, plan.value_specs, plan.operand_specs, mesh, plan.out_specs, groups,
+                              host_inputs=host_in, host_outputs=host_out)
+
+    def sharding(spec, host):
+        s = NamedSharding(mesh, spec.to_partition_spec(info))
+        return s.with_memory_kind("pinned_host") if host else s
+
+    in_sh = [sharding(s, i in host_in) for i, s in enumerate(plan.in_specs)]
+    out_sh = [sharding(s, j in host_out) for j, s in enumerate(plan.out_specs)]
     args = [jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype, sharding=s)
             for v, s in zip(program.graph.invars, in_sh, strict=True)]
     jitted = jax.jit(flat, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=tuple(sorted(donated)))

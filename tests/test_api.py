@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import autoshard
+from autoshard.hlo import memory_stats
 import autoshard.api as autoshard_api
 import autoshard.solver as autoshard_solver
 from autoshard.errors import InfeasibleError, InputError, MeshError, PlanError
@@ -306,11 +307,18 @@ def test_infeasible_memory_budget_reports_the_smallest_feasible(mesh):
     assert smallest is not None and smallest > 1000
     assert f"{smallest:.4g}" in str(info.value)
 
-    # The budget it names is enough.
-    g = autoshard.parallelize(_mlp, mesh=mesh, memory_budget=smallest)
-    # The solver's memory row meets it (plan.cost.peak_memory_bytes is the finer estimate of autoshard.memory).
-    assert g.plan(params, x).stats["solver_peak"] <= smallest * (1 + 1e-9)
-    _close(g(params, x), jax.jit(_mlp)(params, x))
+    # The budget it names is the solver's memory row's floor. At a few KB that row misses most of
+    # what XLA allocates, so the planner either returns a plan whose compiled peak fits, or says
+    # that XLA's peak of every plan it found is higher, and names it; it never returns one over.
+    g = autoshard.parallelize(_mlp, mesh=mesh, memory_budget=smallest, accumulate=False)
+    try:
+        g.plan(params, x)
+    except InfeasibleError as e:
+        assert "XLA's compiled peak" in str(e) and e.smallest_memory > smallest
+        assert f"{e.smallest_memory:.4g}" in str(e)
+    else:
+        assert memory_stats(g.lower(params, x).compile())["peak"] <= smallest
+        _close(g(params, x), jax.jit(_mlp)(params, x))
 
 
 def _elementwise(w):

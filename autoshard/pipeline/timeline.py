@@ -57,14 +57,12 @@ class Timeline:
 
     def save_png(self, path: str) -> str:
         """Draw a Gantt chart (one row per stage; forward light, backward dark, update grey)."""
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
+        try:  # a bare Figure, not pyplot: no global backend switch (inline notebook plots keep working)
+            from matplotlib.figure import Figure
         except ImportError as e:  # pragma: no cover - matplotlib is optional
             raise ImportError("Timeline.save_png needs matplotlib: pip install matplotlib") from e
-        fig, ax = plt.subplots(figsize=(10, 0.6 * self.num_stages + 1.2))
+        fig = Figure(figsize=(10, 0.6 * self.num_stages + 1.2))
+        ax = fig.subplots()
         colors = {"F": "#8ecae6", "B": "#219ebc", "R": "#adb5bd"}
         for ph, s, m, start, end in self.events:
             ax.barh(s, (end - start) * 1e3, left=start * 1e3, color=colors[ph], edgecolor="black", linewidth=0.4)
@@ -76,7 +74,6 @@ class Timeline:
         ax.set_title(f"pipeline timeline (bubble {self.bubble_fraction:.0%})")
         fig.tight_layout()
         fig.savefig(path, dpi=100)
-        plt.close(fig)
         return path
 
 

@@ -412,7 +412,7 @@ def _combine_all_reduces(nodes, reads, made, size, reduced) -> None:
                 group_of[v] = len(groups) - 1
             else:
                 group_of[v] = dep
-    fake = min([v for v in size if v < 0], default=0) - 1
+    fake = min([v for v in size if v < 0] + [-1]) - 1  # below the step's start node (-1) and every fake value
     for members in groups:
         if len(members) < 2:
             continue

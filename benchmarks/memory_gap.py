@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     import jax
 
     families = None if args.cases is None else set(args.cases.split(","))
-    rows = []
+    rows, refused = [], []
     print("| model | mesh | donate | predicted (MB) | compiled (MB) | ratio | XLA temp (MB) |")
     print("|---|---|---|---|---|---|---|")
     for family, config, batch in MODELS:
@@ -73,11 +73,20 @@ def main(argv=None) -> int:
                 rows.append(r)
                 print(f"| {r['model']} | {r['mesh']} | {'yes' if donate else 'no'} | {r['predicted'] / 1e6:.3f} | "
                       f"{r['compiled'] / 1e6:.3f} | {r['ratio']:.2f} | {r['xla']['temp'] / 1e6:.3f} |", flush=True)
+    from autoshard import InfeasibleError
+
     for family, config, batch, shape, budget in BUDGETED:
         if families is not None and family not in families:
             continue
         t0 = time.perf_counter()
-        r = measure(family, config, batch, shape, True, budget=budget, cluster="h100-nvlink")
+        try:
+            r = measure(family, config, batch, shape, True, budget=budget, cluster="h100-nvlink")
+        except InfeasibleError as e:  # the planner refuses a budget no compiled plan met
+            print(f"| {family}/{config}/b{batch} budget {budget:.3g} | {'x'.join(map(str, shape))} | yes | "
+                  f"refused: lowest compiled peak {e.smallest_memory / 1e6:.3f} MB | | | |", flush=True)
+            refused.append({"model": f"{family}/{config}/b{batch}", "budget": budget,
+                            "smallest_memory": e.smallest_memory, "error": str(e).split(chr(10))[0]})
+            continue
         r["seconds"] = time.perf_counter() - t0
         rows.append(r)
         print(f"| {r['model']} budget {budget:.3g} | {r['mesh']} | yes | {r['predicted'] / 1e6:.3f} | "
@@ -88,7 +97,7 @@ def main(argv=None) -> int:
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump({"jax": jax.__version__, "rows": rows}, f, indent=2)
+            json.dump({"jax": jax.__version__, "rows": rows, "refused": refused}, f, indent=2)
     return 0
 
 

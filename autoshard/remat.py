@@ -375,11 +375,6 @@ def apply_remat(program: CapturedProgram, choice: RematChoice | None, ties=None)
     return rematerialize(program, units[:choice.units])
 
 
-# Stop the remat search after this many candidates in a row that fit nowhere and do not lower
-# the smallest peak of the plan without remat.
-REMAT_STALL = 2
-
-
 def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float, flops_per_second: float,
                  max_units: int = DEFAULT_MAX_UNITS, check=None, check_rounds: int = 2):
     """Pass 3: the remat set and sharding plan of least predicted step time within the budget.
@@ -408,10 +403,7 @@ def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float,
     once a floor (the unconstrained optimum without remat, plus the first ``k`` segments'
     matmuls on all devices at full speed) reaches the best plan found. The floor is exact
     for the recompute's compute time; it treats the reshards the redirected backward reads
-    pay as free, so it prunes, it does not prove. While nothing fits, it also stops after
-    ``REMAT_STALL`` candidates in a row whose smallest peak is no lower than without remat
-    (the binding peak lies where recompute frees nothing, e.g. in the optimizer update);
-    that is a heuristic, and host offload gets its turn next.
+    pay as free, so it prunes, it does not prove.
 
     ``check(plan, program, groups) -> bytes``, when given, compiles the chosen candidate and
     returns XLA's peak per device. When that exceeds ``budget`` (XLA's schedule keeps more
@@ -454,8 +446,6 @@ def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float,
         floor = first.stats["unconstrained_objective"] if first is not None else \
             getattr(errors[(0, limit)], "unconstrained_objective", 0.0)
         best_k = 0 if first is not None else None
-        smallest0 = errors[(0, limit)].smallest_memory if first is None else None
-        stalled = 0
         for k in range(1, n + 1):
             bound = floor + sum(u.matmul_flops for u in units[:k]) / flops_per_second
             if best_k is not None and bound >= plans[(best_k, limit)].cost.objective:
@@ -463,13 +453,6 @@ def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float,
             p = attempt(k, limit)
             if p is not None and (best_k is None or p.cost.objective < plans[(best_k, limit)].cost.objective):
                 best_k = k
-            # Nothing fits yet and recomputing more segments does not lower the smallest peak:
-            # the peak is not where remat acts (e.g. the optimizer update), so stop searching.
-            smallest = errors[(k, limit)].smallest_memory if p is None else None
-            stalled = stalled + 1 if (best_k is None and smallest0 is not None and smallest is not None
-                                      and smallest >= smallest0 * (1 - 1e-3)) else 0
-            if stalled >= REMAT_STALL:
-                break
         return best_k
 
     limit, compiled, chosen = budget, None, None

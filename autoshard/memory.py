@@ -339,10 +339,10 @@ def _lowering_buffers(graph: OpGraph, materialised: set, nbytes) -> tuple[list, 
             for x, spec, kernel in ((op.inputs[0], dn.lhs_spec, False), (op.inputs[1], dn.rhs_spec, True)):
                 if isinstance(x, int) and (x in materialised or x not in producer) and _conv_copy(
                         spec, nbytes.shape(x), kernel):
-                    if x in producer:
-                        transient[t] = transient.get(t, 0.0) + nbytes(x)
-                    else:
-                        extras.append((nbytes(x), None, t))
+                    # The copy is made right after the operand (XLA fuses the transpose into its
+                    # producer): a forward activation read by a backward convolution is kept, in
+                    # the convolution's layout, until then.
+                    extras.append((nbytes(x), producer.get(x), t))
             y = op.outputs[0]
             if _conv_copy(dn.out_spec, nbytes.shape(y), False):
                 transient[t] = transient.get(t, 0.0) + nbytes(y)

@@ -92,9 +92,18 @@ class _ShardBytes:
         return self(v) / max(np.dtype(self.program.avals[v].dtype).itemsize, 1)
 
 
+# Ops whose sharding rule is not a follower but which XLA fuses into their readers like any
+# cheap elementwise op (a broadcast is recomputed per element, not written out).
+_FUSED_SOURCES = frozenset(("broadcast_in_dim", "iota"))
+
+
 def _fusible(op) -> bool:
+    if op.body is not None:
+        return False
+    if op.name in _FUSED_SOURCES:
+        return True
     entry = lookup_rule(op.name)
-    return entry is not None and entry.follows and op.body is None
+    return entry is not None and entry.follows
 
 
 # Reductions take their producers into the same fusion (XLA's input fusion), but their own

@@ -1,6 +1,7 @@
 """Predicted vs compiled peak memory per device, across the model zoo.
 
     python -m benchmarks.memory_gap [--cases mlp,gpt] [--out benchmarks/results/memory_gap.json]
+    python -m benchmarks.memory_gap --case gpt/125M/16/8x1/h100-nvlink [--case ...]   # full-size spot checks
 
 For each test model and mesh, with and without donating the state, it plans the
 train step, compiles it, and prints ``plan.memory.peak_bytes`` beside XLA's peak
@@ -53,11 +54,22 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default=None, help="comma-separated families (default: all)")
     ap.add_argument("--out", default="benchmarks/results/memory_gap.json")
+    ap.add_argument("--case", action="append", default=[],
+                    help="family/config/batch/mesh/cluster, e.g. wresnet/250M/32/8x1/h100-nvlink: plan and compile "
+                         "just these (state donated, the cluster's memory as budget) and print the ratio")
     args = ap.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     import jax
 
+    if args.case:
+        for case in args.case:
+            family, config, batch, mesh, cluster = case.split("/")
+            shape = tuple(int(d) for d in mesh.split("x"))
+            r = measure(family, config, int(batch), shape, True, cluster=cluster)
+            print(f"{case}: predicted {r['predicted'] / 2**30:.3f} GiB, compiled {r['compiled'] / 2**30:.3f} GiB, "
+                  f"compiled / predicted {r['compiled'] / r['predicted']:.3f}", flush=True)
+        return 0
     families = None if args.cases is None else set(args.cases.split(","))
     rows, refused = [], []
     print("| model | mesh | donate | predicted (MB) | compiled (MB) | ratio | XLA temp (MB) |")

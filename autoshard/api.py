@@ -572,31 +572,26 @@ def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, t
     under a budget shrunk by the ratio (at most twice) before giving up with InfeasibleError."""
     cluster = _default_cluster(mesh) if cluster is None else cluster
     budget = memory_budget if memory_budget is not None else cluster.memory
-    from autoshard.remat import compiled_peak
+    from autoshard.remat import compiled_peak, fit_compiled
 
-    limit, smallest = memory_budget, math.inf  # limit None: the cluster's memory, named so in errors
-    for round_ in range(3):
-        try:
-            plan = _plan_within(program, mesh, cluster, limit, hints, donated, ties, time_limit, timings,
-                                tie_layers, report, remat)
-        except InfeasibleError:
-            if round_ == 0:
-                raise
-            break  # its smallest peak is the memory row's, under a shrunk budget: not comparable
+    def check(plan):
         if plan.remat is not None or plan.host_inputs or plan.memory.peak_bytes <= CHECK_ABOVE * budget:
-            return plan
-        compiled = compiled_peak(program, plan, (), donated)
-        plan.stats["compiled_peak"] = compiled
-        if compiled <= budget:
-            return plan
-        smallest = min(smallest, compiled)
-        limit = (limit if limit is not None else budget) * budget / compiled
-    raise InfeasibleError(
-        f"no plan fits memory budget {budget:.4g} bytes per device on mesh "
-        f"{dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))}: the planner's memory row says one "
-        f"does, but XLA's compiled peak of each plan found is higher (the lowest, {smallest:.4g} bytes; "
-        f"re-planned under a shrunk budget). Fix: raise memory_budget to about {smallest:.4g}, or use more "
-        "devices.", smallest_memory=smallest)
+            return None  # remat and offload plans were checked by their searches
+        plan.stats["compiled_peak"] = compiled_peak(program, plan, (), donated)
+        return plan.stats["compiled_peak"]
+
+    def refuse(smallest):
+        return InfeasibleError(
+            f"no plan fits memory budget {budget:.4g} bytes per device on mesh "
+            f"{dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))}: the planner's memory row says one "
+            f"does, but XLA's compiled peak of each plan found is higher (the lowest, {smallest:.4g} bytes; "
+            f"re-planned under a shrunk budget). Fix: raise memory_budget to about {smallest:.4g}, or use more "
+            "devices.", smallest_memory=smallest)
+
+    # limit None: the cluster's memory, named so in errors
+    return fit_compiled(lambda limit: _plan_within(program, mesh, cluster, limit, hints, donated, ties, time_limit,
+                                                   timings, tie_layers, report, remat),
+                        check, budget, memory_budget, refuse)
 
 
 def _plan_within(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings, tie_layers,

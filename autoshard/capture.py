@@ -217,6 +217,19 @@ class _Builder:
             ops.append(op)
 
 
+def index_ops(ops) -> tuple[dict, dict]:
+    """``(producer, uses)`` of a flat op list: value id -> ``(op index, output position)``, and value
+    id -> every ``(op index, operand position)`` that reads it (the fields of :class:`CapturedProgram`)."""
+    producer, uses = {}, {}
+    for op in ops:
+        for k, v in enumerate(op.outputs):
+            producer[v] = (op.index, k)
+        for k, x in enumerate(op.inputs):
+            if isinstance(x, int):
+                uses.setdefault(x, []).append((op.index, k))
+    return producer, uses
+
+
 def capture_graph(fun, args, *, in_paths=None) -> CapturedProgram:
     """Trace ``fun(*args)`` (arrays or ``ShapeDtypeStruct``s) into a :class:`CapturedProgram`."""
     flat_args, in_tree = jax.tree_util.tree_flatten(args)
@@ -231,13 +244,7 @@ def capture_graph(fun, args, *, in_paths=None) -> CapturedProgram:
     out_tree = jax.tree_util.tree_structure(out_shape)
     b = _Builder()
     graph = b.graph(closed.jaxpr, closed.consts, 1)
-    producer, uses = {}, {}
-    for op in b.ops:
-        for k, v in enumerate(op.outputs):
-            producer[v] = (op.index, k)
-        for k, x in enumerate(op.inputs):
-            if isinstance(x, int):
-                uses.setdefault(x, []).append((op.index, k))
+    producer, uses = index_ops(b.ops)
     return CapturedProgram(
         graph=graph,
         avals=tuple(b.avals),

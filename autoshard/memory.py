@@ -537,9 +537,8 @@ def estimate_memory(program: CapturedProgram, value_specs: dict, mesh: MeshInfo,
         reads[scheduled(last_reader)] = reads[scheduled(last_reader)] + (fake,)
     nodes = [start] + nodes
     if reduced:
-        inplace.update({n: False for n in nodes if n < 0})
         _combine_all_reduces(nodes, reads, made, size, reduced)
-        inplace.update({n: False for n in nodes if n not in inplace})
+        inplace.update({n: False for n in nodes if n not in inplace})  # the combined all-reduces
     best = _sweep(nodes, reads, made, size, inplace, transient, alloc_at, kept)
     order = _list_schedule(nodes, reads, made, size, kept, alloc_at)
     best = min(best, _sweep(order, reads, made, size, inplace, transient, alloc_at, kept), key=lambda r: r[0])

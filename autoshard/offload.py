@@ -124,28 +124,20 @@ def plan_with_offload(solve_with, program, ties: dict[int, int], error: Infeasib
         runs again against a limit shrunk by the ratio, at most ``check_rounds`` times; a plan
         whose compiled peak stays over the budget is never returned.
     """
+    from autoshard.remat import fit_compiled
+
     candidates = offload_candidates(program, ties)
     if not candidates:
         raise error
-    limit, compiled = budget, None
-    for _ in range(1 + (check_rounds if check is not None else 0)):
-        try:
-            plan = _search(solve_with, program, candidates, error, limit, budget, num_devices)
-        except InfeasibleError:
-            if compiled is None:
-                raise
-            break
-        if check is None:
-            return plan
-        compiled = check(plan)
-        if compiled <= budget:
-            return plan
-        limit *= budget / compiled
-    raise InfeasibleError(
-        f"no plan fits memory_budget={budget:.4g} bytes per device with optimizer state in host memory: "
-        f"the best offload plan found compiles to a device peak of {compiled:.4g} bytes (XLA keeps more "
-        f"alive than the planner's memory row). Fix: raise memory_budget (a plan at {compiled:.4g} "
-        "fits), or use more devices.", smallest_memory=compiled)
+    return fit_compiled(
+        lambda limit: _search(solve_with, program, candidates, error, limit, budget, num_devices),
+        check if check is not None else (lambda plan: None), budget, budget,
+        lambda compiled: InfeasibleError(
+            f"no plan fits memory_budget={budget:.4g} bytes per device with optimizer state in host memory: "
+            f"the best offload plan found compiles to a device peak of {compiled:.4g} bytes (XLA keeps more "
+            f"alive than the planner's memory row). Fix: raise memory_budget (a plan at {compiled:.4g} "
+            "fits), or use more devices.", smallest_memory=compiled),
+        rounds=check_rounds if check is not None else 0)
 
 
 def _search(solve_with, program, candidates, error, limit, budget, num_devices):

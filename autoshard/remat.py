@@ -32,7 +32,7 @@ import math
 
 import numpy as np
 
-from autoshard.capture import CapturedProgram, Const, Op, OpGraph
+from autoshard.capture import CapturedProgram, Const, Op, OpGraph, index_ops
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -346,13 +346,7 @@ def rematerialize(program: CapturedProgram, units) -> tuple[CapturedProgram, tup
             all_ops[op.index] = op
         new_top.append(op)
     graph = OpGraph(program.graph.invars, tuple(new_top), program.graph.outvars)  # residuals are never outputs
-    producer, uses = {}, {}
-    for op in all_ops:
-        for k, v in enumerate(op.outputs):
-            producer[v] = (op.index, k)
-        for k, x in enumerate(op.inputs):
-            if isinstance(x, int):
-                uses.setdefault(x, []).append((op.index, k))
+    producer, uses = index_ops(all_ops)
     out = dataclasses.replace(program, graph=graph, avals=tuple(avals), ops=tuple(all_ops), producer=producer,
                               uses=uses)
     return out, tuple(groups)
@@ -514,3 +508,32 @@ def compiled_peak(program: CapturedProgram, plan, groups, donated=()) -> float:
             for v, s in zip(program.graph.invars, in_sh, strict=True)]
     jitted = jax.jit(flat, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=tuple(sorted(donated)))
     return memory_stats(jitted.lower(*args).compile())["peak"]
+
+
+def fit_compiled(search, check, budget: float, limit, refuse, rounds: int = 2):
+    """Re-plan until XLA's compiled peak fits: the loop the memory levers share.
+
+    ``search(limit) -> plan`` plans under ``limit`` (None: the default budget ``budget``) and
+    raises :class:`~autoshard.errors.InfeasibleError` when nothing fits; ``check(plan)`` is the
+    plan's compiled device peak, or None when it need not be compiled. A plan over ``budget``
+    is planned again under the limit shrunk by the ratio, at most ``rounds`` times; when none
+    fits, ``refuse(lowest compiled peak seen)`` is raised. A search that fails after the first
+    round ends the loop (its smallest peak is the memory row's, under a shrunk budget)."""
+    import math
+
+    from autoshard.errors import InfeasibleError
+
+    smallest = math.inf
+    for round_ in range(1 + rounds):
+        try:
+            plan = search(limit)
+        except InfeasibleError:
+            if round_ == 0:
+                raise
+            break
+        compiled = check(plan)
+        if compiled is None or compiled <= budget:
+            return plan
+        smallest = min(smallest, compiled)
+        limit = (limit if limit is not None else budget) * budget / compiled
+    raise refuse(smallest)

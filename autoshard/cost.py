@@ -7,6 +7,7 @@ on one mesh axis with ``n`` devices, ``B`` bytes and link cost ``α + β·bytes`
 - all-reduce     = α + 2β·(n−1)/n·B     (B: the buffer per device)
 - reduce-scatter = α + β·(n−1)/n·B      (B: the buffer before scattering)
 - all-to-all     = α + β·(n−1)/n·B·p    (B: the buffer per device; p the penalty)
+- permute        = α + β·B              (B: the buffer per device)
 
 A collective over several axes runs hierarchically, fastest axis first (see
 ``CostModel.collective_time``); an all-to-all over several axes is one ring at the
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+
+import numpy as np
 
 from autoshard.spec import MeshInfo, ShardingSpec
 
@@ -30,7 +33,7 @@ ELEMENTWISE_FLOPS_PER_ELEMENT = 1.0
 class Collective:
     """One collective a strategy or a reshard performs: for reports and fidelity checks."""
 
-    kind: str  # "all-reduce" | "all-gather" | "reduce-scatter" | "all-to-all"
+    kind: str  # "all-reduce" | "all-gather" | "reduce-scatter" | "all-to-all" | "collective-permute"
     axes: tuple[int, ...]
     bytes: float  # per-device bytes as the formulas above define B
 
@@ -89,6 +92,9 @@ class CostModel:
         if kind == "all-to-all":
             n, alpha, beta = self._ring(axes)
             return alpha + beta * (n - 1) / n * c.bytes * ALL_TO_ALL_PENALTY
+        if kind == "collective-permute":
+            _, alpha, beta = self._ring(axes)
+            return max(self.alpha[a] for a in axes) + beta * c.bytes
         if kind not in ("all-reduce", "all-gather", "reduce-scatter"):
             raise ValueError(f"unknown collective kind {c.kind!r}")
         axes.sort(key=lambda a: (self.beta[a], a))
@@ -133,36 +139,131 @@ def _per_axis(value, ndim: int, field: str) -> list[float]:
 
 
 def _reshard(model: CostModel, shape, itemsize, src: ShardingSpec, dst: ShardingSpec):
-    """Alpa-style resharding: per mesh axis, gather what ``dst`` does not shard,
-    all-to-all what moves to another dimension, slice (free) what ``dst`` adds.
+    """The collectives XLA's SPMD partitioner emits to move an array from ``src`` to ``dst``.
 
-    A move that also changes the order of axes on one dimension is priced as a
-    full gather followed by a free slice, which is what XLA falls back to."""
-    if src == dst:
-        return 0.0, ()
+    Alpa prices a reshard per mesh axis (gather what ``dst`` drops, all-to-all
+    what moves, slice what it adds). XLA's partitioner also depends on how the
+    tiles of each dimension nest, and this follows what it compiles (checked on
+    every pair of layouts of a rank-2 and a rank-3 array on a 2×4 mesh, see
+    tests/test_cost.py):
+
+    1. ``dst`` refines ``src`` on every dimension: a slice, free where every
+       device's new tile lies in its old one, else one collective-permute of
+       the new shards (``(b,) -> (a, b)``, axes reordered, ``(a,) -> (b,)``).
+    2. ``src`` refines ``dst``: an all-gather per dimension, last dimension
+       first, each moving the buffer it produces; first a permute of the old
+       shards where they are not nested in the new tiles (``(a, b) -> (b,)``).
+    3. Otherwise: slice first what ``dst`` adds, then one all-to-all for the
+       axes that change dimension (they must be the minor end of their source
+       dimension, else XLA replicates the whole array and slices), then
+       gather what ``dst`` drops as in 2, then a permute if the axis order of
+       a dimension still differs.
+    """
     mesh = model.mesh
+    active = set(mesh.active_axes)
+    s = tuple(tuple(a for a in d if a in active) for d in src.dims)
+    d = tuple(tuple(a for a in x if a in active) for x in dst.dims)
+    if s == d:
+        return 0.0, ()
     total = math.prod(shape) * itemsize
-    gathers, moves = [], []
-    for a in mesh.active_axes:
-        s, d = src.dim_of(a), dst.dim_of(a)
-        if s == d:
-            continue
-        if s is not None and d is None:
-            gathers.append(a)
-        elif s is not None:
-            moves.append(a)
-    # Axis order within one dimension must agree for the kept axes; otherwise gather them too.
-    for i, (sd, dd) in enumerate(zip(src.dims, dst.dims, strict=True)):
-        kept_s = [a for a in sd if a not in gathers and a not in moves]
-        kept_d = [a for a in dd if a in kept_s]
-        if kept_s != kept_d or dd[: len(kept_s)] != tuple(kept_s):
-            gathers.extend(a for a in kept_s if a not in gathers)
-            moves = [a for a in moves if a not in sd]
-    collectives = []
-    sharded = set(src.used_axes)
-    if gathers:
-        sharded -= set(gathers)
-        collectives.append(Collective("all-gather", tuple(sorted(gathers)), total / mesh.axes_size(sharded)))
-    if moves:
-        collectives.append(Collective("all-to-all", tuple(sorted(moves)), total / mesh.axes_size(sharded)))
-    return sum(model.collective_time(c) for c in collectives), tuple(collectives)
+
+    def shard(dims) -> float:
+        return total / math.prod(mesh.axes_size(x) for x in dims)
+
+    def axes_of(*specs) -> tuple[int, ...]:
+        return tuple(sorted({a for dims in specs for x in dims for a in x}))
+
+    ns, nd = [mesh.axes_size(x) for x in s], [mesh.axes_size(x) for x in d]
+    colls: list[Collective] = []
+    if all(b % a == 0 for a, b in zip(ns, nd, strict=True)):
+        if not _nested(d, s, mesh.shape):
+            colls.append(Collective("collective-permute", axes_of(s, d), shard(d)))
+    elif all(a % b == 0 for a, b in zip(ns, nd, strict=True)):
+        colls.extend(_gather(s, d, mesh.shape, shard, axes_of))
+    else:
+        colls.extend(_mixed(s, d, mesh.shape, shard, axes_of))
+    return sum(model.collective_time(c) for c in colls), tuple(colls)
+
+
+def _tiles(dims, shape) -> list:
+    """Per dimension, the tile index of every device (devices in mesh order)."""
+    coords = np.indices(shape).reshape(len(shape), -1)
+    out = []
+    for axes in dims:
+        idx = np.zeros(coords.shape[1], dtype=np.int64)
+        for a in axes:
+            idx = idx * shape[a] + coords[a]
+        out.append(idx)
+    return out
+
+
+def _nested(fine, coarse, shape) -> bool:
+    """Whether every device's tile under ``fine`` lies inside its own tile under ``coarse``."""
+    for f, c, nf, nc in zip(_tiles(fine, shape), _tiles(coarse, shape),
+                            [math.prod(shape[a] for a in x) for x in fine],
+                            [math.prod(shape[a] for a in x) for x in coarse], strict=True):
+        if not np.array_equal(f // (nf // nc), c):
+            return False
+    return True
+
+
+def _gather(cur, dst, shape, shard, axes_of) -> list[Collective]:
+    """Coarsen ``cur`` to ``dst`` (which it refines): a permute where the tiles do not nest,
+    then one all-gather per dimension, last first, of the buffer each produces."""
+    colls = []
+    if not _nested(cur, dst, shape):
+        colls.append(Collective("collective-permute", axes_of(cur, dst), shard(cur)))
+    cur = list(cur)
+    for i in reversed(range(len(cur))):
+        if cur[i] != dst[i]:
+            axes = tuple(sorted(set(cur[i]) - set(dst[i]))) or cur[i]
+            cur[i] = dst[i]
+            colls.append(Collective("all-gather", axes, shard(cur)))
+    return colls
+
+
+def _mixed(s, d, shape, shard, axes_of) -> list[Collective]:
+    """Gather, slice, all-to-all, permute: case 3 of :func:`_reshard`."""
+    dim_in = {a: i for i, x in enumerate(d) for a in x}
+    used = {a for x in s for a in x}
+    moving = [(i, a) for i, x in enumerate(s) for a in x if dim_in.get(a, i) != i]
+    sources = {i for i, _ in moving}
+    gathered = {i for i, x in enumerate(s) for a in x if a not in dim_in}
+    fresh = any(a not in used for x in d for a in x)
+
+    def replicate_then_slice():
+        return _gather(s, tuple(() for _ in s), shape, shard, axes_of)
+
+    pairs = {(i, dim_in[a]) for i, a in moving}
+    if gathered and (fresh or gathered & sources):
+        return replicate_then_slice()
+    if len({i for i, _ in pairs}) < len(pairs) or len({j for _, j in pairs}) < len(pairs):
+        return replicate_then_slice()  # axes leaving one dimension for two, or joining one from two
+    reorder = False
+    for i in sources:
+        after = s[i][min(s[i].index(a) for j, a in moving if j == i):]
+        reorder |= any(dim_in.get(a, i) == i for a in after)  # a kept axis minor to a moving one
+    colls = []
+    cur = [list(x) for x in s]
+    if gathered:  # on other dimensions than the moving axes: gathered first
+        now = tuple(s)
+        keep = tuple(tuple(a for a in x if a in dim_in) for x in now)
+        colls.extend(_gather(now, keep, shape, shard, axes_of))
+        cur = [list(x) for x in keep]
+
+    def slice_onto(dims):
+        for i in dims:
+            cur[i].extend(a for a in d[i] if a not in used and a not in cur[i])
+
+    slice_onto(i for i in range(len(d)) if i not in sources)  # XLA slices first, but where an axis leaves
+    for i, a in moving:
+        cur[i].remove(a)
+        cur[dim_in[a]].append(a)
+    for i, _ in sorted(pairs):  # one all-to-all per pair of dimensions
+        colls.append(Collective("all-to-all", tuple(sorted(a for k, a in moving if k == i)), shard(cur)))
+    if reorder:
+        colls.append(Collective("collective-permute", tuple(sorted(a for _, a in moving)), shard(cur)))
+    slice_onto(range(len(d)))
+    if tuple(tuple(x) for x in cur) != d and not (colls and colls[-1].kind == "collective-permute"):
+        colls.append(Collective("collective-permute", axes_of(cur, d), shard(d)))
+    return colls

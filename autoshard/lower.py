@@ -29,6 +29,18 @@ def _constrainable(x) -> bool:
     return dtype is not None and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended) and np.ndim(x) > 0
 
 
+_CONTRACTIONS = ("dot_general", "conv_general_dilated")
+
+
+def _contracted_dims(op) -> tuple[int, ...]:
+    """The dimensions of a contraction's left operand that it sums over."""
+    if op.name == "dot_general":
+        return tuple(op.params["dimension_numbers"][0][0])
+    if op.params["feature_group_count"] == 1 and op.params["batch_group_count"] == 1:
+        return (op.params["dimension_numbers"].lhs_spec[1],)
+    return ()
+
+
 class _Evaluator:
     def __init__(self, program: CapturedProgram, value_specs, operand_specs, mesh, info: MeshInfo,
                  remat_groups=()):
@@ -88,9 +100,29 @@ class _Evaluator:
                     outs = op.primitive.bind(*invals, **op.primitive.get_bind_params(op.params))
                 if not op.primitive.multiple_results:
                     outs = (outs,)
+            if op.name in _CONTRACTIONS:
+                outs = (self.constrain(outs[0], self.summed_spec(op)),)
             for v, o in zip(op.outputs, outs, strict=True):
                 env[v] = self.constrain(o, self.value_specs.get(v))
         return [x.value if isinstance(x, Const) else env[x] for x in graph.outvars]
+
+    def summed_spec(self, op) -> ShardingSpec | None:
+        """The layout of a contraction's output once its partial sums are added, where its planned
+        layout scatters them within a dimension that other mesh axes already split.
+
+        XLA's partitioner reaches such a layout (``(b, k)`` on one dimension, ``k`` the contracted
+        axis) from the partial sums with an all-reduce and an all-gather over ``b``. Pinned to the
+        summed layout first, it all-reduces (or reduce-scatters) and slices, as the plan priced it."""
+        out = self.value_specs.get(op.outputs[0])
+        lhs = self.operand_specs.get((op.index, 0))
+        if lhs is None and not isinstance(op.inputs[0], Const):
+            lhs = self.value_specs.get(op.inputs[0])
+        if out is None or lhs is None:
+            return None
+        summed = {a for d in _contracted_dims(op) for a in lhs.dims[d]}
+        if not any(summed.intersection(d) and not summed.issuperset(d) for d in out.dims):
+            return None
+        return ShardingSpec(tuple(tuple(a for a in d if a not in summed) for d in out.dims))
 
     def run_scan(self, op, invals):
         p = op.params

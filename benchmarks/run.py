@@ -40,10 +40,12 @@ def run_suite(
     execute: bool = True,
     progress: bool = True,
     on_case=None,
+    methods=None,
 ) -> dict:
     """Measure a suite in this process; returns the JSON-ready result (``meta``, ``rows``, ...).
 
     ``on_case(partial_result)`` is called after every model, e.g. to save partial results.
+    ``methods``: measure only these (e.g. ``("autoshard",)`` after a planner change); None: all.
     """
     import jax
 
@@ -63,17 +65,21 @@ def run_suite(
     def allowed(shapes):
         return [s for s in shapes if meshes is None or s in meshes]
 
+    wanted = set(methods or (*cases.BASELINES, "autoshard"))
     units = 0
     for c in selected:
-        units += 3 + len({s for p in cases.PRESETS for s in allowed(cases.megatron_meshes(devices, p))})
-        units += sum(len(allowed(cases.autoshard_meshes(devices, p))) + 1 for p in cases.PRESETS)
+        units += len(wanted & {"data_parallel", "zero2", "fsdp"})
+        if "megatron" in wanted:
+            units += len({s for p in cases.PRESETS for s in allowed(cases.megatron_meshes(devices, p))})
+        if "autoshard" in wanted:
+            units += sum(len(allowed(cases.autoshard_meshes(devices, p))) + 1 for p in cases.PRESETS)
         units += 1 if c.tiny and execute else 0
     bar = report.Progress(units) if progress else None
     t0 = time.perf_counter()
     rows, executions, case_times = [], [], {}
     for c in selected:
         tc = time.perf_counter()
-        res = measure.measure_case(c, devices, progress=bar, meshes=meshes)
+        res = measure.measure_case(c, devices, progress=bar, meshes=meshes, methods=methods)
         rows.extend(res.rows)
         if c.tiny and execute:
             if bar is not None:
@@ -121,7 +127,9 @@ def _result(suite, quick, devices, t0, case_times, rows, executions) -> dict:
 
 
 def merge_results(results: list[dict]) -> dict:
-    """One result from several runs (same devices): rows and executions concatenated, wall times summed."""
+    """One result from several runs (same devices): rows and executions concatenated, wall times summed.
+
+    Where two results have a row for the same (model, method, preset), the later one's is kept."""
     from benchmarks.suite import report
 
     if len({r["meta"]["devices"] for r in results}) > 1:
@@ -130,7 +138,13 @@ def merge_results(results: list[dict]) -> dict:
     meta["suite"] = "+".join(r["meta"]["suite"] for r in results)
     meta["wall_s"] = sum(r["meta"]["wall_s"] for r in results)
     meta["case_wall_s"] = {k: v for r in results for k, v in r["meta"]["case_wall_s"].items()}
-    rows = [row for r in results for row in r["rows"]]
+    # A later result's row replaces an earlier one of the same (model, method, preset): re-measure one
+    # method (``--methods autoshard``) and merge it over a full run.
+    by_key = {}
+    for r in results:
+        for row in r["rows"]:
+            by_key[(row["model"], row["method"], row.get("preset"))] = row
+    rows = list(by_key.values())
     return {
         "meta": meta,
         "rows": rows,
@@ -165,6 +179,12 @@ def main(argv=None) -> int:
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--no-execute", action="store_true", help="skip running the tiny configs")
     ap.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated methods to measure (autoshard, data_parallel, zero2, fsdp, megatron); "
+        "default all. E.g. --methods autoshard after a planner change, then --merge over a full run",
+    )
+    ap.add_argument(
         "--merge",
         nargs="+",
         metavar="JSON",
@@ -186,8 +206,18 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1, default=float)
 
+    methods = tuple(m for m in args.methods.split(",") if m) if args.methods else None
+    if methods:
+        from benchmarks.suite import cases
+
+        unknown = sorted(set(methods) - {*cases.BASELINES, "autoshard"})
+        if unknown:
+            ap.error(f"--methods: unknown {', '.join(unknown)}; expected some of "
+                     f"autoshard, {', '.join(cases.BASELINES)}")
+
     result = run_suite(
-        args.suite, args.devices, quick=args.quick, configs=configs, execute=not args.no_execute, on_case=save
+        args.suite, args.devices, quick=args.quick, configs=configs, execute=not args.no_execute, on_case=save,
+        methods=methods,
     )
     print(report.markdown(result))
     save(result)

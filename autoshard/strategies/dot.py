@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 
+from autoshard.spec import ShardingSpec
 from autoshard.strategies.base import RuleContext, Strategy, assign_axes, divides, register_strategy
 
 
@@ -26,7 +27,11 @@ def _finish(ctx, name, lhs_spec, rhs_spec, out_placements, k_axes, flops, shards
     comm, c = ctx.collective("all-reduce", k_axes, nbytes)
     out = [Strategy(name + "|AR", (lhs_spec, rhs_spec), (base_out,), compute=compute, comm=comm, collectives=(c,))]
     for d in range(out_rank):
-        spec = assign_axes(out_rank, list(out_placements) + [(d, a) for a in k_axes])
+        # The scattered axes tile within the tiles the output already has on ``d``: the
+        # reduce-scatter of a partial sum over ``k`` leaves device (i, k) block ``i·n_k + k``.
+        dims = list(base_out.dims)
+        dims[d] = dims[d] + tuple(k_axes)
+        spec = ShardingSpec(tuple(dims))
         if not divides(ctx.out_shapes[0], spec, ctx.mesh):
             continue
         comm, c = ctx.collective("reduce-scatter", k_axes, nbytes)

@@ -99,11 +99,14 @@ def measure_case(
     presets=PRESETS,
     progress=None,
     meshes: tuple[tuple[int, int], ...] | None = None,
+    methods: tuple[str, ...] | None = None,
 ) -> CaseResult:
     """Every method of ``case`` on ``num_devices`` simulated devices, under every preset.
 
     ``meshes`` restricts the Megatron sweep and autoshard's planning to those 2-D meshes (``--quick``).
+    ``methods`` measures only those (``"autoshard"`` and the names in ``BASELINES``); None: all.
     """
+    wanted = set(methods or (*BASELINES, "autoshard"))
 
     def allowed(shapes):
         return [s for s in shapes if meshes is None or tuple(s) in meshes]
@@ -158,11 +161,12 @@ def measure_case(
 
     dp_shape = data_parallel_mesh(num_devices)
     for method in ("data_parallel", "zero2", "fsdp"):
-        tick(f"{method} {dp_shape[0]}x{dp_shape[1]}")
-        run_baseline(method, dp_shape)
+        if method in wanted or method == "data_parallel" and "megatron" in wanted:
+            tick(f"{method} {dp_shape[0]}x{dp_shape[1]}")
+            run_baseline(method, dp_shape)
     mega_shapes = sorted(
         {s for p in presets for s in allowed(megatron_meshes(num_devices, p))}, key=lambda s: s[1]
-    )
+    ) if "megatron" in wanted else []
     for shape in mega_shapes:
         tick(f"megatron {shape[0]}x{shape[1]}")
         run_baseline("megatron", shape, rules=rules)
@@ -172,6 +176,8 @@ def measure_case(
     for preset in presets:
         mem_limit = clusters[preset.name].memory
         for method in BASELINES:
+            if method not in wanted:
+                continue
             if method == "megatron":
                 # tp = 1 is data parallelism: the sweep includes it without a second compile.
                 cands = [((num_devices, 1), compiled_runs[("data_parallel", dp_shape)])]
@@ -195,7 +201,7 @@ def measure_case(
 
     # ---- autoshard: plan on every allowed mesh, compile the predicted best -------------------------
     steps = {}
-    for preset in presets:
+    for preset in presets if "autoshard" in wanted else ():
         cluster = clusters[preset.name]
         plans = []
         for shape in allowed(autoshard_meshes(num_devices, preset)):

@@ -6,8 +6,11 @@ the live temporaries over XLA's sequential schedule:
 
 - which values are buffers: XLA fuses elementwise and layout ops into their readers
   (duplicating the cheap ones), so a value is materialised when it is an output, comes from a
-  dot, convolution, gather, scan or reduction, is an expensive elementwise op read twice, or is
-  read by an op that is not a fusion (:func:`_materialised`);
+  dot, convolution, gather, scan or reduction, is an expensive elementwise op read twice, is
+  read by an op that is not a fusion, or is a ``sub`` of a broadcast (a centring, BatchNorm's
+  or LayerNorm's x − mean) that feeds a sum: XLA:CPU runs large reductions as library fusions
+  that take no broadcast, so it writes x − mean out in the forward and keeps it for the
+  backward's sum((x − mean)·dy) (:func:`_materialised`);
 - when they live: from the op that writes them to their last reader, where a fused producer's
   operands live until the reader that computes it runs (:func:`_fused_reads`), over the lower
   of program order and a greedy memory-minimising list schedule (XLA keeps the best of
@@ -16,6 +19,8 @@ the live temporaries over XLA's sequential schedule:
   buffer holds one smaller temporary until the result is written (:func:`_sweep`);
 - what XLA:CPU adds when lowering: layout copies of convolution operands and the index
   buffers of expanded max-pool gradients (:func:`_lowering_buffers`), and 64-byte alignment.
+  A convolution that reads a copy, and a pooling gradient that scatters by the saved winners'
+  indices, no longer read the original value, so it is not kept alive for them.
 """
 from __future__ import annotations
 
@@ -97,6 +102,10 @@ class _ShardBytes:
 _FUSED_SOURCES = frozenset(("broadcast_in_dim", "iota"))
 
 
+def _size(aval) -> int:
+    return math.prod(getattr(aval, "shape", ()))
+
+
 def _fusible(op) -> bool:
     if op.body is not None:
         return False
@@ -111,6 +120,7 @@ def _fusible(op) -> bool:
 _REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax "
                         "argmin reduce_window_sum reduce_window_max reduce_window_min reduce_window cumsum cumprod "
                         "cummax cummin cumlogsumexp select_and_scatter_add select_and_gather_add sort".split())
+_LIBRARY_REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod".split())
 # Windowed reductions run on their own (XLA:CPU wraps each in a fusion of one op), so their
 # operands are buffers.
 _WINDOWED = frozenset("reduce_window_sum reduce_window_max reduce_window_min reduce_window "
@@ -123,7 +133,7 @@ _EXPENSIVE = frozenset("exp exp2 expm1 log log1p logistic tanh erf erfc erf_inv 
 _BITCASTS = frozenset("reshape squeeze expand_dims".split())
 
 
-def _materialised(graph: OpGraph) -> set:
+def _materialised(graph: OpGraph, avals) -> set:
     """The values of a graph that XLA writes to a buffer.
 
     Elementwise and layout ops fuse into their readers (cheap ones duplicated into each
@@ -144,6 +154,26 @@ def _materialised(graph: OpGraph) -> set:
             rs = readers.get(v, ())
             if v in outs or not loop or (len(rs) > 1 and op.name in _EXPENSIVE):
                 mat.add(v)
+    # XLA:CPU emits large reductions as library fusions that take no broadcast: a centring
+    # (x - a broadcast mean) that feeds a reduction is written out (BatchNorm's x - mean, kept
+    # from the forward to the backward's sum((x - mean) * dy)). Writing out every op of a
+    # broadcast that feeds a sum (a scale, a mask too) overshot XLA by 30% on the tiny
+    # Wide-ResNet, so the rule is kept to the centring.
+    for op in graph.ops:
+        if op.name not in _LIBRARY_REDUCTIONS:
+            continue
+        stack = [x for x in op.inputs if isinstance(x, int)]
+        seen: set = set()
+        while stack:
+            x = stack.pop()
+            p = producer.get(x)
+            if x in seen or x in mat or p is None or not _fusible(p) or p.name in _FUSED_SOURCES:
+                continue
+            seen.add(x)
+            if p.name == "sub" and any(isinstance(y, int) and _size(avals[y]) < _size(avals[x]) for y in p.inputs):
+                mat.add(x)
+                continue
+            stack.extend(y for y in p.inputs if isinstance(y, int))
     for op in graph.ops:  # operands of ops that are not fusions must be buffers
         if _fusible(op) and op.name not in _WINDOWED:
             continue
@@ -165,7 +195,7 @@ def _graph_peak(graph: OpGraph, program, value_specs, mesh, fixed_live: float) -
         for x in op.inputs:
             if isinstance(x, int):
                 last[x] = t
-    mat = _materialised(graph)
+    mat = _materialised(graph, program.avals)
     live = 0.0
     peak = 0.0
     ends: dict[int, list[float]] = {}
@@ -330,18 +360,20 @@ def _conv_copy(spec, shape, kernel: bool) -> bool:
     return moved != sorted(moved)
 
 
-def _lowering_buffers(graph: OpGraph, materialised: set, nbytes) -> tuple[list, dict]:
+def _lowering_buffers(graph: OpGraph, materialised: set, nbytes) -> tuple[list, dict, set]:
     """Buffers XLA:CPU adds when it lowers convolutions and max-pool gradients.
 
-    Returns ``(extras, transient)``: ``extras`` are ``(bytes, op made at or None for the
-    step's start, op last read at)``; ``transient`` is op position -> bytes live only there.
+    Returns ``(extras, transient, covered)``: ``extras`` are ``(bytes, op made at or None for
+    the step's start, op last read at)``; ``transient`` is op position -> bytes live only there;
+    ``covered`` the ``(op, operand)`` reads that go to one of the extras instead (a
+    convolution's copy; the pooling winners' indices).
     A convolution operand in the wrong layout is copied: the copy of a program input is
     made at the start (XLA schedules it first), others just before the convolution, and a
     result in the wrong layout is written to a temporary first. ``select_and_scatter_add``
     is expanded into an argmax over each window next to the forward pooling (index iotas
     of the operand's shape, and the winners' indices, kept until the gradient)."""
     producer = {v: t for t, op in enumerate(graph.ops) for v in op.outputs}
-    extras, transient = [], {}
+    extras, transient, copied = [], {}, set()
     for t, op in enumerate(graph.ops):
         if op.name == "conv_general_dilated":
             dn = op.params["dimension_numbers"]
@@ -352,6 +384,7 @@ def _lowering_buffers(graph: OpGraph, materialised: set, nbytes) -> tuple[list, 
                     # producer): a forward activation read by a backward convolution is kept, in
                     # the convolution's layout, until then.
                     extras.append((nbytes(x), producer.get(x), t))
+                    copied.add((t, x))
             y = op.outputs[0]
             if _conv_copy(dn.out_spec, nbytes.shape(y), False):
                 transient[t] = transient.get(t, 0.0) + nbytes(y)
@@ -360,15 +393,16 @@ def _lowering_buffers(graph: OpGraph, materialised: set, nbytes) -> tuple[list, 
             rank = len(nbytes.shape(operand))
             per_index = nbytes.count(source) * 4  # s32 per window winner and dimension
             at = producer.get(operand)
-            extras.append((rank * per_index, at, t))
             pool = next((u for u, o in enumerate(graph.ops) if o.name == "reduce_window_max" and operand in o.inputs),
                         t if at is None else at)
-            transient[pool] = transient.get(pool, 0.0) + rank * per_index  # the winners' indices
+            # The pooling writes the winners' indices beside its result; they are kept until the gradient.
+            extras.append((rank * per_index, pool, t))
             # The index iotas, and the zeros the gradient is scattered into, depend on nothing:
             # XLA makes them at the step's start.
             extras.append((rank * nbytes.count(operand) * 4, None, pool))
             extras.append((nbytes(op.outputs[0]), None, t))
-    return extras, transient
+            copied.add((t, operand))  # the gradient scatters by the winners' indices, not the operand
+    return extras, transient, copied
 
 
 def _resharded_buffers(program: CapturedProgram, value_specs: dict, operand_specs: dict, mesh) -> list:
@@ -504,7 +538,7 @@ def estimate_memory(program: CapturedProgram, value_specs: dict, mesh: MeshInfo,
         else:
             fixed["outputs"] = fixed.get("outputs", 0.0) + float(np.asarray(x.value).nbytes)
 
-    materialised = _materialised(graph)
+    materialised = _materialised(graph, program.avals)
     reads = _fused_reads(graph, materialised)
     nodes = [t for t, op in enumerate(ops) if not _fusible(op) or any(v in materialised for v in op.outputs)]
     made = {t: tuple(v for v in ops[t].outputs if v in materialised) for t in nodes}
@@ -518,7 +552,8 @@ def estimate_memory(program: CapturedProgram, value_specs: dict, mesh: MeshInfo,
     inplace = {t: _fusible(ops[t]) and ops[t].name not in _REDUCTIONS for t in nodes}
     transient = {t: _graph_peak(ops[t].body, program, value_specs, mesh, 0.0) for t in nodes
                  if ops[t].body is not None}
-    extras, lowering = _lowering_buffers(graph, materialised, _ShardBytes(program, value_specs, mesh))
+    extras, lowering, covered = _lowering_buffers(graph, materialised, _ShardBytes(program, value_specs, mesh))
+    reads = [tuple(v for v in r if (t, v) not in covered) for t, r in enumerate(reads)]
     extras += _resharded_buffers(program, value_specs, operand_specs or {}, mesh)
 
     def scheduled(t):  # a fused op runs inside the next op that is not fused

@@ -143,9 +143,9 @@ def _reshard(model: CostModel, shape, itemsize, src: ShardingSpec, dst: Sharding
 
     Alpa prices a reshard per mesh axis (gather what ``dst`` drops, all-to-all
     what moves, slice what it adds). XLA's partitioner also depends on how the
-    tiles of each dimension nest, and this follows what it compiles (checked on
-    every pair of layouts of a rank-2 and a rank-3 array on a 2×4 mesh, see
-    tests/test_cost.py):
+    tiles of each dimension nest, and this follows what it compiles for a
+    ``with_sharding_constraint`` (checked on every pair of layouts of a matrix on
+    2×4 and 4×2 meshes and of a rank-3 array on 2×4, see tests/test_cost.py):
 
     1. ``dst`` refines ``src`` on every dimension: a slice, free where every
        device's new tile lies in its old one, else one collective-permute of
@@ -153,11 +153,14 @@ def _reshard(model: CostModel, shape, itemsize, src: ShardingSpec, dst: Sharding
     2. ``src`` refines ``dst``: an all-gather per dimension, last dimension
        first, each moving the buffer it produces; first a permute of the old
        shards where they are not nested in the new tiles (``(a, b) -> (b,)``).
-    3. Otherwise: slice first what ``dst`` adds, then one all-to-all for the
-       axes that change dimension (they must be the minor end of their source
-       dimension, else XLA replicates the whole array and slices), then
-       gather what ``dst`` drops as in 2, then a permute if the axis order of
-       a dimension still differs.
+    3. Otherwise, in XLA's order: gather what ``dst`` drops (dimensions no axis
+       leaves), slice what it adds (except onto a dimension an axis leaves: that
+       slice comes after), one all-to-all per pair of dimensions an axis moves
+       between, and a permute where the axis order of a dimension still differs
+       (or a kept axis sits minor to a moving one). XLA replicates the whole
+       array and slices instead when an axis is dropped while another is added,
+       or dropped from a dimension another axis leaves, or when axes leave one
+       dimension for two or join one from two.
     """
     mesh = model.mesh
     active = set(mesh.active_axes)

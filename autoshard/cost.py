@@ -173,19 +173,21 @@ def _reshard(model: CostModel, shape, itemsize, src: ShardingSpec, dst: Sharding
     def shard(dims) -> float:
         return total / math.prod(mesh.axes_size(x) for x in dims)
 
-    def axes_of(*specs) -> tuple[int, ...]:
-        return tuple(sorted({a for dims in specs for x in dims for a in x}))
-
     ns, nd = [mesh.axes_size(x) for x in s], [mesh.axes_size(x) for x in d]
     colls: list[Collective] = []
     if all(b % a == 0 for a, b in zip(ns, nd, strict=True)):
         if not _nested(d, s, mesh.shape):
-            colls.append(Collective("collective-permute", axes_of(s, d), shard(d)))
+            colls.append(Collective("collective-permute", _axes_of(s, d), shard(d)))
     elif all(a % b == 0 for a, b in zip(ns, nd, strict=True)):
-        colls.extend(_gather(s, d, mesh.shape, shard, axes_of))
+        colls.extend(_gather(s, d, mesh.shape, shard))
     else:
-        colls.extend(_mixed(s, d, mesh.shape, shard, axes_of))
+        colls.extend(_mixed(s, d, mesh.shape, shard))
     return sum(model.collective_time(c) for c in colls), tuple(colls)
+
+
+def _axes_of(*specs) -> tuple[int, ...]:
+    """The mesh axes that any of these per-dimension axis tuples use, sorted."""
+    return tuple(sorted({a for dims in specs for x in dims for a in x}))
 
 
 def _tiles(dims, shape) -> list:
@@ -210,12 +212,12 @@ def _nested(fine, coarse, shape) -> bool:
     return True
 
 
-def _gather(cur, dst, shape, shard, axes_of) -> list[Collective]:
+def _gather(cur, dst, shape, shard) -> list[Collective]:
     """Coarsen ``cur`` to ``dst`` (which it refines): a permute where the tiles do not nest,
     then one all-gather per dimension, last first, of the buffer each produces."""
     colls = []
     if not _nested(cur, dst, shape):
-        colls.append(Collective("collective-permute", axes_of(cur, dst), shard(cur)))
+        colls.append(Collective("collective-permute", _axes_of(cur, dst), shard(cur)))
     cur = list(cur)
     for i in reversed(range(len(cur))):
         if cur[i] != dst[i]:
@@ -225,7 +227,7 @@ def _gather(cur, dst, shape, shard, axes_of) -> list[Collective]:
     return colls
 
 
-def _mixed(s, d, shape, shard, axes_of) -> list[Collective]:
+def _mixed(s, d, shape, shard) -> list[Collective]:
     """Gather, slice, all-to-all, permute: case 3 of :func:`_reshard`."""
     dim_in = {a: i for i, x in enumerate(d) for a in x}
     used = {a for x in s for a in x}
@@ -235,7 +237,7 @@ def _mixed(s, d, shape, shard, axes_of) -> list[Collective]:
     fresh = any(a not in used for x in d for a in x)
 
     def replicate_then_slice():
-        return _gather(s, tuple(() for _ in s), shape, shard, axes_of)
+        return _gather(s, tuple(() for _ in s), shape, shard)
 
     pairs = {(i, dim_in[a]) for i, a in moving}
     if gathered and (fresh or gathered & sources):
@@ -251,7 +253,7 @@ def _mixed(s, d, shape, shard, axes_of) -> list[Collective]:
     if gathered:  # on other dimensions than the moving axes: gathered first
         now = tuple(s)
         keep = tuple(tuple(a for a in x if a in dim_in) for x in now)
-        colls.extend(_gather(now, keep, shape, shard, axes_of))
+        colls.extend(_gather(now, keep, shape, shard))
         cur = [list(x) for x in keep]
 
     def slice_onto(dims):
@@ -268,5 +270,5 @@ def _mixed(s, d, shape, shard, axes_of) -> list[Collective]:
         colls.append(Collective("collective-permute", tuple(sorted(a for _, a in moving)), shard(cur)))
     slice_onto(range(len(d)))
     if tuple(tuple(x) for x in cur) != d and not (colls and colls[-1].kind == "collective-permute"):
-        colls.append(Collective("collective-permute", axes_of(cur, d), shard(d)))
+        colls.append(Collective("collective-permute", _axes_of(cur, d), shard(d)))
     return colls

@@ -159,11 +159,11 @@ def _materialised(graph: OpGraph, avals) -> set:
     # from the forward to the backward's sum((x - mean) * dy)). Writing out every op of a
     # broadcast that feeds a sum (a scale, a mask too) overshot XLA by 30% on the tiny
     # Wide-ResNet, so the rule is kept to the centring.
+    seen: set = set()  # whether a value is written out does not depend on which sum reached it
     for op in graph.ops:
         if op.name not in _LIBRARY_REDUCTIONS:
             continue
         stack = [x for x in op.inputs if isinstance(x, int)]
-        seen: set = set()
         while stack:
             x = stack.pop()
             p = producer.get(x)
@@ -373,7 +373,7 @@ def _lowering_buffers(graph: OpGraph, materialised: set, nbytes) -> tuple[list, 
     is expanded into an argmax over each window next to the forward pooling (index iotas
     of the operand's shape, and the winners' indices, kept until the gradient)."""
     producer = {v: t for t, op in enumerate(graph.ops) for v in op.outputs}
-    extras, transient, copied = [], {}, set()
+    extras, transient, covered = [], {}, set()
     for t, op in enumerate(graph.ops):
         if op.name == "conv_general_dilated":
             dn = op.params["dimension_numbers"]
@@ -384,7 +384,7 @@ def _lowering_buffers(graph: OpGraph, materialised: set, nbytes) -> tuple[list, 
                     # producer): a forward activation read by a backward convolution is kept, in
                     # the convolution's layout, until then.
                     extras.append((nbytes(x), producer.get(x), t))
-                    copied.add((t, x))
+                    covered.add((t, x))
             y = op.outputs[0]
             if _conv_copy(dn.out_spec, nbytes.shape(y), False):
                 transient[t] = transient.get(t, 0.0) + nbytes(y)
@@ -401,8 +401,8 @@ def _lowering_buffers(graph: OpGraph, materialised: set, nbytes) -> tuple[list, 
             # XLA makes them at the step's start.
             extras.append((rank * nbytes.count(operand) * 4, None, pool))
             extras.append((nbytes(op.outputs[0]), None, t))
-            copied.add((t, operand))  # the gradient scatters by the winners' indices, not the operand
-    return extras, transient, copied
+            covered.add((t, operand))  # the gradient scatters by the winners' indices, not the operand
+    return extras, transient, covered
 
 
 def _resharded_buffers(program: CapturedProgram, value_specs: dict, operand_specs: dict, mesh) -> list:

@@ -519,8 +519,6 @@ def fit_compiled(search, check, budget: float, limit, refuse, rounds: int = 2):
     is planned again under the limit shrunk by the ratio, at most ``rounds`` times; when none
     fits, ``refuse(lowest compiled peak seen)`` is raised. A search that fails after the first
     round ends the loop (its smallest peak is the memory row's, under a shrunk budget)."""
-    import math
-
     from autoshard.errors import InfeasibleError
 
     smallest = math.inf

@@ -65,10 +65,10 @@ def run_suite(
     def allowed(shapes):
         return [s for s in shapes if meshes is None or s in meshes]
 
-    wanted = set(methods or (*cases.BASELINES, "autoshard"))
+    wanted = set(methods or cases.METHODS)
     units = 0
     for c in selected:
-        units += len(wanted & {"data_parallel", "zero2", "fsdp"})
+        units += len(cases.data_parallel_mesh_methods(wanted))
         if "megatron" in wanted:
             units += len({s for p in cases.PRESETS for s in allowed(cases.megatron_meshes(devices, p))})
         if "autoshard" in wanted:
@@ -210,10 +210,9 @@ def main(argv=None) -> int:
     if methods:
         from benchmarks.suite import cases
 
-        unknown = sorted(set(methods) - {*cases.BASELINES, "autoshard"})
+        unknown = sorted(set(methods) - set(cases.METHODS))
         if unknown:
-            ap.error(f"--methods: unknown {', '.join(unknown)}; expected some of "
-                     f"autoshard, {', '.join(cases.BASELINES)}")
+            ap.error(f"--methods: unknown {', '.join(unknown)}; expected some of {', '.join(cases.METHODS)}")
 
     result = run_suite(
         args.suite, args.devices, quick=args.quick, configs=configs, execute=not args.no_execute, on_case=save,

@@ -71,11 +71,19 @@ def test_reshards_of_a_rank3_array_are_priced_as_xla_compiles_them():
 
 
 def test_reshard_kinds_follow_how_tiles_nest():
-    info = MeshInfo((2, 4), ("data", "model"))
+    """The cases of the model's docstring, each also compiled: XLA moves the same bytes per kind."""
+    mesh = _mesh((2, 4))
+    info = MeshInfo.from_mesh(mesh)
     model = CostModel.create(info, cluster_preset("h100-2node-ib"), platform="cpu")
 
     def kinds(src, dst):
-        return [(c.kind, c.axes, c.bytes) for c in model.reshard((64, 8), 4, ShardingSpec(src), ShardingSpec(dst))[1]]
+        src, dst = ShardingSpec(src), ShardingSpec(dst)
+        predicted = model.reshard((64, 8), 4, src, dst)[1]
+        by_kind = collections.Counter()
+        for c in predicted:
+            by_kind[c.kind] += c.bytes
+        assert by_kind == _compiled_bytes(mesh, info, (64, 8), src, dst), (src, dst)
+        return [(c.kind, c.axes, c.bytes) for c in predicted]
 
     total = 64 * 8 * 4
     # Nested tiles: a free slice.

@@ -11,6 +11,14 @@ METHODS = ("data_parallel", "zero2", "fsdp", "megatron", "autoshard")
 
 BASELINES = METHODS[:-1]
 
+
+def data_parallel_mesh_methods(methods) -> tuple[str, ...]:
+    """The baselines compiled on the data-parallel mesh when measuring ``methods``: each one asked
+    for, and data parallelism for ``megatron`` too (its ``tp = 1`` candidate)."""
+    wanted = set(methods)
+    return tuple(m for m in ("data_parallel", "zero2", "fsdp")
+                 if m in wanted or m == "data_parallel" and "megatron" in wanted)
+
 METHOD_LABELS = {
     "data_parallel": "DP",
     "zero2": "ZeRO-2",

@@ -25,11 +25,13 @@ from benchmarks import baselines
 from benchmarks.models import get_model
 from benchmarks.suite.cases import (
     BASELINES,
+    METHODS,
     PRESETS,
     Case,
     Preset,
     autoshard_meshes,
     data_parallel_mesh,
+    data_parallel_mesh_methods,
     megatron_meshes,
 )
 
@@ -106,7 +108,7 @@ def measure_case(
     ``meshes`` restricts the Megatron sweep and autoshard's planning to those 2-D meshes (``--quick``).
     ``methods`` measures only those (``"autoshard"`` and the names in ``BASELINES``); None: all.
     """
-    wanted = set(methods or (*BASELINES, "autoshard"))
+    wanted = set(methods or METHODS)
 
     def allowed(shapes):
         return [s for s in shapes if meshes is None or tuple(s) in meshes]
@@ -160,10 +162,9 @@ def measure_case(
         gc.collect()
 
     dp_shape = data_parallel_mesh(num_devices)
-    for method in ("data_parallel", "zero2", "fsdp"):
-        if method in wanted or method == "data_parallel" and "megatron" in wanted:
-            tick(f"{method} {dp_shape[0]}x{dp_shape[1]}")
-            run_baseline(method, dp_shape)
+    for method in data_parallel_mesh_methods(wanted):
+        tick(f"{method} {dp_shape[0]}x{dp_shape[1]}")
+        run_baseline(method, dp_shape)
     mega_shapes = sorted(
         {s for p in presets for s in allowed(megatron_meshes(num_devices, p))}, key=lambda s: s[1]
     ) if "megatron" in wanted else []

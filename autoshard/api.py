@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -14,6 +15,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from autoshard.errors import InfeasibleError, InputError, MeshError, PlanError
+from autoshard.signature import BoundCall, StepSignature, abstract_leaf, check_leaf
 from autoshard.spec import MeshInfo, ShardingSpec
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
@@ -37,25 +39,13 @@ def _default_cluster(mesh):
     return cluster_preset({"cpu": "cpu-sim", "tpu": "tpu-v5e"}.get(platform, "h100-nvlink"))
 
 
-def _check_leaf(path: str, leaf, argnum: int, static_argnums=()):
-    if isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct, np.generic, int, float, bool, complex)):
-        return
-    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
-        return
-    raise InputError(
-        f"argument {argnum} has a leaf at {path or '<root>'} of type {type(leaf).__name__}, which is not an "
-        "array. autoshard traces every leaf of a dynamic argument.\n"
-        "Fix: pass arrays only, or mark the argument static: "
-        f"parallelize(..., static_argnums={tuple(sorted({*static_argnums, argnum}))})."
-    )
+_abstract = abstract_leaf
 
 
-def _abstract(leaf):
-    if isinstance(leaf, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-    if isinstance(leaf, (int, float, bool, complex)):
-        return jax.ShapeDtypeStruct((), jax.dtypes.canonicalize_dtype(type(leaf)), weak_type=True)
-    return jax.ShapeDtypeStruct(np.shape(leaf), jax.dtypes.canonicalize_dtype(leaf.dtype))
+def _mesh_context(mesh):
+    """Trace and run under autoshard's Auto-axis mesh: the caller may be inside ``jax.set_mesh`` of an
+    Explicit mesh, under which ``with_sharding_constraint`` (the plan's pins) is an assertion."""
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
 def _ties(dyn_args, out_shape) -> dict[int, int]:
@@ -135,11 +125,15 @@ class Parallelized:
                                  "Fix: drop precision=, or run without a pipeline.")
             kwargs.pop("remat", None)  # nor rematerialises
             kwargs.pop("accumulate", None)  # the number of microbatches is given
+            for name in ("static_argnames", "donate_argnames"):
+                if kwargs.pop(name, ()):
+                    raise InputError(f"{name}= is not supported with num_microbatches or pipeline yet. Fix: "
+                                     "name the arguments by position (static_argnums / donate_argnums).")
             return PipelinedStep(fun, *args, num_microbatches=num_microbatches, pipeline=pipeline, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, fun, *, mesh=None, cluster=None, memory_budget=None, static_argnums=(),
-                 donate_argnums=(), plan=None, hints=None, solver_time_limit=10.0, tie_layers="auto",
+                 donate_argnums=(), static_argnames=(), donate_argnames=(), plan=None, hints=None, solver_time_limit=10.0, tie_layers="auto",
                  num_microbatches=1, pipeline=None, progress="auto", batch_argnums=None, step_timeout=None,
                  precision=None, remat=True, accumulate=True):
         from autoshard.precision import compute_dtype
@@ -159,100 +153,63 @@ class Parallelized:
         self.mesh = mesh
         self.cluster = cluster
         self.memory_budget = parse_bytes(memory_budget)
-        self.static_argnums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
-        self.donate_argnums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+        self.signature = StepSignature.create(fun, static_argnums, static_argnames, donate_argnums, donate_argnames)
+        self.static_argnums = tuple(sorted(self.signature.static_argnums))
+        self.donate_argnums = tuple(sorted(self.signature.donate_argnums))
         self.saved_plan = plan
         self.hints = dict(hints or {})
         self.solver_time_limit = solver_time_limit
         self._cache: dict = {}
         functools.update_wrapper(self, fun)
         if mesh is not None:
-            from autoshard.cluster import ensure_auto_mesh
+            from autoshard.cluster import resolve_mesh
 
-            ensure_auto_mesh(mesh)
+            resolve_mesh(mesh)  # refuse a Manual-axis mesh now, not at the first call
 
     # ---- argument handling -------------------------------------------------------------------------
-    def _split(self, args):
-        n = len(args)
-        for i in self.static_argnums:
-            if not -n <= i < n:
-                raise InputError(
-                    f"static_argnums={self.static_argnums} names argument {i}, but {self.fun.__name__} was "
-                    f"called with {n} positional arguments. Fix: pass static_argnums within range(0, {n})."
-                )
-        static = {i % n for i in self.static_argnums}
-        dyn = tuple(a for i, a in enumerate(args) if i not in static)
-        stat = tuple((i, args[i]) for i in sorted(static))
-        dyn_index = [i for i in range(n) if i not in static]
-        for i in self.donate_argnums:
-            if i % n in static:
-                raise InputError(f"argument {i} is both static and donated; donate only array arguments")
-        return dyn, stat, dyn_index
-
-    def _key(self, dyn, stat, dyn_index):
-        leaves, tree = jax.tree_util.tree_flatten(dyn)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(dyn)[0]:
-            # path[0] indexes the dynamic arguments; name the caller's positional argument.
-            argnum = dyn_index[path[0].idx]
-            _check_leaf(jax.tree_util.keystr(path[1:]), leaf, argnum, tuple(i for i, _ in stat))
-        try:
-            hash(stat)
-        except TypeError as e:
-            raise InputError(f"static arguments must be hashable: {e}") from None
-        return (tree, tuple((np.shape(x), str(_abstract(x).dtype)) for x in leaves), stat)
-
-    def _bound(self, stat, n_args, dyn_index):
-        def bound(*dyn):
-            args = [None] * n_args
-            for i, v in stat:
-                args[i] = v
-            for i, v in zip(dyn_index, dyn, strict=True):
-                args[i] = v
-            return self.fun(*args)
-
-        return bound
+    def _bind(self, args, kwargs) -> tuple[BoundCall, Any]:
+        """The call bound to the signature, and its abstract dynamic arguments (leaves checked)."""
+        call = self.signature.bind(args, kwargs)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(call.dyn)[0]:
+            check_leaf(jax.tree_util.keystr(path[1:]), leaf, call.labels[path[0].idx], [k for k, _ in call.static])
+        return call, jax.tree_util.tree_map(_abstract, call.dyn)
 
     # ---- planning ----------------------------------------------------------------------------------
-    def _get(self, args) -> _Compiled:
-        dyn, stat, dyn_index = self._split(args)
-        key = self._key(dyn, stat, dyn_index)
+    def _get(self, args, kwargs) -> tuple[_Compiled | _Accumulated, BoundCall]:
+        call, abstract = self._bind(args, kwargs)
+        key = call.key(abstract)
         entry = self._cache.get(key)
         if entry is None:
-            entry = self._cache[key] = self._build(dyn, stat, dyn_index, len(args))
-        return entry
+            entry = self._cache[key] = self._build(call, abstract)
+        return entry, call
 
-    def _build(self, dyn, stat, dyn_index, n_args) -> _Compiled:
+    def _build(self, call: BoundCall, abstract) -> _Compiled | _Accumulated:
         from autoshard.capture import capture_graph
-        from autoshard.cluster import make_mesh
+        from autoshard.cluster import make_mesh, resolve_mesh
         from autoshard.lower import make_flat_function
 
         timings = {}
         t0 = time.perf_counter()
-        abstract = jax.tree_util.tree_map(_abstract, dyn)
-        mesh, hints, local = self.mesh, self.hints, None
+        mesh, hints, local = resolve_mesh(self.mesh), self.hints, None
         if jax.process_count() > 1:  # each process passes its slice of the batch: plan the global one
             from autoshard import distributed
 
             if mesh is None:
                 mesh = make_mesh((jax.process_count(), jax.local_device_count()), ("data", "model"))
-            local = distributed.ProcessLocalArgs.create(mesh, self.batch_argnums, dyn, dyn_index, n_args)
-            local.check_same_everywhere(self._key(dyn, stat, dyn_index))
+            labels = call.positional_labels
+            local = distributed.ProcessLocalArgs.create(mesh, self.batch_argnums, call.dyn, labels, len(labels))
+            local.check_same_everywhere(call.key(abstract))
             abstract, hints = local.global_abstract(abstract), local.hints(hints)
-        fun = self._bound(stat, n_args, dyn_index)
+        fun = call.pure_function()
         if self.compute_dtype is not None:
             from autoshard.precision import cast_matmuls, widen_operands
 
             device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
             fun = cast_matmuls(fun, self.compute_dtype, widen=widen_operands(device.platform))
-        program = capture_graph(fun, abstract)
+        with _mesh_context(mesh):
+            program = capture_graph(fun, abstract, in_paths=call.in_paths(abstract))
         timings["capture"] = time.perf_counter() - t0
-        donated = set()
-        offset = 0
-        for pos, a in enumerate(dyn):
-            n = len(jax.tree_util.tree_leaves(a))
-            if dyn_index[pos] in {d % n_args for d in self.donate_argnums}:
-                donated.update(range(offset, offset + n))
-            offset += n
+        donated = call.donated_leaves()
         out_shape = jax.tree_util.tree_unflatten(program.out_tree, [program.avals[v] if isinstance(v, int) else
                                                                     jax.ShapeDtypeStruct(np.shape(v.value),
                                                                                          np.asarray(v.value).dtype)
@@ -276,7 +233,7 @@ class Parallelized:
                 # bf16 casts and hints live in this runtime only: a split step would silently drop them.
                 if not self.accumulate or e.smallest_memory is None or self.compute_dtype is not None or hints:
                     raise
-                return self._accumulated(dyn, stat, dyn_index, n_args, e)
+                return self._accumulated(call, e)
         plan = dataclasses.replace(plan, in_tree=jax.tree_util.tree_structure(abstract),
                                    out_tree=program.out_tree)
         from autoshard.remat import apply_remat
@@ -289,15 +246,23 @@ class Parallelized:
         jitted = jax.jit(flat, in_shardings=in_sh, out_shardings=list(out_sh), donate_argnums=tuple(sorted(donated)))
         return _Compiled(plan, jitted, in_sh, program.out_tree, local)
 
-    def _accumulated(self, dyn, stat, dyn_index, n_args, error) -> _Accumulated:
-        """The last memory lever: gradient accumulation over the smallest number of microbatches that fits."""
+    def _accumulated(self, call: BoundCall, error) -> _Accumulated:
+        """The last memory lever: gradient accumulation over the smallest number of microbatches that fits.
+
+        The accumulated step runs the bound call's pure function (nnx objects split, keyword arguments
+        placed), so its outputs go through :meth:`BoundCall.finish` like the single program's."""
         from autoshard.pipeline import PipelinedStep
         from autoshard.pipeline.auto import choose_microbatches
 
+        fun = call.pure_function()
+        from autoshard.cluster import resolve_mesh
+
+        mesh = resolve_mesh(self.mesh)
+        donate = tuple(i for i, d in enumerate(call.donated) if d)
+
         def make_step(k):
-            return PipelinedStep(self.fun, mesh=self.mesh, cluster=self.cluster, memory_budget=self.memory_budget,
-                                 static_argnums=self.static_argnums, donate_argnums=self.donate_argnums,
-                                 hints=self.hints, solver_time_limit=self.solver_time_limit,
+            return PipelinedStep(fun, mesh=mesh, cluster=self.cluster, memory_budget=self.memory_budget,
+                                 donate_argnums=donate, hints=self.hints, solver_time_limit=self.solver_time_limit,
                                  tie_layers=self.tie_layers, num_microbatches=k)
 
         def budget_of(pplan):
@@ -306,9 +271,10 @@ class Parallelized:
                 return stage_plan.stats["memory_budget"]
             return self.memory_budget if self.memory_budget is not None else error.smallest_memory
 
-        args = (dyn, stat, dyn_index, n_args)
+        n = len(call.dyn)
+        args = (call.dyn, (), list(range(n)), n)
         step, entry = choose_microbatches(make_step, args, budget_of, error)
-        step._cache[step._key(dyn, stat, dyn_index)] = entry
+        step._cache[step._key(call.dyn, (), list(range(n)))] = entry
         return _Accumulated(step, entry.plan)
 
     def _apply_saved(self, program):
@@ -319,46 +285,48 @@ class Parallelized:
                 f"{saved.fingerprint} != {program.fingerprint()}): the function or the argument shapes changed. "
                 "Fix: re-plan with parallelize(...) without plan=, and save the new plan."
             )
-        if self.mesh is not None and MeshInfo.from_mesh(self.mesh) != saved.mesh_info:
+        from autoshard.cluster import resolve_mesh
+
+        mesh = resolve_mesh(self.mesh)
+        if mesh is not None and MeshInfo.from_mesh(mesh) != saved.mesh_info:
             raise PlanError("the saved plan's mesh differs from parallelize(mesh=...)")
         return saved
 
     # ---- public --------------------------------------------------------------------------------------
-    def plan(self, *args):
+    def plan(self, *args, **kwargs):
         """Plan without running. Arguments may be ``jax.ShapeDtypeStruct``s.
 
         Returns:
           The :class:`~autoshard.Plan` for these argument shapes (cached).
         """
-        return self._get(args).plan
+        return self._get(args, kwargs)[0].plan
 
-    def lower(self, *args):
+    def lower(self, *args, **kwargs):
         """``jax.stages.Lowered`` of the sharded step; ``.compile()`` gives the XLA executable."""
-        entry = self._get(args)
+        entry, call = self._get(args, kwargs)
         if isinstance(entry, _Accumulated):
             raise InputError(
                 f"this step runs as {entry.plan.num_microbatches} accumulated microbatches (no full-batch plan "
                 "fits the memory budget), which is several programs, not one to lower. Fix: inspect "
                 "step.plan(...) (a PipelinePlan; stats['task_peaks'] has each program's compiled peak), or "
                 "raise memory_budget.")
-        dyn, _, _ = self._split(args)
-        abstract = jax.tree_util.tree_map(_abstract, dyn)
+        abstract = jax.tree_util.tree_map(_abstract, call.dyn)
         if entry.process_local is not None:
             abstract = entry.process_local.global_abstract(abstract)
         flat = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
                 for a, s in zip(jax.tree_util.tree_leaves(abstract),
                                 entry.in_shardings, strict=True)]
-        return entry.jitted.lower(*flat)
+        with _mesh_context(entry.plan.mesh):
+            return entry.jitted.lower(*flat)
 
-    def __call__(self, *args):
-        entry = self._get(args)
+    def __call__(self, *args, **kwargs):
+        entry, call = self._get(args, kwargs)
         if isinstance(entry, _Accumulated):
-            outs = entry.step(*args)
+            outs = entry.step(*call.dyn)
             if self._watchdog is not None:
                 self._watchdog.watch(jax.tree_util.tree_leaves(outs))
-            return outs
-        dyn, _, _ = self._split(args)
-        leaves = jax.tree_util.tree_leaves(dyn)
+            return call.finish(outs)
+        leaves = jax.tree_util.tree_leaves(call.dyn)
         if entry.process_local is not None:
             leaves = entry.process_local.make_global(leaves, entry.in_shardings)
         placed = []
@@ -368,14 +336,15 @@ class Parallelized:
             if not (isinstance(x, jax.Array) and x.sharding == s):
                 x = jax.device_put(x, s)
             placed.append(x)
-        outs = entry.jitted(*placed)
+        with _mesh_context(entry.plan.mesh):
+            outs = entry.jitted(*placed)
         if self._watchdog is not None:
             self._watchdog.watch(outs)
-        return jax.tree_util.tree_unflatten(entry.out_tree, outs)
+        return call.finish(jax.tree_util.tree_unflatten(entry.out_tree, outs))
 
 
 def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static_argnums=(), donate_argnums=(),
-                plan=None, hints=None, solver_time_limit=10.0, tie_layers="auto", num_microbatches=1, pipeline=None,
+                static_argnames=(), donate_argnames=(), plan=None, hints=None, solver_time_limit=10.0, tie_layers="auto", num_microbatches=1, pipeline=None,
                 progress="auto", batch_argnums=None, step_timeout=None, precision=None, remat=True,
                 accumulate=True):
     """Plan and run a single-device step function sharded over a device mesh.
@@ -383,7 +352,11 @@ def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static
     Works bare (``@parallelize``) and with arguments (``@parallelize(mesh=...)``).
 
     Args:
-      fun: the step, e.g. ``train_step(state, batch) -> (state, metrics)``.
+      fun: the step, e.g. ``train_step(state, batch) -> (state, metrics)``. flax nnx objects
+        (``nnx.Module``, ``nnx.Optimizer``, ``nnx.Rngs``) may be passed as arguments with ``nnx.jit``'s
+        semantics: ``train_step(model, optimizer, batch)`` that calls ``optimizer.update(model, grads)``
+        updates ``model`` and ``optimizer`` in place after the call (parameters, optimizer state and
+        step count, BatchNorm statistics, RNG counters).
       mesh: a ``jax.sharding.Mesh`` with Auto axes (see :func:`autoshard.make_mesh`). None: all devices,
         and the planner picks the 2-D shape among the factorizations of the device count.
         In a multi-process job, None is ``(jax.process_count(), jax.local_device_count())`` over
@@ -392,7 +365,9 @@ def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static
       memory_budget: bytes per device (or a string like ``"16GB"``); None: the ClusterSpec's memory.
         When no sharding fits it, the planner keeps optimizer state in host memory
         (``pinned_host``; see :mod:`autoshard.offload` and ``Plan.offloaded``).
-      static_argnums, donate_argnums: as in ``jax.jit``.
+      static_argnums, donate_argnums, static_argnames, donate_argnames: as in ``jax.jit`` (a parameter
+        named by position is also named by name, and the other way round). Keyword arguments at call
+        time are dynamic unless named static.
       plan: a saved :class:`autoshard.Plan` to apply without solving.
       hints: ``{pytree-path regex: PartitionSpec}`` pinning matching argument leaves.
       solver_time_limit: seconds the solver may spend.
@@ -453,6 +428,10 @@ def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static
         kw["step_timeout"] = step_timeout
     if precision is not None:
         kw["precision"] = precision
+    if static_argnames:
+        kw["static_argnames"] = static_argnames
+    if donate_argnames:
+        kw["donate_argnames"] = donate_argnames
     if fun is None:
         return lambda f: Parallelized(f, **kw)
     return Parallelized(fun, **kw)

@@ -473,6 +473,45 @@ def ensure_auto_mesh(mesh):
     return mesh
 
 
+def resolve_mesh(mesh):
+    """The mesh autoshard plans on, from what the user gave.
+
+    - A mesh whose axes are all ``AxisType.Auto``: itself.
+    - A mesh with Explicit axes (``jax.make_mesh``'s default): the Auto view of the same devices and
+      names. autoshard pins its plan with ``with_sharding_constraint``, which Explicit axes refuse.
+    - None: the ambient mesh of ``with jax.set_mesh(mesh):`` (its Auto view), or None when there is
+      none (then the planner chooses a mesh over all devices).
+
+    Raises:
+      MeshError: an axis is Manual (inside ``shard_map``), or ``mesh`` is not a mesh.
+    """
+    import jax
+
+    if mesh is None:
+        ambient = jax.sharding.get_mesh()
+        if ambient is None or getattr(ambient, "empty", False) or not getattr(ambient, "axis_names", ()):
+            return None
+        mesh = ambient
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        raise MeshError(
+            f"parallelize(mesh=...) got an AbstractMesh {dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))}; "
+            "autoshard needs the devices to plan and run on. Fix: pass a jax.sharding.Mesh, e.g. "
+            f"autoshard.make_mesh({tuple(mesh.axis_sizes)}, {tuple(mesh.axis_names)}).")
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise MeshError(f"mesh={mesh!r} is not a jax.sharding.Mesh. Fix: pass autoshard.make_mesh(shape, names) "
+                        "or a jax.make_mesh(...) mesh.")
+    auto = jax.sharding.AxisType.Auto
+    types = tuple(getattr(mesh, "axis_types", ()) or ())
+    if all(t == auto for t in types):
+        return mesh
+    manual = [n for n, t in zip(mesh.axis_names, types, strict=True) if t == jax.sharding.AxisType.Manual]
+    if manual:
+        raise MeshError(
+            f"the mesh's axes {manual} are Manual (this is the mesh inside a shard_map body), and autoshard "
+            "plans over Auto axes. Fix: parallelize the function that calls shard_map, on the outer mesh.")
+    return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=(auto,) * len(mesh.axis_names))
+
+
 # ---------------------------------------------------------------------------------
 # Profiling.
 

@@ -94,7 +94,7 @@ class _ShardBytes:
         return value_bytes(self.program.avals[v], self.value_specs.get(v), self.mesh)
 
     def count(self, v) -> float:
-        return self(v) / max(np.dtype(self.program.avals[v].dtype).itemsize, 1)
+        return self(v) / max(self.program.avals[v].dtype.itemsize, 1)
 
 
 # Ops whose sharding rule is not a follower but which XLA fuses into their readers like any

@@ -63,7 +63,7 @@ def offload_candidates(program, ties: dict[int, int]) -> tuple[int, ...]:
         new = program.graph.outvars[out_of[i]]
         if not shape or not isinstance(new, int) or new == v or not program.uses.get(v):
             continue
-        nbytes = math.prod(shape) * np.dtype(program.avals[v].dtype).itemsize
+        nbytes = math.prod(shape) * program.avals[v].dtype.itemsize
         found.append((-nbytes, i))
     return tuple(i for _, i in sorted(found))
 
@@ -102,7 +102,7 @@ def transfer_seconds(program, in_specs, mesh, offloaded, host_bandwidth: float) 
     total = 0.0
     for i in offloaded:
         aval = program.avals[program.graph.invars[i]]
-        total += 2 * math.prod(in_specs[i].shard_shape(tuple(aval.shape), mesh)) * np.dtype(aval.dtype).itemsize
+        total += 2 * math.prod(in_specs[i].shard_shape(tuple(aval.shape), mesh)) * aval.dtype.itemsize
     return total / host_bandwidth
 
 
@@ -145,7 +145,7 @@ def _search(solve_with, program, candidates, error, limit, budget, num_devices):
     k, covered = 0, 0.0
     while k < len(candidates) and covered < shortfall:
         aval = program.avals[program.graph.invars[candidates[k]]]
-        covered += math.prod(aval.shape) * np.dtype(aval.dtype).itemsize / num_devices
+        covered += math.prod(aval.shape) * aval.dtype.itemsize / num_devices
         k += 1
     k = max(k, 1)
     fails = 0  # the most leaves known not to fit

@@ -11,7 +11,7 @@ import numpy as np
 
 from autoshard.cost import Collective
 from autoshard.errors import PlanError
-from autoshard.spec import MeshInfo, ShardingSpec
+from autoshard.spec import MeshInfo, ShardingSpec, dtype_itemsize
 
 _KIND_ORDER = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
 
@@ -179,8 +179,8 @@ class Plan:
         info = self.mesh_info
         rows = []
         for path, (shape, dtype), spec in zip(self.in_paths, self.in_avals, self.in_specs, strict=True):
-            nbytes = math.prod(spec.shard_shape(shape, info)) * np.dtype(dtype).itemsize if shape else \
-                np.dtype(dtype).itemsize
+            nbytes = math.prod(spec.shard_shape(shape, info)) * dtype_itemsize(dtype) if shape else \
+                dtype_itemsize(dtype)
             rows.append((path, tuple(shape), str(dtype), str(spec.to_partition_spec(info)), int(nbytes)))
         return rows
 

@@ -27,6 +27,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from autoshard.spec import dtype_itemsize
+
 KIND_ORDER = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 COLORS = {
     "compute": "#4c72b0",
@@ -71,7 +73,7 @@ def leaf_rows(plan) -> list[LeafRow]:
 
     rows = []
     for path, shape, dtype, spec, nbytes in plan.parameter_table():
-        total = math.prod(shape) * np.dtype(dtype).itemsize
+        total = math.prod(shape) * dtype_itemsize(dtype)
         rows.append(LeafRow(path, leaf_role(path), shape, dtype, spec, nbytes, int(total)))
     return rows
 

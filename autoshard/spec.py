@@ -14,6 +14,7 @@ import itertools
 import math
 from typing import NamedTuple
 
+import numpy as np
 from jax.sharding import PartitionSpec
 
 
@@ -141,3 +142,15 @@ def candidate_specs(shape: tuple[int, ...], mesh: MeshInfo) -> tuple[ShardingSpe
         if all(shape[i] % mesh.axes_size(dims[i]) == 0 for i in range(rank)):
             out.append(ShardingSpec(tuple(tuple(d) for d in dims)))
     return tuple(out)
+
+
+def dtype_itemsize(dtype) -> int:
+    """Bytes per element of ``dtype`` (a dtype or its name). An extended dtype, a typed PRNG key
+    (``key<fry>``), counts its key data: 8 bytes for threefry, 16 for rbg."""
+    size = getattr(dtype, "itemsize", None)
+    if isinstance(size, int):
+        return size
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:
+        return 8 if "fry" in str(dtype) else 16

@@ -47,7 +47,7 @@ def op_flops(op: Op, avals) -> float:
 
 
 def _nbytes(aval) -> float:
-    return _size(aval) * np.dtype(aval.dtype).itemsize
+    return _size(aval) * aval.dtype.itemsize
 
 
 def cut_traffic(ops: list[Op], avals) -> np.ndarray:

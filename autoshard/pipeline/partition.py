@@ -111,7 +111,7 @@ def _staged(analysis: StepAnalysis, p: int) -> bool:
 
 
 def _nbytes(aval) -> float:
-    return float(np.prod(getattr(aval, "shape", ()), dtype=float) * np.dtype(aval.dtype).itemsize)
+    return float(np.prod(getattr(aval, "shape", ()), dtype=float) * aval.dtype.itemsize)
 
 
 def partition(analysis: StepAnalysis, fwd_stage: Callable[[int], int], num_stages: int) -> Partition:

@@ -123,7 +123,7 @@ def residual_bytes(analysis: StepAnalysis, part: Partition, stage: int) -> float
 
 
 def _nbytes(aval) -> float:
-    return float(math.prod(getattr(aval, "shape", ())) * np.dtype(aval.dtype).itemsize)
+    return float(math.prod(getattr(aval, "shape", ())) * aval.dtype.itemsize)
 
 
 def _fingerprint(program: CapturedProgram) -> str:

@@ -9,8 +9,9 @@ from typing import Any
 
 import jax
 
-from autoshard.api import Parallelized, _abstract, _default_cluster, _ties, parse_bytes, plan_program
+from autoshard.api import _abstract, _default_cluster, _ties, parse_bytes, plan_program
 from autoshard.errors import InputError
+from autoshard.signature import check_leaf
 from autoshard.pipeline.accumulate import StepAnalysis, analyze_step, batch_leaf_positions
 from autoshard.pipeline.options import PipelineOptions
 from autoshard.pipeline.partition import partition
@@ -49,9 +50,6 @@ class PipelinedStep:
     :class:`~autoshard.pipeline.PipelinePlan` and ``timeline(...)`` measures a step.
     """
 
-    _split = Parallelized._split
-    _key = Parallelized._key
-    _bound = Parallelized._bound
 
     def __init__(self, fun, *, mesh=None, cluster=None, memory_budget=None, static_argnums=(), donate_argnums=(),
                  plan=None, hints=None, solver_time_limit=10.0, tie_layers="auto", num_microbatches=1,
@@ -76,8 +74,57 @@ class PipelinedStep:
         self._cache: dict = {}
         functools.update_wrapper(self, fun)
 
+    # ---- argument handling -------------------------------------------------------------------------
+    def _split(self, args):
+        n = len(args)
+        for i in self.static_argnums:
+            if not -n <= i < n:
+                raise InputError(
+                    f"static_argnums={self.static_argnums} names argument {i}, but {self.fun.__name__} was "
+                    f"called with {n} positional arguments. Fix: pass static_argnums within range(0, {n})."
+                )
+        static = {i % n for i in self.static_argnums}
+        dyn = tuple(a for i, a in enumerate(args) if i not in static)
+        stat = tuple((i, args[i]) for i in sorted(static))
+        dyn_index = [i for i in range(n) if i not in static]
+        for i in self.donate_argnums:
+            if i % n in static:
+                raise InputError(f"argument {i} is both static and donated; donate only array arguments")
+        return dyn, stat, dyn_index
+
+    def _key(self, dyn, stat, dyn_index):
+        leaves, tree = jax.tree_util.tree_flatten(dyn)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(dyn)[0]:
+            # path[0] indexes the dynamic arguments; name the caller's positional argument.
+            argnum = dyn_index[path[0].idx]
+            check_leaf(jax.tree_util.keystr(path[1:]), leaf, argnum, tuple(i for i, _ in stat))
+        try:
+            hash(stat)
+        except TypeError as e:
+            raise InputError(f"static arguments must be hashable: {e}") from None
+        return (tree, tuple((np.shape(x), str(_abstract(x).dtype)) for x in leaves), stat)
+
+    def _bound(self, stat, n_args, dyn_index):
+        def bound(*dyn):
+            args = [None] * n_args
+            for i, v in stat:
+                args[i] = v
+            for i, v in zip(dyn_index, dyn, strict=True):
+                args[i] = v
+            return self.fun(*args)
+
+        return bound
+
     # ---- planning ----------------------------------------------------------------------------------
     def _get(self, args) -> _Entry:
+        from autoshard.signature import has_graph_nodes
+
+        if has_graph_nodes(args):
+            raise InputError(
+                "a microbatched or pipelined step cannot take flax nnx objects (Module, Optimizer, Rngs) yet: "
+                "their in-place update is not carried through the microbatches. Fix: pass their state, "
+                "`graphdef, state = nnx.split(model)`, and return the new state (nnx.merge inside the step), "
+                "or run without num_microbatches/pipeline.")
         dyn, stat, dyn_index = self._split(args)
         key = self._key(dyn, stat, dyn_index)
         entry = self._cache.get(key)

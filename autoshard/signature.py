@@ -1,0 +1,318 @@
+"""The step's call signature: how one call's arguments become the traced program's inputs.
+
+``StepSignature`` is made once per parallelized function from the ``jax.jit``-style options
+(``static_argnums``/``static_argnames``, ``donate_argnums``/``donate_argnames``). ``bind(args,
+kwargs)`` turns one call into a :class:`BoundCall`:
+
+- static arguments (by position or by name) are set aside: they are part of the cache key and are
+  passed to the step as they are;
+- the dynamic arguments, positional and keyword, become one tuple ``dyn`` (keyword arguments after
+  the positional ones, sorted by name), each labelled with its position or its name;
+- flax nnx graph nodes (``nnx.Module``, ``nnx.Optimizer``, ``nnx.Rngs``, ...) anywhere in a dynamic
+  argument are split into their ``nnx.State`` (``nnx.split`` over all of them at once, so a shared
+  submodule is one set of leaves), as ``nnx.jit`` does. The traced function merges them back, runs the
+  step, and returns the objects' new state after the step's own outputs; :meth:`BoundCall.finish`
+  writes it into the caller's objects (``nnx.update``): parameters, optimizer state, ``optimizer.step``,
+  BatchNorm statistics and ``Rngs`` counters change in place, as under ``nnx.jit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from autoshard.errors import InputError
+
+
+def _as_tuple(x, kind) -> tuple:
+    if x is None:
+        return ()
+    if isinstance(x, kind):
+        return (x,)
+    return tuple(x)
+
+
+def _parameters(fun):
+    try:
+        return list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):  # builtins and some callables have no signature
+        return None
+
+
+def _resolve(nums, names, params, what: str):
+    """``jax.jit``'s rule: a positional-or-keyword parameter named by number is also named by name, and
+    the other way round. Returns ``(nums, names)`` as frozensets."""
+    nums, names = set(nums), set(names)
+    if params is None:
+        return frozenset(nums), frozenset(names)
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    known = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    has_var_kw = any(p.kind == p.VAR_KEYWORD for p in params)
+    for n in names:
+        if n not in known and not has_var_kw:
+            raise InputError(f"{what}_argnames names {n!r}, which is not a parameter of the step (its parameters: "
+                             f"{', '.join(p.name for p in params)}). Fix: name one of them.")
+    for i, p in enumerate(positional):
+        if i in nums and p.kind == p.POSITIONAL_OR_KEYWORD:
+            names.add(p.name)
+        if p.name in names:
+            nums.add(i)
+    return frozenset(nums), frozenset(names)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSignature:
+    """The ``jax.jit``-style argument options of one parallelized step (see :meth:`create`)."""
+
+    fun: Callable
+    static_argnums: frozenset
+    static_argnames: frozenset
+    donate_argnums: frozenset
+    donate_argnames: frozenset
+    positional_names: tuple = ()  # names of the positional parameters, where the signature is known
+
+    @classmethod
+    def create(cls, fun, static_argnums=(), static_argnames=(), donate_argnums=(), donate_argnames=()):
+        params = _parameters(fun)
+        snums, snames = _resolve(_as_tuple(static_argnums, int), _as_tuple(static_argnames, str), params, "static")
+        dnums, dnames = _resolve(_as_tuple(donate_argnums, int), _as_tuple(donate_argnames, str), params, "donate")
+        positional = tuple(p.name for p in params or () if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+        both = [f"argument {i}" + (f" ({positional[i]!r})" if i < len(positional) else "") for i in sorted(snums & dnums)]
+        both += [f"argument {n!r}" for n in sorted((snames & dnames) - set(positional))]
+        if both:
+            raise InputError(f"{', '.join(both)} {'is' if len(both) == 1 else 'are'} both static and donated. "
+                             "Fix: donate only array arguments.")
+        return cls(fun, snums, snames, dnums, dnames, positional)
+
+    def _positions(self, nums, n: int, kwargs, what: str) -> frozenset:
+        out = set()
+        name = getattr(self.fun, "__name__", "the step")
+        for i in nums:
+            if -n <= i < n:
+                out.add(i % n)
+            elif i < 0 or not (i < len(self.positional_names) and self.positional_names[i] in kwargs):
+                raise InputError(
+                    f"{what}_argnums={tuple(sorted(nums))} names argument {i}, but {name} was called with {n} "
+                    f"positional arguments. Fix: pass {what}_argnums within range(0, {n}).")
+        return frozenset(out)
+
+    def bind(self, args: tuple, kwargs: dict) -> BoundCall:
+        """Split one call into static and dynamic parts (see the module docstring)."""
+        n = len(args)
+        static_nums = self._positions(self.static_argnums, n, kwargs, "static")
+        donate_nums = self._positions(self.donate_argnums, n, kwargs, "donate")
+        static, dyn, labels = [], [], []
+        for i, a in enumerate(args):
+            if i in static_nums:
+                static.append((i, a))
+            else:
+                dyn.append(a)
+                labels.append(i)
+        for k in sorted(kwargs):
+            if k in self.static_argnames:
+                static.append((k, kwargs[k]))
+            else:
+                dyn.append(kwargs[k])
+                labels.append(k)
+        static = tuple(static)
+        try:
+            hash(static)
+        except TypeError as e:
+            raise InputError(f"static arguments must be hashable: {e}. Fix: pass a hashable value (a tuple, not "
+                             "a list), or make the argument dynamic.") from None
+        donated = tuple(lab in (donate_nums if isinstance(lab, int) else self.donate_argnames) for lab in labels)
+        graph = _NodeGraph.split(tuple(dyn)) if has_graph_nodes(dyn) else None
+        return BoundCall(self, tuple(dyn) if graph is None else graph.pure, tuple(labels), static, donated, graph)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BoundCall:
+    """One call, bound: the dynamic arguments ``dyn`` (each labelled with its position or keyword), the
+    static ones, which dynamic arguments are donated, and the nnx objects to update after the call."""
+
+    signature: StepSignature
+    dyn: tuple
+    labels: tuple
+    static: tuple
+    donated: tuple
+    graph: _NodeGraph | None = None
+
+    @property
+    def positional_labels(self) -> tuple:
+        """Each dynamic argument's position in the call; keyword arguments count as ``-1``."""
+        return tuple(lab if isinstance(lab, int) else -1 for lab in self.labels)
+
+    def key(self, abstract) -> tuple:
+        """The cache key: structure, shapes and dtypes, static values, labels, nnx graph definitions."""
+        leaves, tree = jax.tree_util.tree_flatten(abstract)
+        shapes = tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+        graph = None if self.graph is None else self.graph.static_key
+        return (tree, shapes, self.static, self.labels, graph)
+
+    def in_paths(self, abstract) -> tuple[str, ...]:
+        """A readable pytree path per flat leaf: ``[0]['params']...`` for positional arguments,
+        ``batch['x']`` for keyword ones."""
+        out = []
+        for path, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+            lab = self.labels[path[0].idx]
+            head = f"[{path[0].idx}]" if isinstance(lab, int) else lab
+            out.append(head + jax.tree_util.keystr(path[1:]))
+        return tuple(out)
+
+    def donated_leaves(self) -> set[int]:
+        out, offset = set(), 0
+        for a, d in zip(self.dyn, self.donated, strict=True):
+            n = len(jax.tree_util.tree_leaves(a))
+            if d:
+                out.update(range(offset, offset + n))
+            offset += n
+        return out
+
+    def pure_function(self) -> Callable:
+        """The step as a function of ``*dyn``. With nnx objects, it returns ``(out, *new_dyn)``."""
+        fun, labels, static = self.signature.fun, self.labels, self.static
+        graph = self.graph
+
+        def call(dyn):
+            args, kwargs = {}, {}
+            for lab, v in (*static, *zip(labels, dyn, strict=True)):
+                (args if isinstance(lab, int) else kwargs)[lab] = v
+            n = max(args) + 1 if args else 0
+            if set(args) != set(range(n)):  # pragma: no cover - labels come from a real call
+                raise AssertionError(f"argument positions {sorted(args)} are not contiguous")
+            return fun(*(args[i] for i in range(n)), **kwargs)
+
+        if graph is None:
+            return lambda *dyn: call(dyn)
+        return graph.wrap(call, getattr(fun, "__name__", "the step"))
+
+    def finish(self, outputs):
+        """The step's outputs as the user sees them; nnx objects get their new state written back."""
+        if self.graph is None:
+            return outputs
+        out, *new_dyn = outputs
+        self.graph.update(tuple(new_dyn))
+        return out
+
+
+# ---- flax nnx graph nodes ------------------------------------------------------------------------
+
+
+def _nnx():
+    """flax.nnx if the program has imported it (an nnx object can only exist then), else None."""
+    if "flax.nnx" not in sys.modules:
+        return None
+    from flax import nnx
+
+    return nnx
+
+
+def _is_graph_node(x) -> bool:
+    nnx = _nnx()
+    return nnx is not None and nnx.graph.is_graph_node(x) and not isinstance(x, (list, tuple, dict))
+
+
+def has_graph_nodes(tree) -> bool:
+    if _nnx() is None:
+        return False
+    return any(_is_graph_node(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_graph_node))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _NodeGraph:
+    """The nnx objects of one call: where they sit in the arguments, and their split."""
+
+    objects: tuple          # the caller's graph nodes, in leaf order
+    tree: Any               # the arguments' treedef with graph nodes as leaves
+    positions: tuple        # leaf positions of the graph nodes
+    graphdef: Any
+    pure: tuple             # the arguments with each graph node replaced by its nnx.State
+
+    @classmethod
+    def split(cls, dyn: tuple) -> _NodeGraph:
+        nnx = _nnx()
+        leaves, tree = jax.tree_util.tree_flatten(dyn, is_leaf=_is_graph_node)
+        positions = tuple(i for i, x in enumerate(leaves) if _is_graph_node(x))
+        objects = tuple(leaves[i] for i in positions)
+        graphdef, state = nnx.split(objects)
+        pure = list(leaves)
+        for j, i in enumerate(positions):
+            pure[i] = state[j] if j in state else nnx.State({})
+        return cls(objects, tree, positions, graphdef, tuple(jax.tree_util.tree_unflatten(tree, pure)))
+
+    @property
+    def static_key(self):
+        return (self.tree, self.graphdef)
+
+    def _states(self, dyn) -> tuple[list, Any]:
+        nnx = _nnx()
+        parts = self.tree.flatten_up_to(dyn)
+        return parts, nnx.State({j: parts[i] for j, i in enumerate(self.positions)})
+
+    def wrap(self, call, name: str) -> Callable:
+        nnx = _nnx()
+
+        def pure(*dyn):
+            parts, state = self._states(dyn)
+            objects = nnx.merge(self.graphdef, state)
+            for j, i in enumerate(self.positions):
+                parts[i] = objects[j]
+            out = call(tuple(jax.tree_util.tree_unflatten(self.tree, parts)))
+            if has_graph_nodes(out):
+                raise InputError(
+                    f"{name} returns an nnx object. A parallelized nnx step updates the objects it is passed in "
+                    "place (as nnx.jit does), and returns arrays.\nFix: return only arrays and metrics, e.g. "
+                    "`return loss` instead of `return model, loss`; the model passed in is updated.")
+            graphdef, new_state = nnx.split(objects)
+            if graphdef != self.graphdef:
+                raise InputError(
+                    f"{name} changed the structure of the nnx objects it was passed (it added, removed or retyped "
+                    "an attribute), which a compiled step cannot write back.\nFix: create every attribute in "
+                    "__init__ (e.g. nnx.Variable(jnp.zeros(...))) and only update values in the step.")
+            new = list(parts)
+            for j, i in enumerate(self.positions):
+                new[i] = new_state[j] if j in new_state else nnx.State({})
+            return (out, *jax.tree_util.tree_unflatten(self.tree, new))
+
+        return pure
+
+    def update(self, new_dyn: tuple) -> None:
+        nnx = _nnx()
+        _, state = self._states(new_dyn)
+        nnx.update(self.objects, state)
+
+
+def abstract_leaf(leaf):
+    """A leaf's ``ShapeDtypeStruct``. Extended dtypes (typed PRNG keys, ``key<fry>``) keep their dtype:
+    jax refuses to canonicalize them, and a key array is planned like an array of its shape."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+    if isinstance(leaf, (int, float, bool, complex)):
+        return jax.ShapeDtypeStruct((), jax.dtypes.canonicalize_dtype(type(leaf)), weak_type=True)
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
+        return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype)
+    return jax.ShapeDtypeStruct(np.shape(leaf), jax.dtypes.canonicalize_dtype(leaf.dtype))
+
+
+def check_leaf(path: str, leaf, label, static_names=()):
+    """Raise InputError unless ``leaf`` (at ``path`` of argument ``label``) is an array or an abstract one."""
+    if isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct, np.generic, int, float, bool, complex)):
+        return
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return
+    what = f"argument {label}" if isinstance(label, int) else f"keyword argument {label!r}"
+    if isinstance(label, int):
+        fix = f"static_argnums={tuple(sorted({*(i for i in static_names if isinstance(i, int)), label}))}"
+    else:
+        fix = f"static_argnames={tuple(sorted({*(n for n in static_names if isinstance(n, str)), label}))}"
+    raise InputError(
+        f"{what} has a leaf at {path or '<root>'} of type {type(leaf).__name__}, which is not an "
+        "array. autoshard traces every leaf of a dynamic argument.\n"
+        f"Fix: pass arrays only, or mark the argument static: parallelize(..., {fix})."
+    )

@@ -111,6 +111,40 @@ class _Compiled:
     process_local: Any = None  # distributed.ProcessLocalArgs in multi-process runs
 
 
+# jax's messages for explicit-sharding annotations traced under autoshard's Auto-axis mesh (or none).
+_ANNOTATION_ERRORS = ("Using PartitionSpec when you are not under a mesh context",
+                      "cannot contain axis names that are of type Auto", "requires a non-empty mesh in context")
+
+
+def _capture(fun, abstract, in_paths, mesh):
+    """``capture_graph`` under the planning mesh, with jax's tracing errors for code that autoshard cannot
+    plan (pmap collectives, explicit-sharding annotations) turned into an :class:`InputError` that names
+    the user's line and the fix."""
+    from autoshard.capture import capture_graph, exception_location
+
+    try:
+        with _mesh_context(mesh):
+            return capture_graph(fun, abstract, in_paths=in_paths)
+    except NameError as e:
+        if "unbound axis name" not in str(e):
+            raise
+        raise InputError(
+            f"the step uses a collective over a named axis at {exception_location(e)} ({e}). That is pmap-style "
+            "code: lax.psum, lax.pmean, lax.all_gather, lax.axis_index and the like need an axis bound by "
+            "pmap or shard_map, and autoshard traces the step as one program over the global batch.\n"
+            "Fix: drop the collective (the step already sees the whole batch, so jnp.mean over it is the "
+            "global mean), or put the code that needs it inside jax.shard_map over the planning mesh.") from None
+    except (ValueError, RuntimeError) as e:
+        if not any(m in str(e) for m in _ANNOTATION_ERRORS):
+            raise
+        raise InputError(
+            f"the step annotates a sharding at {exception_location(e)} that autoshard cannot trace ({e}). "
+            "jax.sharding.reshard and out_sharding= need Explicit mesh axes, and autoshard plans over Auto "
+            "axes (the layout of every value is what it chooses).\nFix: remove the annotation, or write it "
+            "as jax.lax.with_sharding_constraint(x, PartitionSpec(...)), which autoshard keeps as a pin, and "
+            "pin argument layouts with parallelize(..., hints={path_regex: PartitionSpec(...)}).") from None
+
+
 class Parallelized:
     """A step function that plans, shards and runs itself. Made by :func:`parallelize`."""
 
@@ -184,7 +218,6 @@ class Parallelized:
         return entry, call
 
     def _build(self, call: BoundCall, abstract) -> _Compiled | _Accumulated:
-        from autoshard.capture import capture_graph
         from autoshard.cluster import make_mesh, resolve_mesh
         from autoshard.lower import make_flat_function
 
@@ -206,8 +239,10 @@ class Parallelized:
 
             device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
             fun = cast_matmuls(fun, self.compute_dtype, widen=widen_operands(device.platform))
-        with _mesh_context(mesh):
-            program = capture_graph(fun, abstract, in_paths=call.in_paths(abstract))
+        # With no mesh yet, trace under one with the planner's axis names, so that the user's
+        # with_sharding_constraint(x, PartitionSpec("data")) traces (it pins by name on the chosen mesh).
+        trace_mesh = mesh if mesh is not None else make_mesh((len(jax.devices()), 1), ("data", "model"))
+        program = _capture(fun, abstract, call.in_paths(abstract), trace_mesh)
         timings["capture"] = time.perf_counter() - t0
         donated = call.donated_leaves()
         out_shape = jax.tree_util.tree_unflatten(program.out_tree, [program.avals[v] if isinstance(v, int) else

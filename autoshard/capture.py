@@ -262,8 +262,24 @@ def capture_graph(fun, args, *, in_paths=None) -> CapturedProgram:
 _LIBRARY_MARKERS = ("/jax/", "/jaxlib/", "/flax/", "/optax/", "/autoshard/", "/site-packages/", "<frozen")
 
 
+def _stdlib_dirs() -> tuple[str, ...]:
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    return tuple({paths[k] + "/" for k in ("stdlib", "platstdlib") if k in paths})
+
+
+_STDLIB_DIRS = _stdlib_dirs()
+
+
+def _is_library(file_name: str) -> bool:
+    """jax, libraries and the standard library (functools, contextlib): never the user's line."""
+    return any(m in file_name for m in _LIBRARY_MARKERS) or file_name.startswith(_STDLIB_DIRS)
+
+
 def source_location(source_info) -> str:
-    """The innermost user frame of an eqn's traceback, as ``file:line``."""
+    """The innermost user frame of an eqn's traceback, as ``file:line``; ``"<unknown>"`` when the
+    traceback holds none (jax records only its own frames for some ops made while differentiating)."""
     tb = getattr(source_info, "traceback", None)
     if tb is None:
         return "<unknown>"
@@ -272,6 +288,17 @@ def source_location(source_info) -> str:
     except Exception:  # pragma: no cover - traceback objects differ across jaxlib versions
         return "<unknown>"
     for f in frames:
-        if not any(m in f.file_name for m in _LIBRARY_MARKERS):
+        if not _is_library(f.file_name):
             return f"{f.file_name}:{f.line_num}"
-    return f"{frames[0].file_name}:{frames[0].line_num}" if frames else "<unknown>"
+    return "<unknown>"
+
+
+def exception_location(exc: BaseException) -> str:
+    """The innermost user frame (as in :func:`source_location`) of an exception raised while tracing."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    for f in reversed(frames):
+        if not _is_library(f.filename):
+            return f"{f.filename}:{f.lineno}"
+    return "<unknown>"

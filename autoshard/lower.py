@@ -95,6 +95,8 @@ class _Evaluator:
                 invals.append(self.constrain(val, spec) if spec is not None else val)
             if op.body is not None and op.name == "scan":
                 outs = self.run_scan(op, invals)
+            elif op.name == "sharding_constraint":  # the user's pin: the plan's layout below replaces it
+                outs = (invals[0],)
             else:
                 with op.ctx.manager:
                     outs = op.primitive.bind(*invals, **op.primitive.get_bind_params(op.params))

@@ -1,0 +1,223 @@
+"""The programs users write: typed PRNG keys, nnx objects updated in place, keyword arguments and
+argument names, meshes made by jax, sharding annotations and pmap leftovers in model code."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import autoshard
+from autoshard.errors import InputError
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return autoshard.make_mesh((2, 4), ("data", "model"))
+
+
+def _leaves_close(a, b, rtol=1e-5, atol=1e-6):
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb, strict=True):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        else:
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+# ---- typed PRNG keys -------------------------------------------------------------------------------
+
+
+def _noisy_step(state, x):
+    keys = jax.vmap(jax.random.split)(state["keys"])
+    noise = jax.vmap(lambda k: jax.random.normal(k, (x.shape[1],)))(keys[:, 0])
+    drop = jax.random.bernoulli(state["key"], 0.8, x.shape)
+    y = jnp.where(drop, x + noise, 0.0) @ state["w"]
+    new = {"w": state["w"] - 0.01 * (x.T @ y), "keys": keys[:, 1], "key": jax.random.split(state["key"])[0],
+           "legacy": jax.random.split(state["legacy"])[0]}
+    return new, jnp.mean(y**2)
+
+
+def _noisy_state():
+    return {"w": jnp.linspace(-1, 1, 256, dtype=jnp.float32).reshape(16, 16),
+            "keys": jax.random.split(jax.random.key(1), 8), "key": jax.random.key(2),
+            "legacy": jax.random.PRNGKey(3)}
+
+
+def test_typed_and_legacy_keys_anywhere_in_the_state(mesh):
+    x = jnp.linspace(0, 1, 8 * 16, dtype=jnp.float32).reshape(8, 16)
+    step = autoshard.parallelize(_noisy_step, mesh=mesh)
+    state, ref = _noisy_state(), _noisy_state()
+    for _ in range(2):
+        state, loss = step(state, x)
+        ref, ref_loss = jax.jit(_noisy_step)(ref, x)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    _leaves_close(state, ref)
+    assert jax.dtypes.issubdtype(state["key"].dtype, jax.dtypes.prng_key)
+
+
+def test_keys_plan_from_shape_dtype_structs(mesh):
+    abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _noisy_state())
+    plan = autoshard.parallelize(_noisy_step, mesh=mesh).plan(abstract, jax.ShapeDtypeStruct((8, 16), jnp.float32))
+    assert "key" in plan.summary()
+    assert len(plan.in_specs) == 5
+
+
+# ---- nnx objects, in place -------------------------------------------------------------------------
+
+
+class _Net(nnx.Module):
+    def __init__(self, rngs):
+        self.fc = nnx.Linear(16, 32, rngs=rngs)
+        self.bn = nnx.BatchNorm(32, rngs=rngs)
+        self.drop = nnx.Dropout(0.25, rngs=rngs)
+        self.out = nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(nnx.relu(self.bn(self.fc(x)))))
+
+
+def _make_net():
+    model = _Net(nnx.Rngs(0, dropout=1))
+    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+
+def _nnx_step(model, optimizer, batch):
+    def loss_fn(model):
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+def _batch():
+    return {"x": jnp.linspace(-1, 1, 8 * 16, dtype=jnp.float32).reshape(8, 16), "y": jnp.ones((8, 4))}
+
+
+@pytest.mark.parametrize("on_mesh", [True, False], ids=["mesh", "auto-mesh"])
+def test_nnx_optimizer_step_updates_in_place_like_nnx_jit(mesh, on_mesh):
+    model, opt = _make_net()
+    ref_model, ref_opt = _make_net()
+    step = autoshard.parallelize(_nnx_step, mesh=mesh if on_mesh else None)
+    ref = nnx.jit(_nnx_step)
+    rng_count = int(model.drop.rngs.count[...]) if hasattr(model.drop, "rngs") else None
+    for _ in range(2):
+        loss, ref_loss = step(model, opt, _batch()), ref(ref_model, ref_opt, _batch())
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert int(opt.step[...]) == 2 == int(ref_opt.step[...])
+    assert not np.allclose(model.bn.mean[...], 0.0)  # BatchNorm statistics moved
+    if rng_count is not None:
+        assert int(model.drop.rngs.count[...]) == rng_count + 2  # one dropout mask per step
+    _leaves_close(nnx.state((model, opt)), nnx.state((ref_model, ref_opt)))
+    assert len(step._cache) == 1  # the second call reused the plan
+
+
+def test_nnx_step_returning_a_module_is_refused(mesh):
+    model, _ = _make_net()
+
+    def step(model, x):
+        return model, model(x).sum()
+
+    with pytest.raises(InputError, match=r"(?s)returns an nnx object.*Fix: return only arrays"):
+        autoshard.parallelize(step, mesh=mesh)(model, _batch()["x"])
+
+
+def test_nnx_objects_in_a_microbatched_step_are_refused(mesh):
+    model, opt = _make_net()
+    step = autoshard.parallelize(_nnx_step, mesh=mesh, num_microbatches=2)
+    with pytest.raises(InputError, match="cannot take flax nnx objects"):
+        step(model, opt, _batch())
+
+
+# ---- signature -------------------------------------------------------------------------------------
+
+
+def _scaled(w, x, *, scale, power=2):
+    return jnp.sum((x @ w) ** power) * scale
+
+
+def test_static_argnames_and_keyword_arguments(mesh):
+    w, x = jnp.ones((16, 8)) / 16, jnp.linspace(0, 1, 128, dtype=jnp.float32).reshape(8, 16)
+    step = autoshard.parallelize(_scaled, mesh=mesh, static_argnames=("power",))
+    ref = jax.jit(_scaled, static_argnames=("power",))
+    np.testing.assert_allclose(step(w, x, scale=2.0, power=3), ref(w, x, scale=2.0, power=3), rtol=1e-5)
+    np.testing.assert_allclose(step(w, x=x, scale=0.5), ref(w, x=x, scale=0.5), rtol=1e-5)
+    assert len(step._cache) == 2  # a different static value, and x by keyword, are other entries
+    plan = step.plan(w, x, scale=1.0, power=3)
+    assert "scale" in plan.in_paths and any(p.startswith("[1]") for p in plan.in_paths)
+
+
+def test_donate_argnames_donates_by_name(mesh):
+    def step(params, x):
+        return jax.tree_util.tree_map(lambda p: p - 0.1 * jnp.mean(x), params), jnp.sum(x)
+
+    params = {"w": jnp.ones((16, 16))}
+    f = autoshard.parallelize(step, mesh=mesh, donate_argnames=("params",))
+    new, _ = f(params, jnp.ones((8, 16)))  # moved onto the planned sharding: the moved copy is donated
+    newer, _ = f(new, jnp.ones((8, 16)))
+    assert new["w"].is_deleted() and not params["w"].is_deleted()
+    np.testing.assert_allclose(newer["w"], 0.8, rtol=1e-6)
+    assert f.signature.donate_argnums == frozenset({0})
+
+
+def test_unknown_argname_is_refused():
+    with pytest.raises(InputError, match=r"static_argnames names 'nope'.*Fix"):
+        autoshard.parallelize(_scaled, static_argnames=("nope",))
+
+
+def test_pmap_collective_names_the_line_and_the_fix(mesh):
+    def step(w, x):
+        return jax.lax.pmean(jnp.sum(x @ w), "batch")  # a leftover from pmap code
+
+    with pytest.raises(InputError, match=r"(?s)test_frontend.py:\d+.*pmap-style.*Fix: drop the collective"):
+        autoshard.parallelize(step, mesh=mesh)(jnp.ones((16, 8)), jnp.ones((8, 16)))
+
+
+# ---- meshes and annotations -------------------------------------------------------------------------
+
+
+def _mlp(w, x):
+    return jnp.tanh(x @ w).sum()
+
+
+def test_ambient_explicit_mesh_of_set_mesh_is_used():
+    explicit = jax.make_mesh((4, 2), ("data", "model"))
+    w, x = jnp.ones((16, 8)) / 16, jnp.linspace(0, 1, 128, dtype=jnp.float32).reshape(8, 16)
+    step = autoshard.parallelize(_mlp)
+    with jax.set_mesh(explicit):
+        out = step(w, x)
+        plan = step.plan(w, x)
+    np.testing.assert_allclose(out, jax.jit(_mlp)(w, x), rtol=1e-5)
+    assert dict(zip(plan.mesh.axis_names, plan.mesh.devices.shape, strict=True)) == {"data": 4, "model": 2}
+
+
+def test_with_sharding_constraint_in_model_code_is_a_pin(mesh):
+    def f(w, x):
+        h = jax.lax.with_sharding_constraint(x @ w, P("model", None))
+        return jnp.sum(jnp.tanh(h) @ w.T)
+
+    w, x = jnp.ones((16, 16)) / 16, jnp.linspace(0, 1, 128, dtype=jnp.float32).reshape(8, 16)
+    step = autoshard.parallelize(f, mesh=mesh)
+    with jax.set_mesh(mesh):
+        ref = jax.jit(f)(w, x)
+    np.testing.assert_allclose(step(w, x), ref, rtol=1e-5)
+    program_specs = step.plan(w, x).value_specs
+    assert autoshard.ShardingSpec(((1,), ())) in program_specs.values()
+
+
+@pytest.mark.parametrize("annotate", ["reshard", "out_sharding"])
+def test_explicit_sharding_annotations_name_the_line_and_the_fix(mesh, annotate):
+    def f(w, x):
+        if annotate == "reshard":
+            h = jax.sharding.reshard(x @ w, P("data", None))
+        else:
+            h = jnp.dot(x, w, out_sharding=P("data", None))
+        return h.sum()
+
+    with pytest.raises(InputError, match=r"(?s)test_frontend.py:\d+.*with_sharding_constraint.*hints="):
+        autoshard.parallelize(f, mesh=mesh)(jnp.ones((16, 8)), jnp.ones((8, 16)))

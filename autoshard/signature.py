@@ -214,8 +214,10 @@ def _nnx():
 
 
 def _is_graph_node(x) -> bool:
+    """An nnx object to split and update in place. A ``Variable`` is not one here: ``nnx.State`` holds
+    them (the functional ``nnx.split`` style), and they flatten to their values like any pytree."""
     nnx = _nnx()
-    return nnx is not None and nnx.graph.is_graph_node(x) and not isinstance(x, (list, tuple, dict))
+    return (nnx is not None and nnx.graph.is_graph_node(x) and not isinstance(x, (list, tuple, dict, nnx.Variable)))
 
 
 def has_graph_nodes(tree) -> bool:

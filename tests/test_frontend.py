@@ -221,3 +221,22 @@ def test_explicit_sharding_annotations_name_the_line_and_the_fix(mesh, annotate)
 
     with pytest.raises(InputError, match=r"(?s)test_frontend.py:\d+.*with_sharding_constraint.*hints="):
         autoshard.parallelize(f, mesh=mesh)(jnp.ones((16, 8)), jnp.ones((8, 16)))
+
+
+def test_functional_nnx_state_of_variables_is_a_pytree_not_an_object(mesh):
+    """nnx.split's State holds Variables (graph nodes to nnx): the functional form must not be taken for
+    objects to update in place (it returns a new State, which is an ordinary output)."""
+    graphdef, params = nnx.split(_Net(nnx.Rngs(0, dropout=1)), nnx.Param, ...)[0:2]
+
+    def step(params, batch):
+        def loss_fn(params):
+            model = nnx.merge(graphdef, params, nnx.split(_Net(nnx.Rngs(0, dropout=1)), nnx.Param, ...)[2])
+            return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+    new, loss = autoshard.parallelize(step, mesh=mesh)(params, _batch())
+    ref_new, ref_loss = jax.jit(step)(params, _batch())
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    _leaves_close(new, ref_new)

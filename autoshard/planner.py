@@ -148,8 +148,9 @@ def enumerate_strategies(program: CapturedProgram, cost: CostModel, *, pinned=No
 
     def op_context(op: Op) -> RuleContext:
         in_shapes = tuple(x.shape if isinstance(x, Const) else _aval_shape(avals[x]) for x in op.inputs)
-        in_dtypes = tuple(np.asarray(x.value).dtype if isinstance(x, Const) else getattr(avals[x], "dtype", None)
-                          for x in op.inputs)
+        # a typed PRNG key constant has a dtype but no numpy form
+        in_dtypes = tuple((x.value.dtype if hasattr(x.value, "dtype") else np.asarray(x.value).dtype)
+                          if isinstance(x, Const) else getattr(avals[x], "dtype", None) for x in op.inputs)
         return RuleContext(
             mesh=mesh,
             cost=quiet if op.index in terminal else cost,
@@ -163,7 +164,8 @@ def enumerate_strategies(program: CapturedProgram, cost: CostModel, *, pinned=No
     def op_strategies(op: Op, ctx: RuleContext):
         entry = lookup_rule(op.name)
         if entry is None:
-            unsupported.setdefault(op.name, op.source())
+            if unsupported.get(op.name, "<unknown>") == "<unknown>":  # the first op with a user line
+                unsupported[op.name] = op.source()
             flops = sum(math.prod(s) for s in ctx.out_shapes)
             return [replicated_strategy(ctx, flops)], False
         pkey = _params_key(op.params)
@@ -707,7 +709,8 @@ def warn_unsupported(names) -> None:
     for n in names:
         warnings.warn(
             f"autoshard has no sharding rule for primitive {n}; it runs replicated. "
-            "Register one with autoshard.strategies.register_strategy to shard it.",
+            "Register one with autoshard.strategies.register_strategy to shard it (or, if replicated is "
+            "right, autoshard.strategies.register_replicated(name, why=...)).",
             AutoshardWarning,
             stacklevel=3,
         )

@@ -4,6 +4,10 @@ A rule is ``rule(op, ctx) -> list[Strategy]``. It is registered for one or more
 primitive names with :func:`register_strategy`. ``follows=True`` marks ops that
 the planner merges into the producer of their main operand (Alpa's followers):
 they keep the operand's layout instead of being solved on their own.
+
+Primitives that are right to run replicated are registered with
+:func:`register_replicated`, together with the reason; :func:`autoshard.strategies.coverage`
+reports it.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 
+import jax
 import numpy as np
 
 from autoshard.cost import Collective, CostModel
@@ -57,7 +62,7 @@ class RuleContext:
     const_inputs: tuple[bool, ...]
 
     def out_bytes(self, k: int = 0) -> int:
-        return math.prod(self.out_shapes[k]) * np.dtype(self.out_dtypes[k]).itemsize
+        return math.prod(self.out_shapes[k]) * itemsize(self.out_dtypes[k])
 
     def compute_time(self, flops: float, spec_or_shards) -> float:
         shards = spec_or_shards if isinstance(spec_or_shards, int) else spec_or_shards.num_shards(self.mesh)
@@ -66,6 +71,15 @@ class RuleContext:
     def collective(self, kind: str, axes, nbytes: float) -> tuple[float, Collective]:
         c = Collective(kind, tuple(sorted(axes)), float(nbytes))
         return self.cost.collective_time(c), c
+
+
+def itemsize(dtype) -> int:
+    """Bytes per element; an extended dtype (a typed PRNG key) counts its key data (8 for threefry)."""
+    if dtype is None:
+        return 4
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return int(getattr(dtype, "itemsize", 8))
+    return np.dtype(dtype).itemsize
 
 
 Rule = Callable[[object, RuleContext], list[Strategy]]
@@ -78,6 +92,8 @@ class RuleEntry:
 
 
 _RULES: dict[str, RuleEntry] = {}
+_REPLICATED_WHY: dict[str, str] = {}
+_REPLICATED_FAMILIES: dict[tuple[str, ...], str] = {}
 
 
 def register_strategy(*names: str, follows: bool = False):
@@ -93,9 +109,39 @@ def register_strategy(*names: str, follows: bool = False):
     def deco(rule: Rule) -> Rule:
         for n in names:
             _RULES[n] = RuleEntry(rule, follows)
+            _REPLICATED_WHY.pop(n, None)
         return rule
 
     return deco
+
+
+def register_replicated(*names: str, why: str) -> None:
+    """Run primitives ``names`` replicated on purpose, for the reason ``why`` (no warning).
+
+    ``why`` says why that is right, e.g. ``"a host callback sees whole arrays"``.
+
+    Example::
+
+        register_replicated("my_callback", why="the host function sees whole arrays")
+    """
+    if not why:
+        raise ValueError(f"register_replicated({', '.join(names)}) needs a reason: why=...")
+    for n in names:
+        _RULES[n] = RuleEntry(_replicated_rule, False)
+        _REPLICATED_WHY[n] = why
+
+
+def register_replicated_family(*module_prefixes: str, why: str) -> None:
+    """Classify every primitive defined only in modules under ``module_prefixes`` as replicated.
+
+    For kernel languages (Pallas, Mosaic): their primitives exist only inside a kernel body,
+    which is one opaque op to autoshard. :func:`autoshard.strategies.coverage` expands the
+    family over the installed jax."""
+    _REPLICATED_FAMILIES[tuple(module_prefixes)] = why
+
+
+def _replicated_rule(op, ctx: RuleContext) -> list[Strategy]:
+    return [replicated_strategy(ctx, sum(math.prod(s) for s in ctx.out_shapes))]
 
 
 def lookup_rule(name: str) -> RuleEntry | None:
@@ -104,6 +150,15 @@ def lookup_rule(name: str) -> RuleEntry | None:
 
 def registered_primitives() -> tuple[str, ...]:
     return tuple(sorted(_RULES))
+
+
+def replicated_reasons() -> dict[str, str]:
+    """Primitive name -> why it runs replicated, for those registered with :func:`register_replicated`."""
+    return dict(_REPLICATED_WHY)
+
+
+def replicated_families() -> dict[tuple[str, ...], str]:
+    return dict(_REPLICATED_FAMILIES)
 
 
 def replicated_strategy(ctx: RuleContext, flops: float = 0.0, name: str = "replicated") -> Strategy:

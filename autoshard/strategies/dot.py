@@ -9,11 +9,19 @@ reduce-scatter when the contraction is the batch).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
-from autoshard.spec import ShardingSpec
-from autoshard.strategies.base import RuleContext, Strategy, assign_axes, divides, register_strategy
+from autoshard.spec import ShardingSpec, replicated
+from autoshard.strategies.base import (
+    RuleContext,
+    Strategy,
+    assign_axes,
+    divides,
+    register_strategy,
+    replicated_strategy,
+)
 
 
 def _finish(ctx, name, lhs_spec, rhs_spec, out_placements, k_axes, flops, shards) -> list[Strategy]:
@@ -58,8 +66,12 @@ def _place(roles, axes, choice):
 
 @register_strategy("dot_general")
 def _dot_general(op, ctx: RuleContext) -> list[Strategy]:
-    (lc, rc), (lb, rb) = op.params["dimension_numbers"]
-    lshape, rshape = ctx.in_shapes
+    return _dot_strategies(ctx, op.params["dimension_numbers"])
+
+
+def _dot_strategies(ctx: RuleContext, dimension_numbers) -> list[Strategy]:
+    (lc, rc), (lb, rb) = dimension_numbers
+    lshape, rshape = ctx.in_shapes[:2]
     lfree = [d for d in range(len(lshape)) if d not in lc and d not in lb]
     rfree = [d for d in range(len(rshape)) if d not in rc and d not in rb]
     # Roles: (lhs dim, rhs dim, out dim, is_contraction); None where the operand lacks the dim.
@@ -122,3 +134,80 @@ def _conv(op, ctx: RuleContext) -> list[Strategy]:
     return out
 
 
+
+@register_strategy("ragged_dot_general")
+def _ragged_dot_general(op, ctx: RuleContext) -> list[Strategy]:
+    """Grouped matmul (MoE experts): ``lhs [m, k] x rhs [g, k, n] -> [m, n]``, rows grouped by ``group_sizes``.
+
+    The ragged dim (and the rhs group dim) stay whole: the group sizes count rows of the whole
+    array. Batch dims, the other free dims (``n``) and the contraction (``k``, all-reduced) split as
+    in ``dot_general``. In the ragged-contracting mode of the backward pass (``lhs [m, k] x
+    dout [m, n] -> [g, k, n]``) the output gains a leading group dim that stays whole."""
+    rdn = op.params["ragged_dot_dimension_numbers"]
+    (lc, rc), (lb, rb) = rdn.dot_dimension_numbers
+    ragged = rdn.lhs_ragged_dimensions[0]
+    groups = tuple(rdn.rhs_group_dimensions)
+    lshape, rshape = ctx.in_shapes[:2]
+    lfree = [d for d in range(len(lshape)) if d not in lc and d not in lb]
+    rfree = [d for d in range(len(rshape)) if d not in rc and d not in rb and d not in groups]
+    lead = 1 if ragged in lc else 0
+    num_groups = ctx.in_shapes[2][-1]
+    expected = ((num_groups,) * lead + tuple(lshape[d] for d in lb) + tuple(lshape[d] for d in lfree)
+                + tuple(rshape[d] for d in rfree))
+    contracted = math.prod(lshape[d] for d in lc)
+    flops = 2.0 * math.prod(ctx.out_shapes[0]) / max(num_groups, 1) ** lead * contracted
+    gs_spec = None if ctx.const_inputs[2] else replicated(len(ctx.in_shapes[2]))
+    if expected != tuple(ctx.out_shapes[0]):  # a mode this rule does not know: run it whole
+        return [replicated_strategy(ctx, flops)]
+    base = lead + len(lb)
+    roles = [(None, None, None, False)]
+    roles += [(dl, dr, lead + i, False) for i, (dl, dr) in enumerate(zip(lb, rb, strict=True)) if dl != ragged]
+    roles += [(d, None, base + i, False) for i, d in enumerate(lfree) if d != ragged]
+    roles += [(None, d, base + len(lfree) + i, False) for i, d in enumerate(rfree)]
+    roles += [(dl, dr, None, True) for dl, dr in zip(lc, rc, strict=True) if dl != ragged]
+    axes = ctx.mesh.active_axes
+    out = []
+    for choice in itertools.product(range(len(roles)), repeat=len(axes)):
+        lp, rp, op_, k_axes = _place(roles, axes, choice)
+        lhs_spec, rhs_spec = assign_axes(len(lshape), lp), assign_axes(len(rshape), rp)
+        if not (divides(lshape, lhs_spec, ctx.mesh) and divides(rshape, rhs_spec, ctx.mesh)):
+            continue
+        shards = ctx.mesh.axes_size([a for a, ri in zip(axes, choice, strict=True) if ri != 0])
+        for s in _finish(ctx, f"{lhs_spec}x{rhs_spec}", lhs_spec, rhs_spec, op_, k_axes, flops, shards):
+            if "|RS" not in s.name:  # the group-wise partial sums are all-reduced whole
+                out.append(dataclasses.replace(s, in_specs=(*s.in_specs, gs_spec)))
+    return out
+
+
+def _scale_spec(spec: ShardingSpec, shape, scale_shape, mesh) -> ShardingSpec | None:
+    """A block scale's layout: its operand's, on every dim the scale does not broadcast."""
+    dims = tuple(d if m != 1 else () for d, m in zip(spec.dims, scale_shape, strict=True))
+    out = ShardingSpec(dims)
+    return out if divides(scale_shape, out, mesh) else None
+
+
+# cuBLASLt's block-scaled matmul (GPU): a [B, M, K] x b [B, N, K] -> [B, M, N], lowered through a
+# custom_partitioning that splits B, M, N and K (summed) as a dot_general does.
+_SCALED_MATMUL_DIMS = (((2,), (2,)), ((0,), (0,)))
+
+
+@register_strategy("scaled_dot", "scaled_matmul_wrapper")
+def _scaled_dot(op, ctx: RuleContext) -> list[Strategy]:
+    """A block-scaled ``dot_general`` (``lhs, rhs, lhs_scale, rhs_scale``, scales of the operands' rank,
+    the contracted dims in blocks): each scale takes its operand's layout."""
+    dims = op.params.get("dimension_numbers", _SCALED_MATMUL_DIMS)
+    out = []
+    for s in _dot_strategies(ctx, dims):
+        if "|RS" in s.name:
+            continue
+        scales = []
+        for k in (2, 3):
+            if k >= len(ctx.in_shapes) or ctx.const_inputs[k]:
+                scales.append(None)
+                continue
+            scales.append(_scale_spec(s.in_specs[k - 2], ctx.in_shapes[k - 2], ctx.in_shapes[k], ctx.mesh))
+            if scales[-1] is None:
+                break
+        else:
+            out.append(dataclasses.replace(s, in_specs=(*s.in_specs, *scales[:len(ctx.in_shapes) - 2])))
+    return out

@@ -14,7 +14,11 @@ ELEMENTWISE = (
     "ge gt igamma igammac imag integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg "
     "nextafter not or population_count pow real reduce_precision rem round rsqrt select_n "
     "shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square stop_gradient "
-    "sub tan tanh xor sharding_constraint optimization_barrier_elementwise"
+    "sub tan tanh xor optimization_barrier_elementwise "
+    "bessel_i0e bessel_i1e igamma_grad_a polygamma zeta regularized_incomplete_beta random_gamma_grad "
+    "mulhi eq_to le_to lt_to zeros_like "
+    # counter-based RNG kernels map each counter to its bits, element by element
+    "threefry2x32 threefry4x32 philox2x32 philox4x32"
 ).split()
 
 

@@ -67,7 +67,7 @@ def _gather(op, ctx: RuleContext) -> list[Strategy]:
 
 
 @register_strategy("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",
-                   "scatter_min", "scatter-max", "scatter_max")
+                   "scatter_min", "scatter-max", "scatter_max", "scatter-sub", "scatter_sub")
 def _scatter(op, ctx: RuleContext) -> list[Strategy]:
     dn = op.params["dimension_numbers"]
     operand_shape, idx_shape, upd_shape = ctx.in_shapes[:3]

@@ -182,7 +182,7 @@ def _split(op, ctx: RuleContext) -> list[Strategy]:
 
 
 @register_strategy("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window",
-                   "select_and_scatter_add", "select_and_gather_add", follows=True)
+                   "select_and_scatter_add", "select_and_gather_add", "select_and_scatter", follows=True)
 def _window(op, ctx: RuleContext) -> list[Strategy]:
     """Pooling: only dims with a unit window, unit stride and no padding may stay split."""
     dims = op.params.get("window_dimensions", ())
@@ -192,6 +192,82 @@ def _window(op, ctx: RuleContext) -> list[Strategy]:
     whole += [i for i, s in enumerate(strides) if s != 1]
     whole += [i for i, p in enumerate(padding) if tuple(p) != (0, 0)]
     return _same_layout(ctx, whole)
+
+
+@register_strategy("stack", follows=True)
+def _stack(op, ctx: RuleContext) -> list[Strategy]:
+    """Any output layout; each operand takes it without the new axis (a split of the new axis is
+    a slice of replicated operands)."""
+    axis = op.params["axis"]
+    shape = ctx.out_shapes[0]
+    out = []
+    for spec in candidate_specs(shape, ctx.mesh):
+        operand = ShardingSpec(spec.dims[:axis] + spec.dims[axis + 1:])
+        ins = tuple(None if c else operand for c in ctx.const_inputs)
+        out.append(Strategy(str(spec), ins, (spec,), compute=ctx.compute_time(math.prod(shape), spec)))
+    return out
+
+
+@register_strategy("unstack", follows=True)
+def _unstack(op, ctx: RuleContext) -> list[Strategy]:
+    """The unstacked axis stays whole; every output keeps the other dims' layout."""
+    axis = op.params["axis"]
+    out = []
+    for spec in candidate_specs(ctx.in_shapes[0], ctx.mesh):
+        if spec.dims[axis]:
+            continue
+        piece = ShardingSpec(spec.dims[:axis] + spec.dims[axis + 1:])
+        out.append(Strategy(str(spec), (spec,), (piece,) * len(ctx.out_shapes)))
+    return out
+
+
+@register_strategy("tile", follows=True)
+def _tile(op, ctx: RuleContext) -> list[Strategy]:
+    """Any output layout; dims that are repeated come whole from the operand (each device slices its
+    part of the copies), dims with one repeat keep their split."""
+    reps = tuple(op.params["reps"])
+    in_shape, out_shape = ctx.in_shapes[0], ctx.out_shapes[0]
+    lead = len(out_shape) - len(in_shape)  # jnp.tile broadcasts the operand first; the primitive may not
+    out = []
+    for spec in candidate_specs(out_shape, ctx.mesh):
+        operand = ShardingSpec(tuple(spec.dims[lead + i] if reps[lead + i] == 1 else () for i in range(len(in_shape))))
+        out.append(Strategy(str(spec), (operand,), (spec,), compute=ctx.compute_time(math.prod(out_shape), spec)))
+    return out
+
+
+@register_strategy("bitcast_convert_type", follows=True)
+def _bitcast_convert_type(op, ctx: RuleContext) -> list[Strategy]:
+    """Elementwise when the widths match. A narrowing cast adds a minor dim (f32 -> u8[..., 4]) and a
+    widening one removes it: the other dims keep their layout and that dim stays whole."""
+    in_shape, out_shape = ctx.in_shapes[0], ctx.out_shapes[0]
+    base = in_shape if len(in_shape) <= len(out_shape) else out_shape
+    out = []
+    for spec in candidate_specs(base, ctx.mesh):
+        if len(base) == len(in_shape) == len(out_shape):
+            ins, outs = spec, spec
+        elif len(in_shape) < len(out_shape):
+            ins, outs = spec, ShardingSpec(spec.dims + ((),))
+        else:
+            ins, outs = ShardingSpec(spec.dims + ((),)), spec
+        out.append(Strategy(str(spec), (ins,), (outs,), compute=ctx.compute_time(math.prod(base), spec)))
+    return out
+
+
+@register_strategy("fft", follows=True)
+def _fft(op, ctx: RuleContext) -> list[Strategy]:
+    """The transformed (minor) dims stay whole; leading batch dims keep their split."""
+    n = len(op.params["fft_lengths"])
+    rank = len(ctx.in_shapes[0])
+    batch = rank - n
+    out = []
+    for spec in candidate_specs(ctx.in_shapes[0], ctx.mesh):
+        if any(spec.dims[batch:]):
+            continue
+        outs = ShardingSpec(spec.dims[:batch] + ((),) * (len(ctx.out_shapes[0]) - batch))
+        out.append(Strategy(str(spec), (spec,), (outs,), compute=ctx.compute_time(
+            5.0 * math.prod(ctx.in_shapes[0]) * max(1, math.log2(max(math.prod(ctx.in_shapes[0][batch:]), 2))),
+            spec)))
+    return out
 
 
 __all__ = ["drop_axes", "reshape_groups"]

@@ -71,13 +71,43 @@ def _sort(op, ctx: RuleContext) -> list[Strategy]:
     return _whole_dims_strategies(ctx, [op.params["dimension"]])
 
 
-@register_strategy("top_k", follows=True)
-def _top_k(op, ctx: RuleContext) -> list[Strategy]:
+def _select_along(ctx: RuleContext, axis: int) -> list[Strategy]:
+    """Ops that pick k entries along ``axis``: it stays whole; every output keeps the other dims' split."""
     shape = ctx.in_shapes[0]
+    axis %= len(shape)
     out = []
     for spec in candidate_specs(shape, ctx.mesh):
-        if spec.dims[-1]:
+        if spec.dims[axis]:
             continue
         out.append(Strategy(str(spec), (spec,), (spec,) * len(ctx.out_shapes),
                             compute=ctx.compute_time(math.prod(shape), spec)))
+    return out
+
+
+@register_strategy("top_k", follows=True)
+def _top_k(op, ctx: RuleContext) -> list[Strategy]:
+    return _select_along(ctx, op.params.get("axis", -1))
+
+
+@register_strategy("approx_top_k", follows=True)
+def _approx_top_k(op, ctx: RuleContext) -> list[Strategy]:
+    """Like ``top_k``: the reduction dimension stays whole (its recall target is over the whole row)."""
+    return _select_along(ctx, op.params["reduction_dimension"])
+
+
+@register_strategy("reduce", follows=True)
+def _reduce_generic(op, ctx: RuleContext) -> list[Strategy]:
+    """A reduction with a user computation (variadic: n operands, then n init values). The reduced
+    dims stay whole: an arbitrary computation has no collective to finish a split one."""
+    dims = set(op.params["dimensions"])
+    n = len(ctx.out_shapes)
+    shape = ctx.in_shapes[0]
+    out = []
+    for spec in candidate_specs(shape, ctx.mesh):
+        if any(spec.dims[i] for i in dims):
+            continue
+        kept = ShardingSpec(tuple(d for i, d in enumerate(spec.dims) if i not in dims))
+        ins = tuple(None if c else (spec if k < n else replicated(len(s)))
+                    for k, (s, c) in enumerate(zip(ctx.in_shapes, ctx.const_inputs, strict=True)))
+        out.append(Strategy(str(spec), ins, (kept,) * n, compute=ctx.compute_time(n * math.prod(shape), spec)))
     return out

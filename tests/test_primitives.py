@@ -400,3 +400,38 @@ def test_reshard_is_an_identity_whose_layout_is_free():
     layouts = {s.out_specs[0] for s in node.strategies}
     assert all(s.in_specs[0] == s.out_specs[0] for s in node.strategies)
     assert {ShardingSpec(((DATA,), ())), ShardingSpec(((), (MODEL,))), ShardingSpec(((), ()))} <= layouts
+
+
+def _row_normalize_rows(mesh, arg_shapes, result_shape):
+    spec = arg_shapes[0].sharding.spec
+    return NamedSharding(mesh, P(spec[0] if len(spec) else None, None))
+
+
+@custom_partitioning
+def row_normalize_gspmd(x):
+    return _row_normalize(x)
+
+
+row_normalize_gspmd.def_partition(
+    partition=lambda mesh, args, result: (mesh, _row_normalize, _row_normalize_rows(mesh, args, result),
+                                          (_row_normalize_rows(mesh, args, result),)),
+    infer_sharding_from_operands=_row_normalize_rows)
+
+
+def test_custom_partitioning_without_a_rule_asks_its_callbacks(mesh):
+    """Under GSPMD an op may declare only ``infer_sharding_from_operands``: the strategies are the result
+    shardings it gives for each candidate operand layout."""
+    def f(x, w):
+        return row_normalize_gspmd(jnp.exp(jnp.tanh(x @ w)))
+
+    args = (_normal((16, 32)), _normal((32, 64), 1))
+    shardy = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            step = _run(f, mesh, *args)
+            (spec,) = _specs_of(step, f, args, "custom_partitioning")
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", shardy)
+    assert _split(spec) and not spec.dims[1], spec

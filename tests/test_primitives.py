@@ -435,3 +435,14 @@ def test_custom_partitioning_without_a_rule_asks_its_callbacks(mesh):
     finally:
         jax.config.update("jax_use_shardy_partitioner", shardy)
     assert _split(spec) and not spec.dims[1], spec
+
+
+def test_rule_context_prices_typed_key_arrays():
+    """``key<fry>`` is an extended dtype numpy cannot read: a threefry key counts its 2 x uint32 of data."""
+    from autoshard.strategies import RuleContext
+
+    info = MeshInfo((2, 4), ("data", "model"))
+    keys = jax.random.split(jax.random.key(0), 4)
+    ctx = RuleContext(mesh=info, cost=CostModel.create(info, cluster_preset("cpu-sim")), in_shapes=((),),
+                      in_dtypes=(keys.dtype,), out_shapes=((4,),), out_dtypes=(keys.dtype,), const_inputs=(False,))
+    assert ctx.out_bytes() == 4 * 8

@@ -112,18 +112,48 @@ class _Compiled:
 
 
 # jax's messages for explicit-sharding annotations traced under autoshard's Auto-axis mesh (or none).
-_ANNOTATION_ERRORS = ("Using PartitionSpec when you are not under a mesh context",
-                      "cannot contain axis names that are of type Auto", "requires a non-empty mesh in context")
+_NEEDS_A_MESH = ("Using PartitionSpec when you are not under a mesh context", "requires a non-empty mesh in context")
+_ANNOTATION_ERRORS = (*_NEEDS_A_MESH, "cannot contain axis names that are of type Auto")
+
+
+def _program_mesh(program):
+    """The mesh that a ``shard_map`` in the program fixes (its specs name that mesh's axes), or None.
+
+    Raises:
+      MeshError: two shard_maps run on different meshes.
+    """
+    meshes = {}
+    for op in program.ops:
+        m = op.params.get("mesh") if op.name == "shard_map" else None
+        if isinstance(m, jax.sharding.Mesh):
+            meshes.setdefault((m.axis_names, m.devices.shape, tuple(d.id for d in m.devices.flat)), (m, op))
+    if len(meshes) > 1:
+        where = "; ".join(f"{dict(zip(m.axis_names, m.devices.shape, strict=True))} at {op.source()}"
+                          for m, op in meshes.values())
+        raise MeshError(f"the step's shard_maps run on different meshes ({where}), and one plan runs on one mesh. "
+                        "Fix: build every shard_map on the same mesh, and pass it as parallelize(mesh=...).")
+    return next(iter(meshes.values()))[0] if meshes else None
 
 
 def _capture(fun, abstract, in_paths, mesh):
     """``capture_graph`` under the planning mesh, with jax's tracing errors for code that autoshard cannot
     plan (pmap collectives, explicit-sharding annotations) turned into an :class:`InputError` that names
-    the user's line and the fix."""
+    the user's line and the fix.
+
+    With no mesh yet (``mesh=None``), the step is traced without a mesh first (a ``shard_map`` in it
+    brings its own), and again under one with the planner's axis names if it needs a mesh in context
+    (``with_sharding_constraint(x, PartitionSpec("data"))``: a pin by name, on whichever mesh is chosen)."""
     from autoshard.capture import capture_graph, exception_location
+    from autoshard.cluster import make_mesh
 
     try:
-        with _mesh_context(mesh):
+        try:
+            with _mesh_context(mesh):
+                return capture_graph(fun, abstract, in_paths=in_paths)
+        except (ValueError, RuntimeError) as e:
+            if mesh is not None or not any(m in str(e) for m in _NEEDS_A_MESH):
+                raise
+        with _mesh_context(make_mesh((len(jax.devices()), 1), ("data", "model"))):
             return capture_graph(fun, abstract, in_paths=in_paths)
     except NameError as e:
         if "unbound axis name" not in str(e):
@@ -239,10 +269,9 @@ class Parallelized:
 
             device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
             fun = cast_matmuls(fun, self.compute_dtype, widen=widen_operands(device.platform))
-        # With no mesh yet, trace under one with the planner's axis names, so that the user's
-        # with_sharding_constraint(x, PartitionSpec("data")) traces (it pins by name on the chosen mesh).
-        trace_mesh = mesh if mesh is not None else make_mesh((len(jax.devices()), 1), ("data", "model"))
-        program = _capture(fun, abstract, call.in_paths(abstract), trace_mesh)
+        program = _capture(fun, abstract, call.in_paths(abstract), mesh)
+        if mesh is None and _program_mesh(program) is not None:  # a shard_map fixes the mesh
+            mesh = resolve_mesh(_program_mesh(program))
         timings["capture"] = time.perf_counter() - t0
         donated = call.donated_leaves()
         out_shape = jax.tree_util.tree_unflatten(program.out_tree, [program.avals[v] if isinstance(v, int) else
@@ -567,7 +596,16 @@ def plan_program(program, *, mesh=None, cluster=None, memory_budget=None, hints=
         progress("done", total, total)
     # Warn here, once per plan, not once per candidate mesh.
     warn_unsupported(best.warnings)
-    return best
+    from autoshard.planner import warn_indivisible_batch
+
+    warn_indivisible_batch(program, ties, best.mesh_info)
+
+    def replan(pins):  # for Plan.explain: the same planning on the chosen mesh, with more leaves pinned
+        return plan_program(program, mesh=best.mesh, cluster=cluster, memory_budget=memory_budget,
+                            hints={**(hints or {}), **pins}, donated=donated, ties=ties, time_limit=time_limit,
+                            tie_layers=tie_layers, remat=remat)
+
+    return dataclasses.replace(best, replan=replan)
 
 
 # A sharding-only plan whose estimated peak is within this fraction of the budget is compiled

@@ -240,3 +240,28 @@ def test_functional_nnx_state_of_variables_is_a_pytree_not_an_object(mesh):
     ref_new, ref_loss = jax.jit(step)(params, _batch())
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     _leaves_close(new, ref_new)
+
+
+def test_a_shard_map_fixes_the_mesh_when_none_is_given(mesh):
+    double = jax.shard_map(lambda x: x * 2, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+
+    def f(x):
+        return jnp.sum(double(x) ** 2)
+
+    x = jnp.linspace(0, 1, 32, dtype=jnp.float32).reshape(8, 4)
+    step = autoshard.parallelize(f)
+    np.testing.assert_allclose(step(x), jax.jit(f)(x), rtol=1e-5)
+    assert step.plan(x).mesh.devices.shape == (2, 4)
+
+
+def test_with_sharding_constraint_pins_by_name_when_the_planner_picks_the_mesh():
+    def f(w, x):
+        return jnp.sum(jnp.tanh(jax.lax.with_sharding_constraint(x @ w, P("data", None))))
+
+    w, x = jnp.ones((16, 16)) / 16, jnp.linspace(0, 1, 128, dtype=jnp.float32).reshape(8, 16)
+    step = autoshard.parallelize(f)
+    np.testing.assert_allclose(step(w, x), jnp.sum(jnp.tanh(x @ w)), rtol=1e-5)
+    plan = step.plan(w, x)
+    data = plan.mesh.axis_names.index("data")
+    if plan.mesh.devices.shape[data] > 1:
+        assert autoshard.ShardingSpec(((data,), ())) in plan.value_specs.values()

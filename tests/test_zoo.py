@@ -1,0 +1,191 @@
+"""The zoo (tests/zoo/): real architectures, written as their communities write them, under autoshard.
+
+Each model runs 2 training steps under ``autoshard.parallelize`` on a (2, 4) ``data`` x ``model`` mesh
+and with ``mesh=None`` (the planner picks the mesh), and must match a single-device ``jax.jit`` of
+the same step in fp32: the losses and every leaf of the state after 2 steps. The nnx LLaMA trains in
+place (``train_step(model, optimizer, batch)``) and is compared with ``nnx.jit`` on a fresh copy.
+
+The ``test_reference_*`` tests check the zoo itself: a hand-partitioned model equals its plain
+form under ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import numpy as np
+import pytest
+
+import autoshard
+from tests.zoo import llama_nnx, lstm, manual, moe, resnet, t5, vit
+
+nnx = pytest.importorskip("flax.nnx")
+
+FUNCTIONAL = {
+    "t5": t5.case,
+    "vit": vit.case,
+    "resnet": resnet.case,
+    "lstm": lstm.case,
+    "moe_einsum": functools.partial(moe.case, "einsum"),
+    "moe_ragged": functools.partial(moe.case, "ragged"),
+    "shard_map": manual.shard_map_case,
+    "custom_partitioning": manual.custom_partitioning_case,
+}
+MESHES = {
+    "2x4": lambda: autoshard.make_mesh((2, 4), ("data", "model")),
+    "auto": lambda: None,
+}
+CPU_SIM = autoshard.cluster_preset("cpu-sim")
+
+
+def _leaves(tree):
+    """Path-named leaves as numpy arrays; typed PRNG keys compare through their key data."""
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        out.append((jax.tree_util.keystr(path), np.asarray(leaf)))
+    return out
+
+
+def assert_trees_close(actual, expected, *, what, rtol=1e-5, atol=5e-5, null_paths=(), null_atol=0.0):
+    exp, act = _leaves(expected), _leaves(actual)
+    assert [p for p, _ in act] == [p for p, _ in exp], f"{what}: the trees differ in structure"
+    for (path, a), (_, e) in zip(act, exp, strict=True):
+        # Adam divides by sqrt(v): reduction-order noise in a tiny gradient moves a weight by ~lr * 1e-2.
+        tol = null_atol if any(re.search(p, path) for p in null_paths) else atol
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=tol, err_msg=f"{what}{path}")
+
+
+def run_functional(case, step, steps=2):
+    state, batch, losses = case.init_state(), case.make_batch(), []
+    for i in range(steps):
+        state, loss = step(state, batch, *case.extra_args(i))
+        losses.append(float(loss))
+    return state, losses
+
+
+@functools.cache
+def jit_reference(name):
+    case = FUNCTIONAL[name]()
+    return run_functional(case, jax.jit(case.train_step))
+
+
+@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize("name", FUNCTIONAL)
+def test_zoo_matches_jit(name, mesh_name):
+    case = FUNCTIONAL[name]()
+    ref_state, ref_losses = jit_reference(name)
+    step = autoshard.parallelize(case.train_step, mesh=MESHES[mesh_name](), cluster=CPU_SIM, progress=None)
+    state, losses = run_functional(case, step)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(state, ref_state, what="state", null_paths=case.null_paths, null_atol=case.null_atol)
+
+
+# ---- nnx, in place -----------------------------------------------------------------------------------
+
+
+NNX = {
+    "llama_rope_stack": llama_nnx.case,
+    "llama_rope_complex": functools.partial(llama_nnx.case, llama_nnx.LlamaConfig(rope="complex")),
+}
+
+
+@functools.cache
+def nnx_reference(name):
+    case = NNX[name]()
+    model, optimizer = case.make_objects()
+    step = nnx.jit(case.train_step)
+    losses = [float(step(model, optimizer, case.make_batch())) for _ in range(2)]
+    return model, optimizer, losses
+
+
+@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize("name", NNX)
+def test_nnx_trains_in_place_like_nnx_jit(name, mesh_name):
+    case = NNX[name]()
+    ref_model, ref_optimizer, ref_losses = nnx_reference(name)
+    model, optimizer = case.make_objects()
+    before = [int(s.count[...]) for s in case.rngs_of(model)]
+    step = autoshard.parallelize(case.train_step, mesh=MESHES[mesh_name](), cluster=CPU_SIM, progress=None)
+    batch = case.make_batch()
+    losses = [float(step(model, optimizer, batch)) for _ in range(2)]
+
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert int(optimizer.step[...]) == 2
+    counts = [int(s.count[...]) for s in case.rngs_of(model)]
+    assert counts == [int(s.count[...]) for s in case.rngs_of(ref_model)]
+    assert all(c > b for c, b in zip(counts, before, strict=True)), (before, counts)
+    assert_trees_close(nnx.state(model), nnx.state(ref_model), what="model")
+    assert_trees_close(nnx.state(optimizer), nnx.state(ref_optimizer), what="optimizer")
+
+
+# ---- the zoo itself ----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # eager nnx: 25 s
+def test_reference_nnx_jit_matches_eager_and_is_deterministic():
+    case = llama_nnx.case()
+    ref_model, ref_optimizer, ref_losses = nnx_reference("llama_rope_stack")
+    model, optimizer = case.make_objects()
+    losses = [float(case.train_step(model, optimizer, case.make_batch())) for _ in range(2)]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(nnx.state(model), nnx.state(ref_model), what="model")
+    assert int(optimizer.step[...]) == 2
+
+
+@pytest.mark.parametrize(("manual_name", "plain"), [
+    ("shard_map", manual.dense_case),
+    ("custom_partitioning", manual.plain_case),
+    ("moe_ragged", functools.partial(moe.case, "einsum")),  # capacity drops no token: same model
+])
+def test_reference_manual_forms_equal_their_plain_forms(manual_name, plain):
+    ref_state, ref_losses = jit_reference(manual_name)
+    case = plain()
+    state, losses = run_functional(case, jax.jit(case.train_step))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(state, ref_state, what="state")
+
+
+def test_reference_null_paths_have_zero_gradient():
+    """The leaves compared loosely (``null_paths``) get ~0 gradient: their Adam first moment after 2
+    steps is rounding noise, far below the other leaves'."""
+    for name in FUNCTIONAL:
+        case = FUNCTIONAL[name]()
+        if not case.null_paths:
+            continue
+        state, _ = jit_reference(name)
+        mu = [(p, np.abs(x).max()) for p, x in _leaves(state["opt_state"]) if ".mu" in p]
+        null = [m for p, m in mu if any(re.search(r, p) for r in case.null_paths)]
+        live = [m for p, m in mu if not any(re.search(r, p) for r in case.null_paths)]
+        assert null and max(null) < 1e-6 < 1e-4 < min(live), (name, null, sorted(live)[:3])
+
+
+# ---- wide: the big kernels on `model`, the batch on `data` -----------------------------------------
+
+
+def _spec_axes(sharding, ndim):
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    return [(a,) if isinstance(a, str) else tuple(a or ()) for a in spec]
+
+
+@pytest.mark.slow
+def test_wide_llama_splits_big_kernels_on_model_and_batch_on_data():
+    cfg = llama_nnx.WIDE
+    state, batch, train_step = llama_nnx.functional_parts(cfg)
+    step = autoshard.parallelize(train_step, mesh=MESHES["2x4"](), cluster=CPU_SIM, progress=None)
+    compiled = step.lower(state, batch).compile()
+    shardings = jax.tree_util.tree_leaves(compiled.input_shardings[0])
+    leaves = jax.tree_util.tree_flatten_with_path((state, batch))[0]
+    assert len(shardings) == len(leaves)
+    layouts = {jax.tree_util.keystr(path): (leaf.shape, _spec_axes(s, len(leaf.shape)))
+               for (path, leaf), s in zip(leaves, shardings, strict=True)}
+    # wte, lm_head, and per layer wq, wo and the three SwiGLU kernels (wk, wv are 1024 x 256).
+    big = {p: v for p, v in layouts.items() if p.startswith("[0]['params']") and np.prod(v[0]) >= 1024 * 1024}
+    assert len(big) == 2 + 5 * cfg.n_layers, sorted(big)
+    unsplit = {p: axes for p, (_, axes) in big.items() if not any("model" in a for a in axes)}
+    batch = {p: axes for p, (_, axes) in layouts.items() if p.startswith("[1]")}
+    assert not unsplit, f"big kernels not split on `model`: {unsplit}; the batch: {batch}"
+    assert all(axes[0] == ("data",) for axes in batch.values()), f"the batch is not split on `data`: {batch}"

@@ -239,7 +239,10 @@ class Parallelized:
         return call, jax.tree_util.tree_map(_abstract, call.dyn)
 
     # ---- planning ----------------------------------------------------------------------------------
-    def _get(self, args, kwargs) -> tuple[_Compiled | _Accumulated, BoundCall]:
+    def _get(self, args, kwargs=None) -> _Compiled | _Accumulated:
+        return self._lookup(args, kwargs or {})[0]
+
+    def _lookup(self, args, kwargs) -> tuple[_Compiled | _Accumulated, BoundCall]:
         call, abstract = self._bind(args, kwargs)
         key = call.key(abstract)
         entry = self._cache.get(key)
@@ -363,11 +366,11 @@ class Parallelized:
         Returns:
           The :class:`~autoshard.Plan` for these argument shapes (cached).
         """
-        return self._get(args, kwargs)[0].plan
+        return self._lookup(args, kwargs)[0].plan
 
     def lower(self, *args, **kwargs):
         """``jax.stages.Lowered`` of the sharded step; ``.compile()`` gives the XLA executable."""
-        entry, call = self._get(args, kwargs)
+        entry, call = self._lookup(args, kwargs)
         if isinstance(entry, _Accumulated):
             raise InputError(
                 f"this step runs as {entry.plan.num_microbatches} accumulated microbatches (no full-batch plan "
@@ -384,7 +387,7 @@ class Parallelized:
             return entry.jitted.lower(*flat)
 
     def __call__(self, *args, **kwargs):
-        entry, call = self._get(args, kwargs)
+        entry, call = self._lookup(args, kwargs)
         if isinstance(entry, _Accumulated):
             outs = entry.step(*call.dyn)
             if self._watchdog is not None:

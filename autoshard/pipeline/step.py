@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 
 from autoshard.api import _abstract, _default_cluster, _ties, parse_bytes, plan_program
 from autoshard.errors import InputError

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import autoshard
-from tests.zoo import llama_nnx, lstm, manual, moe, resnet, t5, vit
+from tests.zoo import cnn_nnx, llama_nnx, lstm, manual, moe, resnet, scan_lm, t5, vit
 
 nnx = pytest.importorskip("flax.nnx")
 
@@ -32,6 +32,7 @@ FUNCTIONAL = {
     "moe_ragged": functools.partial(moe.case, "ragged"),
     "shard_map": manual.shard_map_case,
     "custom_partitioning": manual.custom_partitioning_case,
+    "scan_lm": scan_lm.case,
 }
 MESHES = {
     "2x4": lambda: autoshard.make_mesh((2, 4), ("data", "model")),
@@ -90,6 +91,7 @@ def test_zoo_matches_jit(name, mesh_name):
 NNX = {
     "llama_rope_stack": llama_nnx.case,
     "llama_rope_complex": functools.partial(llama_nnx.case, llama_nnx.LlamaConfig(rope="complex")),
+    "cnn_batchnorm": cnn_nnx.case,
 }
 
 
@@ -118,6 +120,10 @@ def test_nnx_trains_in_place_like_nnx_jit(name, mesh_name):
     counts = [int(s.count[...]) for s in case.rngs_of(model)]
     assert counts == [int(s.count[...]) for s in case.rngs_of(ref_model)]
     assert all(c > b for c, b in zip(counts, before, strict=True)), (before, counts)
+    fresh_stats = _leaves(nnx.state(case.make_objects()[0], nnx.BatchStat))
+    moved = [not np.array_equal(a, f) for (_, a), (_, f) in
+             zip(_leaves(nnx.state(model, nnx.BatchStat)), fresh_stats, strict=True)]
+    assert all(moved), "BatchNorm statistics were not updated in place"
     assert_trees_close(nnx.state(model), nnx.state(ref_model), what="model")
     assert_trees_close(nnx.state(optimizer), nnx.state(ref_optimizer), what="optimizer")
 

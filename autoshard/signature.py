@@ -151,7 +151,11 @@ class BoundCall:
     def key(self, abstract) -> tuple:
         """The cache key: structure, shapes and dtypes, static values, labels, nnx graph definitions."""
         leaves, tree = jax.tree_util.tree_flatten(abstract)
-        shapes = tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+        return self.key_of(leaves, tree)
+
+    def key_of(self, leaves, tree) -> tuple:
+        """:meth:`key` from flat leaves that have ``shape`` and ``dtype`` (arrays or abstract ones)."""
+        shapes = tuple((tuple(x.shape), x.dtype) for x in leaves)
         graph = None if self.graph is None else self.graph.static_key
         return (tree, shapes, self.static, self.labels, graph)
 
@@ -213,11 +217,17 @@ def _nnx():
     return nnx
 
 
+_NOT_NODES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, list, tuple, dict, int, float, complex,
+              type(None))
+
+
 def _is_graph_node(x) -> bool:
     """An nnx object to split and update in place. A ``Variable`` is not one here: ``nnx.State`` holds
     them (the functional ``nnx.split`` style), and they flatten to their values like any pytree."""
+    if isinstance(x, _NOT_NODES):  # the common leaves and containers, quickly (this runs on every call)
+        return False
     nnx = _nnx()
-    return (nnx is not None and nnx.graph.is_graph_node(x) and not isinstance(x, (list, tuple, dict, nnx.Variable)))
+    return nnx is not None and not isinstance(x, nnx.Variable) and nnx.graph.is_graph_node(x)
 
 
 def has_graph_nodes(tree) -> bool:

@@ -25,7 +25,10 @@ INLINED = {
     "jit": "jaxpr",
     "pjit": "jaxpr",
     "closed_call": "call_jaxpr",
+    "call": "call_jaxpr",
     "core_call": "call_jaxpr",
+    "composite": "jaxpr",  # lax.composite: its decomposition
+    "custom_vmap_call": "call",  # outside vmap, the function itself
     "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr",
     "custom_vjp_call_jaxpr": "fun_jaxpr",

@@ -265,3 +265,42 @@ def test_with_sharding_constraint_pins_by_name_when_the_planner_picks_the_mesh()
     data = plan.mesh.axis_names.index("data")
     if plan.mesh.devices.shape[data] > 1:
         assert autoshard.ShardingSpec(((data,), ())) in plan.value_specs.values()
+
+
+def test_composite_and_custom_vmap_bodies_are_planned_as_their_ops(mesh):
+    from functools import partial
+
+    from jax.custom_batching import custom_vmap
+
+    @partial(jax.lax.composite, name="my.gelu")
+    def gelu(x):
+        return jax.nn.gelu(x)
+
+    @custom_vmap
+    def sin(x):
+        return jnp.sin(x)
+
+    @sin.def_vmap
+    def _rule(axis_size, in_batched, xs):
+        return jnp.sin(xs), in_batched[0]
+
+    def f(w, x):
+        return jnp.sum(sin(gelu(x @ w)) ** 2)
+
+    w, x = jnp.ones((16, 16)) / 16, jnp.linspace(0, 1, 128, dtype=jnp.float32).reshape(8, 16)
+    with _no_autoshard_warning():  # no primitive left without a rule
+        out = autoshard.parallelize(f, mesh=mesh)(w, x)
+    np.testing.assert_allclose(out, jax.jit(f)(w, x), rtol=1e-5)
+
+
+def _no_autoshard_warning():
+    import contextlib
+    import warnings
+
+    @contextlib.contextmanager
+    def ctx():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", autoshard.AutoshardWarning)
+            yield
+
+    return ctx()

@@ -7,8 +7,6 @@ import json
 import math
 from typing import Any
 
-import numpy as np
-
 from autoshard.cost import Collective
 from autoshard.errors import PlanError
 from autoshard.spec import MeshInfo, ShardingSpec, dtype_itemsize
@@ -91,6 +89,8 @@ class Plan:
         chosen when no sharding fits the device budget (see :mod:`autoshard.offload`).
       remat: the :class:`~autoshard.remat.RematChoice` when the planner considered recomputing
         forward segments (the budget bound); None otherwise.
+      replan: ``replan(hints) -> Plan``, the same planning with more leaves pinned, which the
+        planner leaves for :meth:`explain`. Not saved: a plan loaded from JSON has None.
     """
 
     mesh: Any
@@ -112,6 +112,7 @@ class Plan:
     host_inputs: tuple[int, ...] = ()
     host_outputs: tuple[int, ...] = ()
     remat: Any = None
+    replan: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def mesh_info(self) -> MeshInfo:
@@ -241,6 +242,39 @@ class Plan:
         if self.warnings:
             lines.append("\n  replicated for lack of a rule: " + ", ".join(self.warnings))
         return "\n".join(lines)
+
+    def explain(self, path: str, *, layouts=None):
+        """Why the argument leaf ``path`` has its layout: each other layout it could take, with the
+        predicted step of the best plan that has the leaf pinned to it.
+
+        Args:
+          path: a path from :attr:`in_paths`, or a regex or substring that matches exactly one.
+          layouts: ``PartitionSpec``s to compare; None: every layout that divides the leaf.
+
+        Returns:
+          An :class:`~autoshard.explain.Explanation`: a table (``str()``, or HTML in Jupyter) of the
+          chosen layout and the alternatives, with the layouts of the leaf's optimizer state in each
+          plan (a kernel kept whole while its moments are split is ZeRO-1, and the text says so).
+
+        Raises:
+          PlanError: the path names no leaf or several; or the plan was loaded from JSON, so there is
+            no program to plan again.
+
+        Each alternative is a full re-plan on the plan's mesh, as long as planning took.
+
+        Example:
+          >>> import autoshard, jax, jax.numpy as jnp
+          >>> def step(w, x):
+          ...     return w - 0.1 * jax.grad(lambda w: jnp.tanh(x @ w).sum())(w), x.sum()
+          >>> mesh = autoshard.make_mesh((2, 4), ("data", "model"))
+          >>> plan = autoshard.parallelize(step, mesh=mesh, progress=None).plan(jnp.ones((8, 8)), jnp.ones((16, 8)))
+          >>> why = plan.explain("[0]")
+          >>> why.chosen.objective <= min(o.objective for o in why.alternatives)
+          True
+        """
+        from autoshard.explain import explain
+
+        return explain(self, path, layouts=layouts)
 
     def _repr_html_(self) -> str:
         """Jupyter's view: leaf table, predicted time per collective kind, memory per device."""

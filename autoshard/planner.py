@@ -24,6 +24,7 @@ import numpy as np
 
 from autoshard.capture import CapturedProgram, Const, Op
 from autoshard.cost import Collective, CostModel
+from autoshard.intent import indivisible_batch, respect_batch_axes
 from autoshard.solver import ShardingProblem
 from autoshard.spec import ShardingSpec, candidate_specs, replicated
 from autoshard.strategies import RuleContext, Strategy, lookup_rule, replicated_strategy
@@ -85,6 +86,23 @@ def _params_key(params):
         return key
     except TypeError:
         return None
+
+
+def warn_indivisible_batch(program: CapturedProgram, tie_outputs, mesh) -> None:
+    """One warning naming the batch leaves (see :mod:`autoshard.intent`) that no mesh axis divides:
+    they are not split, and every device runs the whole batch."""
+    paths = indivisible_batch(program, tie_outputs, mesh)
+    if not paths:
+        return
+    size = _aval_shape(program.avals[program.graph.invars[program.in_paths.index(paths[0])]])[0]
+    sizes = ", ".join(f"{mesh.names[a]}={mesh.shape[a]}" for a in mesh.active_axes)
+    warnings.warn(
+        f"the batch of size {size} in {', '.join(paths)} is divisible by no mesh axis ({sizes}), so it is "
+        "not split: every device runs the whole batch. Fix: use a batch size that is a multiple of one of "
+        f"{sorted({mesh.shape[a] for a in mesh.active_axes})}, or pad the batch.",
+        AutoshardWarning,
+        stacklevel=3,
+    )
 
 
 def enumerate_strategies(program: CapturedProgram, cost: CostModel, *, pinned=None, donated=(),
@@ -243,6 +261,9 @@ def enumerate_strategies(program: CapturedProgram, cost: CostModel, *, pinned=No
             src, k = producer[v]
             edges.append(_Edge(src, k, node, -1, v, 1))
 
+    # A batch axis carries the batch (autoshard/intent.py); pinned inputs keep their layout.
+    for n, restricted in respect_batch_axes(nodes, program, cost, tie_outputs=tie_outputs, pinned=pinned).items():
+        nodes[n].strategies = restricted
     for i, n in enumerate(nodes):
         n.weak = n.weak or False
         if follows.get(i):

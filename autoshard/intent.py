@@ -217,16 +217,17 @@ def respect_batch_axes(nodes, program, cost, *, tie_outputs=None, pinned=None) -
     changed = {}
     for n, node in enumerate(nodes):
         labelled = tuple((j, labels[v]) for j, v in enumerate(node.outputs) if v in labels)
-        i = input_of.get(node.outputs[0]) if node.kind == "input" and node.op is None else None
-        if i is not None and i in pinned:
+        i = input_of.get(node.outputs[0]) if node.kind == "input" and node.outputs else None
+        nudge = i is not None and i in carried and i not in pinned
+        if not (labelled or nudge) or (i is not None and i in pinned):
             continue
-        key = (id(node.strategies), labelled, i in carried if i is not None else None)
+        key = (id(node.strategies), labelled, nudge)
         if key not in cache:
             kept = [s for s in node.strategies
-                    if not any(_misreads(s.out_specs[j], roles, axes) for j, roles in labelled)] or node.strategies
-            if i is not None and i in carried:
-                kept = _nudged(kept, program, node.outputs[0], axes, cost)
-            cache[key] = kept
+                    if not any(_misreads(s.out_specs[j], roles, axes) for j, roles in labelled)]
+            if not kept or len(kept) == len(node.strategies):
+                kept = node.strategies  # none left: the rule yields; none dropped: keep the shared list
+            cache[key] = _nudged(kept, program, node.outputs[0], axes, cost) if nudge else kept
         if cache[key] is not node.strategies:
             changed[n] = cache[key]
     return changed

@@ -62,8 +62,9 @@ def check_against_brute_force(p: ShardingProblem) -> None:
         if np.isfinite(least_peak):  # finite-cost choices exist: memory is to blame
             assert e.smallest_memory == pytest.approx(least_peak)
         return
-    assert sol.feasible and sol.optimal
+    assert sol.feasible and sol.optimal and sol.stats["stop"] in ("optimal", "gap")
     assert sol.cost == pytest.approx(best)
+    assert sol.stats["bound"] <= sol.cost and sol.stats["gap"] <= 1e-6
     assert sol.cost == p.cost(sol.choice)
     assert sol.peak_memory == p.peak_memory(sol.choice)
 

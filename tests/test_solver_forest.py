@@ -86,7 +86,7 @@ def test_forest_ils_never_ends_above_its_start():
     red = _core(*_random_tree(rng, 40, 4, extra_edges=40))
     start = CoreState(red, None, min_cost_choice(red))
     before = start.total_cost()
-    best = forest_ils(start, time.perf_counter() + 0.3, seed=1)
+    best = forest_ils(start, time.perf_counter() + 0.3, seed=1).state
     assert best.total_cost() <= before and np.isfinite(best.total_cost())
 
 

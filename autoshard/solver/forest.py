@@ -14,6 +14,7 @@ the memory-penalised problems of :mod:`penalty`.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -139,21 +140,41 @@ def min_cost_choice(red) -> np.ndarray:
     return np.array([int(np.argmin(c)) for c in red.node_costs], dtype=np.int64)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ForestResult:
+    """What :func:`forest_ils` found.
+
+    Attributes:
+      state: the best state found.
+      restarts: random restarts run after the descent from the given start.
+      stalled: True when the stall rule stopped the search, False when the deadline did.
+    """
+
+    state: CoreState
+    restarts: int
+    stalled: bool
+
+
 def forest_ils(
     state: CoreState,
     deadline: float,
     seed: int,
     *,
     patience: int = 5,
+    stall: int | None = None,
     log=None,
-) -> CoreState:
+) -> ForestResult:
     """Multi-start forest descent: descend from ``state``, then from random choices.
 
     Descents from different starts end in very different local optima on
     resharding-dominated problems (a greedy start is often among the worst, and
     kicks of the best choice did worse than fresh random starts on a GPT
-    training step), so the time goes into many short descents. Returns the best
-    state found.
+    training step), so the time goes into many short descents.
+
+    With ``stall``, the restarts stop once the last ``max(stall, r)`` of them
+    found nothing cheaper, where ``r`` is the restart that found the best: the
+    search has then spent at least as long failing as it took to succeed, so
+    the budget goes on only while restarts keep paying off.
     """
     rng = np.random.default_rng(seed)
     red = state.red
@@ -161,16 +182,18 @@ def forest_ils(
     ForestSearch(state, seed).run(deadline, patience=patience)
     best_choice, best_cost = state.choice.copy(), state.total_cost()
     sizes = np.array([c.size for c in red.node_costs])
-    restarts = 0
-    while time.perf_counter() < deadline and n > 1:
+    restarts, last_gain = 0, 0
+    stalled = n <= 1
+    while time.perf_counter() < deadline and not stalled:
         restarts += 1
         cand = CoreState(red, state.rows, rng.integers(0, sizes))
         ForestSearch(cand, int(rng.integers(2**31))).run(deadline, patience=patience)
         cost = cand.total_cost()
         if cost < best_cost - 1e-12 * max(1.0, abs(best_cost)):
-            best_choice, best_cost = cand.choice.copy(), cost
+            best_choice, best_cost, last_gain = cand.choice.copy(), cost, restarts
             if log is not None:
                 log(f"forest: restart {restarts} cost {cost:.6g}")
+        stalled = stall is not None and restarts - last_gain >= max(stall, last_gain)
     if log is not None:
-        log(f"forest: {restarts} restarts, best {best_cost:.6g}")
-    return CoreState(red, state.rows, best_choice)
+        log(f"forest: {restarts} restarts, best {best_cost:.6g}{', stalled' if stalled else ''}")
+    return ForestResult(CoreState(red, state.rows, best_choice), restarts, stalled)

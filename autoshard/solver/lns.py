@@ -42,6 +42,8 @@ class WindowSearch:
         self.hot: np.ndarray | None = None  # preferred window seeds
         self.windows = 0
         self.improved = 0
+        # nodes inside a window solved to optimality, without a gain, since the last gain
+        self.settled = np.zeros(n, dtype=bool)
 
     def _group(self, k: int) -> tuple:
         g = self.groups.get(k)
@@ -152,6 +154,8 @@ class WindowSearch:
         )
         self.windows += 1
         if res.x is None or res.fun >= old - 1e-9 * max(1.0, abs(old)):
+            if res.status == 0:  # proven: no cheaper choice for these nodes given the rest
+                self.settled |= free
             return False
         new = [int(np.argmax(res.x[off[k] : off[k] + self.sizes[k]])) for k in fidx]
         for k, s in zip(fidx, new, strict=True):
@@ -162,7 +166,13 @@ class WindowSearch:
                 state.move(int(k), s)
             return False
         self.improved += 1
+        self.settled[:] = False
         return True
+
+    @property
+    def stalled(self) -> bool:
+        """Every node has sat in a window proven to have no cheaper choice since the last gain."""
+        return bool(self.settled.all())
 
     def _memory_rows(self, fidx: np.ndarray, off: np.ndarray, nvar: int):
         state = self.state
@@ -210,7 +220,12 @@ class WindowSearch:
         return scipy.optimize.LinearConstraint(mat, -np.inf, cap)
 
     def run(self, deadline: float, window_size: int, window_time: float, log=None, hot=None) -> None:
-        """Re-solve windows until ``deadline``.
+        """Re-solve windows until ``deadline``, or until the search has stalled.
+
+        Stalled (:attr:`stalled`): since the last gain, every node has been in a
+        window that HiGHS solved to optimality without finding a cheaper choice,
+        so a full pass over the core improved nothing. Windows cut short by their
+        time limit prove nothing and do not count.
 
         ``hot``, when given, returns nodes to seed windows at (refreshed every
         few windows), e.g. the endpoints of forbidden pairs still in use.
@@ -219,7 +234,7 @@ class WindowSearch:
         # model, reading the answer): on a loaded machine, large cores ran a
         # full second past the deadline without this
         overhead = 0.05
-        while time.perf_counter() + 2 * overhead + 0.05 < deadline:
+        while time.perf_counter() + 2 * overhead + 0.05 < deadline and not self.stalled:
             t0 = time.perf_counter()
             if hot is not None and self.windows % 5 == 0:
                 self.hot = hot()

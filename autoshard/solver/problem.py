@@ -136,7 +136,9 @@ class ShardingSolution:
       feasible: whether ``choice`` has finite cost and respects the memory limit.
       optimal: whether the solver proved optimality.
       seconds: wall time spent solving.
-      stats: free-form diagnostics (reductions applied, bounds, ...).
+      stats: diagnostics: the reductions applied, core size, ``stop`` (why the
+        search stopped: "optimal", "gap", "stalled" or "time_limit"), and
+        ``bound`` / ``gap`` where a lower bound is known.
     """
 
     choice: np.ndarray

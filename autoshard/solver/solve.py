@@ -13,6 +13,7 @@ uniform penalty search), and MILP windows (:mod:`lns`) with the time left.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -60,6 +61,19 @@ _BP_SHARE = 0.25
 # forest rounds: slower to its first fit, cheaper fits (contest A 7.25e9 vs 7.56e9 at 2^4).
 _BP_START = 0.0
 _BP_ROUNDS = 60
+# Stopping when done. A MILP whose relative gap (incumbent - bound) / incumbent is at
+# most _GAP counts as solved: planner costs are seconds from an analytic model good to
+# a few percent, and contest costs are integers near 1e9-1e11, so a millionth is far
+# below anything either can tell apart (the brute-force tests' costs differ by >= 1).
+_GAP = 1e-6
+# Belief propagation stops once its messages settle to this relative change a round
+# with the decode unchanged (about 20 rounds on the planner's GPT cores, whose best
+# decode came within 7; on random dense cores they never settle, and its best decode
+# still improved after 30-40 rounds without gain, so "no gain for k rounds" would not do).
+_BP_TOL = 1e-4
+# Forest restarts stop once the last max(this, r) of them found nothing, r being the
+# restart that found the best (see forest_ils).
+_FOREST_STALL = 5
 
 
 def solve(
@@ -81,7 +95,14 @@ def solve(
 
     Returns:
       The best solution found. ``feasible`` is False only when no feasible choice
-      was found in time (none is proven impossible).
+      was found in time (none is proven impossible). The search returns before
+      ``time_limit`` when it is done; ``stats["stop"]`` says why it stopped:
+      ``"optimal"`` (proven, also when the reductions left no core), ``"gap"``
+      (the MILP's relative gap closed to within 1e-6; also ``optimal``),
+      ``"stalled"`` (the searches stopped improving: forest restarts or a full
+      pass of MILP windows found nothing cheaper) or ``"time_limit"``.
+      ``stats["bound"]`` (a lower bound on the cost) and ``stats["gap"]``
+      (``(cost - bound) / cost``) are there when a MILP gave a bound.
 
     Raises:
       InfeasibleError: a node has no finite-cost strategy, the infinite edge
@@ -103,7 +124,8 @@ def solve(
     log = _logger(verbose, start)
     n = problem.num_nodes
     if n == 0:
-        return ShardingSolution(np.zeros(0, dtype=np.int64), 0.0, 0.0, True, True, 0.0, {})
+        return ShardingSolution(np.zeros(0, dtype=np.int64), 0.0, 0.0, True, True, 0.0,
+                                {"stop": "optimal", "bound": 0.0, "gap": 0.0})
     with_memory = (
         problem.memory_limit is not None and problem.node_memory is not None and problem.intervals is not None
     )
@@ -117,9 +139,16 @@ def solve(
         stats.update(memory_points=rows.num_points)
     log(f"reduced {n} nodes / {problem.num_edges} edges to a core of {red.num_core} / {len(red.edges)}")
 
-    core_choice, optimal = _solve_core(problem, red, rows, deadline, seed, log, stats)
-    choice = red.expand(core_choice, n)
+    core = _solve_core(problem, red, rows, deadline, seed, log, stats)
+    optimal = core.optimal
+    choice = red.expand(core.choice, n)
     cost = problem.cost(choice)
+    if np.isfinite(core.bound) and np.isfinite(cost):
+        # the reductions are exact: the full cost is the core's plus a constant
+        bound = min(core.bound + cost - core.cost, cost) if optimal else core.bound + cost - core.cost
+        stats.update(bound=bound, gap=_relative_gap(cost, bound))
+    elif optimal:
+        stats.update(bound=cost, gap=0.0)
     peak = problem.peak_memory(choice)
     feasible = problem.is_feasible(choice)
     if with_memory and not feasible and red.num_core == 0 and np.isfinite(cost):
@@ -137,6 +166,23 @@ def solve(
     )
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _CoreAnswer:
+    """The core search's answer: its choice, that choice's core cost, and a lower bound (or nan)."""
+
+    choice: np.ndarray
+    cost: float
+    optimal: bool
+    bound: float = np.nan
+
+
+def _relative_gap(cost: float, bound: float) -> float:
+    """``(cost - bound) / |cost|``, at least 0; inf without a finite cost and bound."""
+    if not (np.isfinite(cost) and np.isfinite(bound)):
+        return np.inf
+    return max(cost - bound, 0.0) / max(abs(cost), 1e-300)
+
+
 def _solve_core(
     problem: ShardingProblem,
     red: Reduction,
@@ -145,10 +191,13 @@ def _solve_core(
     seed: int,
     log,
     stats: dict,
-) -> tuple[np.ndarray, bool]:
+) -> _CoreAnswer:
+    """Search the reduced core; records in ``stats["stop"]`` why the search stopped."""
     if red.num_core == 0:
-        return np.zeros(0, dtype=np.int64), True
+        stats.update(stop="optimal")
+        return _CoreAnswer(np.zeros(0, dtype=np.int64), 0.0, True, 0.0)
     now = start_time = time.perf_counter()
+    bound = np.nan  # a lower bound on the core's cost, once a MILP gives one
     cells = sum(c.size for c in red.node_costs) + sum(m.size for m in red.edge_costs)
     big = red.num_core > _FULL_MILP_NODES or cells > _FULL_MILP_CELLS
     stats.update(core_cells=cells)
@@ -158,10 +207,14 @@ def _solve_core(
         # Belief propagation gives the first descent a far better start than the
         # per-node argmins (contest A without its limit: 5.5e9 vs 7.8e10 after 40 s).
         red = soften(red)
-        bp_choice, bp_cost = MinSumBP(red).run(now + _BP_SHARE * max(deadline - now, 0.0), max_rounds=_BP_ROUNDS)
-        log(f"belief propagation: cost {bp_cost:.6g}")
-        state = forest_ils(CoreState(red, None, bp_choice), deadline - _MARGIN, seed, log=log)
-        return state.choice, False
+        bp = MinSumBP(red)
+        bp_choice, bp_cost = bp.run(now + _BP_SHARE * max(deadline - now, 0.0), max_rounds=_BP_ROUNDS,
+                                    tol=_BP_TOL)
+        log(f"belief propagation: {bp.rounds} rounds, cost {bp_cost:.6g}")
+        found = forest_ils(CoreState(red, None, bp_choice), deadline - _MARGIN, seed, stall=_FOREST_STALL, log=log)
+        stats.update(bp_rounds=bp.rounds, forest_restarts=found.restarts,
+                     stop="stalled" if found.stalled else "time_limit")
+        return _CoreAnswer(found.state.choice, found.state.total_cost(), False)
     large = rows is not None and big
     if large:
         # Start memory-feasible and let the window search price out forbidden pairs.
@@ -216,12 +269,18 @@ def _solve_core(
         log(f"milp: {res.status}, objective {res.objective:.6g}, bound {res.bound:.6g}")
         if res.status == "infeasible":
             _raise_infeasible(problem, red, deadline)
+        if np.isfinite(res.bound):
+            bound = res.bound
         if res.choice is not None:
             cand = CoreState(red, rows, res.choice)
             if not feasible or cand.total_cost() <= state.total_cost():
                 state, feasible = cand, True
             if res.status == "optimal":
-                return state.choice, True
+                stats.update(stop="optimal")
+                return _CoreAnswer(state.choice, state.total_cost(), True, bound)
+        if feasible and _relative_gap(state.total_cost(), bound) <= _GAP:
+            stats.update(stop="gap")
+            return _CoreAnswer(state.choice, state.total_cost(), True, bound)
     windows_help = red.num_core > _FULL_MILP_NODES or not big
     if feasible and windows_help and deadline - time.perf_counter() > _MARGIN:
         search = WindowSearch(state, seed)
@@ -234,8 +293,16 @@ def _solve_core(
         size, seconds = (_WINDOW_NODES_LARGE, _WINDOW_SECONDS_LARGE) if large else (_WINDOW_NODES, _WINDOW_SECONDS)
         search.run(deadline - _MARGIN, window_size=size, window_time=seconds, log=log, hot=hot)
         stats.update(lns_windows=search.windows, lns_improved=search.improved)
-        log(f"lns: {search.windows} windows, {search.improved} improved, cost {state.total_cost():.6g}")
-    return state.choice, False
+        log(f"lns: {search.windows} windows, {search.improved} improved, cost {state.total_cost():.6g}"
+            f"{', stalled' if search.stalled else ''}")
+        if _relative_gap(state.total_cost(), bound) <= _GAP:
+            stats.update(stop="gap")
+            return _CoreAnswer(state.choice, state.total_cost(), True, bound)
+        if search.stalled:
+            stats.update(stop="stalled")
+    # otherwise the searches ended by their own rules (the penalty bisection), or time ran out
+    stats.setdefault("stop", "time_limit" if time.perf_counter() >= deadline - 2 * _MARGIN else "stalled")
+    return _CoreAnswer(state.choice, state.total_cost(), False, bound)
 
 
 def _two_lagrangian_starts(red, rows, now: float, deadline: float, seed: int, log) -> CoreState | None:

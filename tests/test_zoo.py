@@ -17,6 +17,8 @@ import re
 import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import autoshard
 from tests.zoo import cnn_nnx, llama_nnx, lstm, manual, moe, resnet, scan_lm, t5, vit
@@ -83,6 +85,25 @@ def test_zoo_matches_jit(name, mesh_name):
     state, losses = run_functional(case, step)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(state, ref_state, what="state", null_paths=case.null_paths, null_atol=case.null_atol)
+
+
+@pytest.mark.parametrize("name", ["custom_partitioning", "shard_map"])
+def test_manual_regions_with_the_batch_pinned_to_data(name):
+    """Left alone, tiny steps may plan replicated; pinned, the manual region's rule must take split rows."""
+    case = FUNCTIONAL[name]()
+    ref_state, ref_losses = jit_reference(name)
+    hints = {r"\['(x|y)'\]": P("data")}
+    step = autoshard.parallelize(case.train_step, mesh=MESHES["2x4"](), cluster=CPU_SIM, progress=None,
+                                 hints=hints)
+    state, losses = run_functional(case, step)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(state, ref_state, what="state")
+    compiled = step.lower(case.init_state(), case.make_batch()).compile()
+    x_sharding = jax.tree.leaves(compiled.input_shardings[0])[-2]  # (state, {"x", "y"}): x is second to last
+    assert x_sharding.is_equivalent_to(NamedSharding(x_sharding.mesh, P("data")), 2), x_sharding
+    if name == "custom_partitioning":  # the op's partition callback ran on rows split 2 ways: f32[8 / 2, 8]
+        rows = set(re.findall(r'= f32\[(\d+),8\][^\n]*op_name="[^"]*custom_partitioning"', compiled.as_text()))
+        assert rows == {"4"}, rows
 
 
 # ---- nnx, in place -----------------------------------------------------------------------------------

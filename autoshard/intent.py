@@ -247,8 +247,16 @@ def _nudged(strategies, program, v, axes, cost) -> list:
             for s in strategies]
 
 
+def splitting_axes(mesh: MeshInfo) -> tuple[int, ...]:
+    """The mesh axes that may split the batch: the batch axes where the names give roles, else every
+    active axis."""
+    axes = batch_axes(mesh)
+    return tuple(sorted(axes)) if axes and set(mesh.active_axes) - axes else mesh.active_axes
+
+
 def indivisible_batch(program, tie_outputs, mesh: MeshInfo) -> tuple[str, ...]:
-    """Paths of the batch inputs whose batch size no active mesh axis divides: they run replicated."""
-    sizes = [mesh.shape[a] for a in mesh.active_axes]
+    """Paths of the batch inputs whose batch size no axis that may split it (:func:`splitting_axes`)
+    divides: they are not split."""
+    sizes = [mesh.shape[a] for a in splitting_axes(mesh)]
     return tuple(program.in_paths[i] for i in batch_inputs(program, tie_outputs)
                  if sizes and all(_shape(program, program.graph.invars[i])[0] % n for n in sizes))

@@ -24,7 +24,7 @@ import numpy as np
 
 from autoshard.capture import CapturedProgram, Const, Op
 from autoshard.cost import Collective, CostModel
-from autoshard.intent import indivisible_batch, respect_batch_axes
+from autoshard.intent import indivisible_batch, respect_batch_axes, splitting_axes
 from autoshard.solver import ShardingProblem
 from autoshard.spec import ShardingSpec, candidate_specs, replicated
 from autoshard.strategies import RuleContext, Strategy, lookup_rule, replicated_strategy
@@ -89,17 +89,24 @@ def _params_key(params):
 
 
 def warn_indivisible_batch(program: CapturedProgram, tie_outputs, mesh) -> None:
-    """One warning naming the batch leaves (see :mod:`autoshard.intent`) that no mesh axis divides:
-    they are not split, and every device runs the whole batch."""
+    """One warning naming the batch leaves (see :mod:`autoshard.intent`) that no mesh axis which may
+    split them divides: they are not split, and every device runs the whole batch."""
     paths = indivisible_batch(program, tie_outputs, mesh)
     if not paths:
         return
     size = _aval_shape(program.avals[program.graph.invars[program.in_paths.index(paths[0])]])[0]
-    sizes = ", ".join(f"{mesh.names[a]}={mesh.shape[a]}" for a in mesh.active_axes)
+    axes = splitting_axes(mesh)
+    others = [a for a in mesh.active_axes if a not in axes and size % mesh.shape[a] == 0]
+
+    def named(ax):
+        return ", ".join(f"{mesh.names[a]}={mesh.shape[a]}" for a in ax)
+
+    why = (f"no batch axis ({named(axes)}); {named(others)} divides it but is not named as a batch axis"
+           if others else f"no mesh axis ({named(mesh.active_axes)})")
     warnings.warn(
-        f"the batch of size {size} in {', '.join(paths)} is divisible by no mesh axis ({sizes}), so it is "
-        "not split: every device runs the whole batch. Fix: use a batch size that is a multiple of one of "
-        f"{sorted({mesh.shape[a] for a in mesh.active_axes})}, or pad the batch.",
+        f"the batch of size {size} in {', '.join(paths)} is divisible by {why}, so it is not split: every "
+        f"device runs the whole batch. Fix: use a batch size that is a multiple of one of "
+        f"{sorted({mesh.shape[a] for a in axes})}, or pad the batch.",
         AutoshardWarning,
         stacklevel=3,
     )

@@ -186,6 +186,16 @@ def test_an_indivisible_batch_is_named_in_one_warning():
     assert sum("divisible by no mesh axis" in str(w.message) for w in record) == 1
 
 
+def test_a_batch_only_a_model_axis_divides_is_named_too():
+    step_fn, state = _mlp_step()
+    batch = {"x": jnp.ones((2, 64)), "y": jnp.ones((2, 8))}
+    mesh = autoshard.make_mesh((4, 2), ("data", "model"))
+    with pytest.warns(autoshard.AutoshardWarning, match=r"size 2 in \[1\]\['x'\].*no batch axis \(data=4\); model=2"):
+        plan = autoshard.parallelize(step_fn, mesh=mesh, cluster=CPU, progress=None).plan(state, batch)
+    x = _specs(plan)["[1]['x']"]
+    assert not x or x[0] is None, f"the batch went onto {x[0]}, which is not a batch axis"
+
+
 # ---- plan.explain --------------------------------------------------------------------------------
 def _small_plan(**kw):
     step_fn, state = _mlp_step()

@@ -133,6 +133,7 @@ def main(argv=None) -> int:
     plan_row(Row("warm-up", 32, 1, (2, 4), batch=4))  # jax's first trace pays one-off costs
     results = [plan_row(row) for row in rows]
     print_table(results)
+    print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (other processes distort wall times)")
     for r in results:
         target = TARGETS.get((r["model"], None if r["mesh"] == "None" else tuple(map(int, r["mesh"].split(",")))))
         if target is not None:
@@ -141,7 +142,9 @@ def main(argv=None) -> int:
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump({"jax": jax.__version__, "cpus": os.cpu_count(), "rows": results}, f, indent=2)
+            # the load average says how far other processes distorted these wall times
+            json.dump({"jax": jax.__version__, "cpus": os.cpu_count(), "load_average": os.getloadavg(),
+                       "rows": results}, f, indent=2)
     return 0
 
 

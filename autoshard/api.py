@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from autoshard.errors import InfeasibleError, InputError, MeshError, PlanError
+from autoshard.roles import program_roles, with_roles
 from autoshard.signature import BoundCall, StepSignature, abstract_leaf, check_leaf
 from autoshard.spec import MeshInfo, ShardingSpec
 
@@ -189,6 +190,9 @@ class Parallelized:
                                  "Fix: drop precision=, or run without a pipeline.")
             kwargs.pop("remat", None)  # nor rematerialises
             kwargs.pop("accumulate", None)  # the number of microbatches is given
+            if kwargs.pop("state_roles", None):
+                raise InputError("state_roles= is not supported with num_microbatches or pipeline yet (stage plans "
+                                 "offload nothing). Fix: drop state_roles=, or run without a pipeline.")
             for name in ("static_argnames", "donate_argnames"):
                 if kwargs.pop(name, ()):
                     raise InputError(f"{name}= is not supported with num_microbatches or pipeline yet. Fix: "
@@ -199,7 +203,7 @@ class Parallelized:
     def __init__(self, fun, *, mesh=None, cluster=None, memory_budget=None, static_argnums=(),
                  donate_argnums=(), static_argnames=(), donate_argnames=(), plan=None, hints=None, solver_time_limit=10.0, tie_layers="auto",
                  num_microbatches=1, pipeline=None, progress="auto", batch_argnums=None, step_timeout=None,
-                 precision=None, remat=True, accumulate=True):
+                 precision=None, remat=True, accumulate=True, state_roles=None):
         from autoshard.precision import compute_dtype
 
         self.fun = fun
@@ -222,6 +226,7 @@ class Parallelized:
         self.donate_argnums = tuple(sorted(self.signature.donate_argnums))
         self.saved_plan = plan
         self.hints = dict(hints or {})
+        self.state_roles = dict(state_roles or {})
         self.solver_time_limit = solver_time_limit
         self._cache: dict = {}
         functools.update_wrapper(self, fun)
@@ -288,6 +293,7 @@ class Parallelized:
                                                                                          np.asarray(v.value).dtype)
                                                                     for v in program.graph.outvars])
         ties = _ties(abstract, out_shape)
+        program = with_roles(program, abstract, ties, self.state_roles)
 
         def solve():
             return plan_program(program, mesh=mesh, cluster=self.cluster, memory_budget=self.memory_budget,
@@ -308,7 +314,7 @@ class Parallelized:
                     raise
                 return self._accumulated(call, e)
         plan = dataclasses.replace(plan, in_tree=jax.tree_util.tree_structure(abstract),
-                                   out_tree=program.out_tree)
+                                   out_tree=program.out_tree, in_roles=program.in_roles)
         from autoshard.remat import apply_remat
 
         program, groups = apply_remat(program, plan.remat, ties)
@@ -421,7 +427,7 @@ class Parallelized:
 def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static_argnums=(), donate_argnums=(),
                 static_argnames=(), donate_argnames=(), plan=None, hints=None, solver_time_limit=10.0, tie_layers="auto", num_microbatches=1, pipeline=None,
                 progress="auto", batch_argnums=None, step_timeout=None, precision=None, remat=True,
-                accumulate=True):
+                accumulate=True, state_roles=None):
     """Plan and run a single-device step function sharded over a device mesh.
 
     Works bare (``@parallelize``) and with arguments (``@parallelize(mesh=...)``).
@@ -482,6 +488,11 @@ def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static
         :class:`~autoshard.pipeline.PipelinePlan` with ``num_microbatches == k`` (also
         ``plan.stats["num_microbatches"]``). A budget that the full batch meets is planned as
         without it. Not with ``precision=`` or ``hints=``. False: raise the InfeasibleError instead.
+      state_roles: ``{pytree-path regex: role}`` overriding what an argument leaf is (``"parameter"``,
+        ``"optimizer_state"``, ...; see :mod:`autoshard.roles`), e.g. ``{"momentum":
+        "optimizer_state"}`` for an optimizer that is not optax. Roles decide what host offload may
+        move (optimizer state only) and label the report. None: optax's state types, nnx variable
+        types and PRNG key dtypes decide.
 
     Example:
       >>> import autoshard, jax.numpy as jnp
@@ -507,6 +518,8 @@ def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static
         kw["static_argnames"] = static_argnames
     if donate_argnames:
         kw["donate_argnames"] = donate_argnames
+    if state_roles:
+        kw["state_roles"] = state_roles
     if fun is None:
         return lambda f: Parallelized(f, **kw)
     return Parallelized(fun, **kw)
@@ -779,6 +792,7 @@ def _solve_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, 
         in_specs=in_specs,
         out_specs=tuple(out_specs),
         in_paths=program.in_paths,
+        in_roles=program_roles(program, ties),
         out_paths=program.out_paths,
         in_avals=tuple((tuple(program.avals[v].shape), str(program.avals[v].dtype)) for v in program.graph.invars),
         cost=pcost,

@@ -14,11 +14,14 @@ maps ids to their abstract values.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
 import jax.extend.core as jex_core
 import numpy as np
+
+from autoshard.errors import InvalidProgramError
 
 INLINED = {
     # primitive name -> the param that holds the body
@@ -97,17 +100,22 @@ class OpGraph:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class CapturedProgram:
-    """A traced step function.
+    """A traced step function, or a part of one (a pipeline stage). Build one with :meth:`from_graph`.
 
     Attributes:
       graph: the top-level graph; its invars are the flattened arguments.
       avals: abstract value (``ShapedArray``) per value id.
-      ops: every op, nested ones included, by ``Op.index``.
-      in_tree, out_tree: pytree structures of the (dynamic) arguments and outputs.
+      ops: every op of ``graph``, nested scan bodies included, ordered by ``Op.index``. In a whole
+        program (captured, or rewritten by :mod:`autoshard.remat`) the indices are ``0..n-1``, so
+        ``ops[i].index == i``. A part (``in_tree`` None: a pipeline stage) keeps the whole program's
+        indices, which its plan's ``operand_specs`` are keyed by: its ``ops`` are a sorted subset.
+      in_tree, out_tree: pytree structures of the (dynamic) arguments and outputs; None for a part.
       in_paths, out_paths: readable pytree paths of each flat leaf.
       consts: value id -> constant array, for closed-over constants.
       producer: value id -> (op index, output position); absent for inputs.
-      scan_of_body_invar: body invar id -> (scan op index, position in the body's invars).
+      uses: value id -> every (op index, operand position) that reads it.
+      in_roles: what each flat argument is (:data:`autoshard.roles.ROLES`), or ``()`` when not
+        classified (see :func:`autoshard.roles.classify_leaves`).
     """
 
     graph: OpGraph
@@ -120,6 +128,32 @@ class CapturedProgram:
     consts: dict
     producer: dict
     uses: dict
+    in_roles: tuple[str, ...] = ()
+
+    @classmethod
+    def from_graph(cls, graph: OpGraph, avals, *, in_tree, out_tree, in_paths, out_paths, consts,
+                   in_roles=()) -> CapturedProgram:
+        """The program of ``graph``: ``ops``, ``producer`` and ``uses`` derived from it.
+
+        With ``AUTOSHARD_VALIDATE=1`` in the environment (the tests set it), the result is checked
+        with :meth:`validate`, as ``jax_enable_checks`` has jax check every jaxpr it builds.
+        """
+        ops = graph_ops(graph)
+        producer, uses = index_ops(ops)
+        program = cls(graph=graph, avals=tuple(avals), ops=ops, in_tree=in_tree, out_tree=out_tree,
+                      in_paths=tuple(in_paths), out_paths=tuple(out_paths), consts=dict(consts),
+                      producer=producer, uses=uses, in_roles=tuple(in_roles))
+        if os.environ.get(VALIDATE_ENV, "") not in ("", "0"):
+            program.validate()
+        return program
+
+    def validate(self) -> None:
+        """Check the invariants every pass relies on.
+
+        Raises:
+          InvalidProgramError: (an ``AssertionError``) naming the op or field that breaks one.
+        """
+        check_program(self)
 
     @property
     def num_eqns(self) -> int:
@@ -138,6 +172,95 @@ class CapturedProgram:
         for v in self.graph.invars:
             h.update(str(self.avals[v]).encode())
         return h.hexdigest()[:16]
+
+
+VALIDATE_ENV = "AUTOSHARD_VALIDATE"
+"""Environment variable: when set (not ``0``), :meth:`CapturedProgram.from_graph` validates what it builds."""
+
+
+def graph_ops(graph: OpGraph) -> tuple[Op, ...]:
+    """Every op of ``graph``, nested scan bodies included, once each, ordered by ``Op.index``.
+
+    A scan's body ops are numbered before the scan (capture builds the body first), so for a
+    captured program this is also program order. A body shared by two scan ops (remat duplicates
+    a scan, keeping its body) is counted once."""
+    found: dict[int, Op] = {}
+    seen_bodies: set[int] = set()
+    stack = [graph]
+    while stack:
+        g = stack.pop()
+        for op in g.ops:
+            found.setdefault(op.index, op)
+            if op.body is not None and id(op.body) not in seen_bodies:
+                seen_bodies.add(id(op.body))
+                stack.append(op.body)
+    return tuple(found[i] for i in sorted(found))
+
+
+def check_program(program: CapturedProgram) -> None:
+    """:meth:`CapturedProgram.validate`: raise :class:`InvalidProgramError` at the first broken invariant."""
+    from autoshard.roles import ROLES
+
+    g = program.graph
+    _expect(len(program.in_paths) == len(g.invars),
+            f"{len(program.in_paths)} in_paths for {len(g.invars)} graph inputs")
+    _expect(len(program.out_paths) == len(g.outvars),
+            f"{len(program.out_paths)} out_paths for {len(g.outvars)} graph outputs")
+    _expect(not program.in_roles or len(program.in_roles) == len(g.invars),
+            f"{len(program.in_roles)} in_roles for {len(g.invars)} graph inputs")
+    bad_roles = sorted(set(program.in_roles) - set(ROLES))
+    _expect(not bad_roles, f"in_roles {bad_roles} are not among {ROLES}")
+    _check_op_table(program)
+    n = len(program.avals)
+    for v in (*program.consts, *g.invars):
+        _expect(0 <= v < n, f"value {v} (a graph input or const) has no aval (the program has {n})")
+    _check_scope(program, g, set(g.invars) | set(program.consts), set(), "the program")
+    producer, uses = index_ops(program.ops)
+    _expect(program.producer == producer, "producer does not match the ops (rebuild it with index_ops)")
+    _expect({v: list(u) for v, u in program.uses.items()} == uses, "uses does not match the ops")
+
+
+def _check_op_table(program: CapturedProgram) -> None:
+    indices = [op.index for op in program.ops]
+    _expect(all(a < b for a, b in zip(indices, indices[1:])), "ops are not in strictly increasing index order")
+    if program.in_tree is not None:  # a whole program numbers its own ops
+        for k, op in enumerate(program.ops):
+            _expect(op.index == k, f"op {op.index} ({op.name} at {op.source()}) sits at position {k} of ops")
+    table = {op.index: op for op in program.ops}
+    walked = graph_ops(program.graph)
+    for op in walked:
+        _expect(table.get(op.index) is op, f"op {op.index} ({op.name} at {op.source()}) of the graph is not "
+                                           "the one ops holds at that index")
+    _expect(len(walked) == len(table), f"ops holds {len(table) - len(walked)} ops the graph does not reach")
+
+
+def _check_scope(program: CapturedProgram, g: OpGraph, defined: set, checked: set, where: str) -> None:
+    """Every value ``g`` reads is defined before (in ``defined``, or by an earlier op of ``g``)."""
+    n = len(program.avals)
+    for op in g.ops:
+        what = f"op {op.index} ({op.name} at {op.source()}) in {where}"
+        for k, x in enumerate(op.inputs):
+            if isinstance(x, int):
+                _expect(x in defined, f"{what} reads value {x} (operand {k}) before it is defined")
+        if op.body is not None and id(op.body) not in checked:
+            checked.add(id(op.body))
+            body_in = set(op.body.invars)
+            for v in body_in:
+                _expect(0 <= v < n, f"{what}: body input {v} has no aval")
+            _check_scope(program, op.body, body_in | set(program.consts), checked, f"the body of op {op.index}")
+        for v in op.outputs:
+            _expect(0 <= v < n, f"{what} makes value {v}, which has no aval (the program has {n})")
+            _expect(v not in defined, f"{what} makes value {v}, which is already defined")
+            defined.add(v)
+    for j, x in enumerate(g.outvars):
+        if isinstance(x, int):
+            _expect(x in defined, f"output {j} of {where} is value {x}, which is never defined")
+
+
+def _expect(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidProgramError(f"invalid CapturedProgram: {message}. Fix: this is an autoshard bug in the pass "
+                                  "that built the program; please report it with the step function.")
 
 
 class _Builder:
@@ -247,18 +370,14 @@ def capture_graph(fun, args, *, in_paths=None) -> CapturedProgram:
     out_tree = jax.tree_util.tree_structure(out_shape)
     b = _Builder()
     graph = b.graph(closed.jaxpr, closed.consts, 1)
-    producer, uses = index_ops(b.ops)
-    return CapturedProgram(
-        graph=graph,
-        avals=tuple(b.avals),
-        ops=tuple(b.ops),
+    return CapturedProgram.from_graph(
+        graph,
+        b.avals,
         in_tree=in_tree,
         out_tree=out_tree,
-        in_paths=tuple(in_paths),
+        in_paths=in_paths,
         out_paths=tuple(jax.tree_util.keystr(p) for p, _ in out_leaves_paths),
         consts=b.consts,
-        producer=producer,
-        uses=uses,
     )
 
 

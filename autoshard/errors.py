@@ -33,3 +33,7 @@ class ProblemFormatError(AutoshardError, ValueError):
 
 class PlanError(AutoshardError, ValueError):
     """A saved plan does not match the function or the mesh it is applied to."""
+
+
+class InvalidProgramError(AutoshardError, AssertionError):
+    """A ``CapturedProgram`` breaks an invariant (``CapturedProgram.validate``): a bug in the pass that built it."""

@@ -31,6 +31,7 @@ import math
 import numpy as np
 
 from autoshard.capture import CapturedProgram, OpGraph
+from autoshard.roles import program_roles
 from autoshard.spec import MeshInfo, ShardingSpec
 from autoshard.strategies import lookup_rule
 
@@ -54,11 +55,6 @@ class MemoryEstimate:
     breakdown: dict
     peak_position: int
     host_bytes: float = 0.0
-
-
-def is_optimizer_state(path: str) -> bool:
-    """Whether a carried leaf at this pytree path is optimizer state (optax's ``mu``/``nu``)."""
-    return "opt_state" in path or ".mu" in path or ".nu" in path
 
 
 def value_bytes(aval, spec: ShardingSpec | None, mesh: MeshInfo) -> float:
@@ -505,10 +501,12 @@ def estimate_memory(program: CapturedProgram, value_specs: dict, mesh: MeshInfo,
     aliased_outputs = {o for o, i in ties.items() if i in donated} - host_outputs
     host_bytes = 0.0
 
+    roles = program_roles(program, ties)
+
     def category(i: int) -> str:
         if i not in ties.values():
             return "inputs"
-        return "optimizer_state" if is_optimizer_state(program.in_paths[i]) else "parameters"
+        return "optimizer_state" if roles[i] == "optimizer_state" else "parameters"
 
     fixed: dict[str, float] = {}
     size: dict[int, float] = {}  # temporaries: value id -> bytes

@@ -5,8 +5,9 @@ The planner first looks for a sharding that fits ``memory_budget`` on the device
 state to host memory, largest leaves first, and keeps the smallest such set
 that fits:
 
-1. ``offload_candidates``: carried optimizer-state leaves (optax's ``mu``/``nu``
-   under ``opt_state``) that the step reads and replaces.
+1. ``offload_candidates``: carried leaves whose role is ``optimizer_state``
+   (:mod:`autoshard.roles`: optax's state types, ``nnx.OptState``, or the user's
+   ``state_roles``) that the step reads and replaces.
 2. Each candidate set is solved again. An offloaded leaf's shard lives in host
    memory (``memory_kind="pinned_host"``); the device holds a copy only while the
    update reads it, and its replacement only until it is moved out
@@ -33,9 +34,8 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from autoshard.errors import InfeasibleError
+from autoshard.roles import program_roles
 
 MEMORY_KIND = "pinned_host"
 """The memory kind offloaded leaves live in (CPU, GPU and TPU devices all offer it)."""
@@ -48,16 +48,15 @@ REFINE_SOLVES = 3
 def offload_candidates(program, ties: dict[int, int]) -> tuple[int, ...]:
     """Flat input indices that may live in host memory, largest first.
 
-    A candidate is optimizer state that the step carries: an array input replaced by a new
-    output value, and read by the step. Parameters stay on the device: the forward and
+    A candidate is optimizer state (its role, :func:`autoshard.roles.program_roles`) that the step
+    carries: an array input replaced by a new output value, and read by the step. Parameters stay on the device: the forward and
     backward passes read them, so their device copy would live through the whole step.
     """
-    from autoshard.memory import is_optimizer_state
-
     out_of = {i: o for o, i in ties.items()}
+    roles = program_roles(program, ties)
     found = []
     for i, v in enumerate(program.graph.invars):
-        if i not in out_of or not is_optimizer_state(program.in_paths[i]):
+        if i not in out_of or roles[i] != "optimizer_state":
             continue
         shape = tuple(getattr(program.avals[v], "shape", ()))
         new = program.graph.outvars[out_of[i]]

@@ -91,6 +91,8 @@ class Plan:
         forward segments (the budget bound); None otherwise.
       replan: ``replan(hints) -> Plan``, the same planning with more leaves pinned, which the
         planner leaves for :meth:`explain`. Not saved: a plan loaded from JSON has None.
+      in_roles: each flat argument's role (:data:`autoshard.roles.ROLES`), aligned with ``in_paths``;
+        ``()`` for a plan saved before roles were recorded.
     """
 
     mesh: Any
@@ -113,6 +115,7 @@ class Plan:
     host_outputs: tuple[int, ...] = ()
     remat: Any = None
     replan: Any = dataclasses.field(default=None, repr=False, compare=False)
+    in_roles: tuple[str, ...] = ()
 
     @property
     def mesh_info(self) -> MeshInfo:
@@ -306,6 +309,7 @@ class Plan:
             "warnings": list(self.warnings),
             "host_inputs": list(self.host_inputs),
             "host_outputs": list(self.host_outputs),
+            "in_roles": list(self.in_roles),
             **({"remat": [self.remat.units, self.remat.num_units, self.remat.max_units, self.remat.extra_flops]}
                if self.remat is not None else {}),
         })
@@ -345,6 +349,7 @@ class Plan:
                 host_inputs=tuple(d.get("host_inputs", ())),
                 host_outputs=tuple(d.get("host_outputs", ())),
                 remat=_remat_from(d.get("remat")),
+                in_roles=tuple(d.get("in_roles", ())),
             )
         except KeyError as e:
             raise PlanError(f"saved plan is missing field {e.args[0]!r}") from None

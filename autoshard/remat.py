@@ -32,7 +32,7 @@ import math
 
 import numpy as np
 
-from autoshard.capture import CapturedProgram, Const, Op, OpGraph, index_ops
+from autoshard.capture import CapturedProgram, Const, Op, OpGraph
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -346,9 +346,9 @@ def rematerialize(program: CapturedProgram, units) -> tuple[CapturedProgram, tup
             all_ops[op.index] = op
         new_top.append(op)
     graph = OpGraph(program.graph.invars, tuple(new_top), program.graph.outvars)  # residuals are never outputs
-    producer, uses = index_ops(all_ops)
-    out = dataclasses.replace(program, graph=graph, avals=tuple(avals), ops=tuple(all_ops), producer=producer,
-                              uses=uses)
+    out = CapturedProgram.from_graph(graph, avals, in_tree=program.in_tree, out_tree=program.out_tree,
+                                     in_paths=program.in_paths, out_paths=program.out_paths, consts=program.consts,
+                                     in_roles=program.in_roles)
     return out, tuple(groups)
 
 

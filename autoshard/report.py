@@ -51,7 +51,7 @@ PART_COLORS = {
     "intermediates": "#8c8c8c",
     "activations and temporaries": "#8c8c8c",
 }
-ROLES = ("parameter", "optimizer state", "model state", "input", "other")
+ROLES = ("parameter", "optimizer state", "model state", "rng key", "input", "other")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -69,26 +69,18 @@ class LeafRow:
 
 def leaf_rows(plan) -> list[LeafRow]:
     """Every argument leaf with its role, spec and bytes per device (and unsharded)."""
-    import numpy as np
-
     rows = []
-    for path, shape, dtype, spec, nbytes in plan.parameter_table():
+    roles = tuple(getattr(plan, "in_roles", ()))
+    for i, (path, shape, dtype, spec, nbytes) in enumerate(plan.parameter_table()):
         total = math.prod(shape) * dtype_itemsize(dtype)
-        rows.append(LeafRow(path, leaf_role(path), shape, dtype, spec, nbytes, int(total)))
+        rows.append(LeafRow(path, leaf_role(roles[i] if roles else "other"), shape, dtype, spec, nbytes, int(total)))
     return rows
 
 
-def leaf_role(path: str) -> str:
-    """Guess what a leaf is from its pytree path: ``[0]['opt_state']...`` is optimizer state."""
-    if re.search(r"opt_state|optimizer|\.mu\b|\.nu\b|momentum", path):
-        return "optimizer state"
-    if re.search(r"param", path, re.IGNORECASE):
-        return "parameter"
-    if re.search(r"model_state|batch_stats|BatchStat", path):
-        return "model state"
-    if not path.startswith("[0]"):
-        return "input"
-    return "other"
+def leaf_role(role: str) -> str:
+    """The label of a role the planner classified (``Plan.in_roles``, see :mod:`autoshard.roles`):
+    ``optimizer_state`` reads "optimizer state"."""
+    return role.replace("_", " ")
 
 
 def time_breakdown(plan) -> dict[str, float]:

@@ -6,6 +6,7 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("AUTOSHARD_VALIDATE", "1")  # CapturedProgram.from_graph checks what each pass builds
 
 import jax  # noqa: E402
 

@@ -305,3 +305,67 @@ def test_planned_literal_output(mesh):
         return x.sum(), 2.0
 
     _close(autoshard.parallelize(step, mesh=mesh)(_x()), jax.jit(step)(_x()))
+
+
+# ---- CapturedProgram.from_graph and validate -------------------------------------------------------
+
+
+def _tiny(w, x):
+    return jnp.sum(jnp.tanh(x @ w["a"]) * w["b"])
+
+
+def _tiny_args():
+    return {"a": _sds(4, 8), "b": _sds(8)}, _sds(2, 4)
+
+
+def _scanned(w, x):
+    def body(c, wi):
+        return jnp.tanh(c @ wi), jnp.sum(c)
+
+    c, ys = jax.lax.scan(body, x, w)
+    return jnp.sum(c) + jnp.sum(ys)
+
+
+def test_fingerprints_of_captured_programs_are_unchanged():
+    """Saved plans are matched by fingerprint: these values were computed before ``from_graph`` existed."""
+    assert capture_graph(_tiny, _tiny_args()).fingerprint() == "4fc9a0f63e393055"
+    assert capture_graph(jax.grad(_scanned), (_sds(3, 4, 4), _sds(2, 4))).fingerprint() == "5041399ac1116c4d"
+
+
+def test_from_graph_derives_ops_producer_and_uses_from_the_graph():
+    program = capture_graph(jax.grad(_scanned), (_sds(3, 4, 4), _sds(2, 4)))
+    rebuilt = CapturedProgram.from_graph(program.graph, program.avals, in_tree=program.in_tree,
+                                         out_tree=program.out_tree, in_paths=program.in_paths,
+                                         out_paths=program.out_paths, consts=program.consts)
+    assert [op.index for op in rebuilt.ops] == list(range(len(program.ops)))
+    assert all(a is b for a, b in zip(rebuilt.ops, program.ops, strict=True))  # scan bodies included
+    assert any(op.body is not None for op in rebuilt.ops)
+    assert rebuilt.producer == program.producer and rebuilt.uses == program.uses
+    assert rebuilt.fingerprint() == program.fingerprint()
+    rebuilt.validate()
+
+
+def _rebuilt(program, graph, **changes):
+    fields = dict(in_tree=program.in_tree, out_tree=program.out_tree, in_paths=program.in_paths,
+                  out_paths=program.out_paths, consts=program.consts)
+    return CapturedProgram.from_graph(graph, program.avals, **{**fields, **changes})
+
+
+def test_validate_names_the_op_that_reads_a_value_before_it_is_defined():
+    program = capture_graph(_tiny, _tiny_args())
+    ops = program.graph.ops
+    swapped = OpGraph(program.graph.invars, (ops[1], ops[0], *ops[2:]), program.graph.outvars)
+    with pytest.raises(autoshard.errors.InvalidProgramError,
+                       match=rf"op {ops[1].index} \({ops[1].name} at .*reads value {ops[0].outputs[0]}"):
+        _rebuilt(program, swapped)
+
+
+def test_validate_checks_paths_and_value_ids():
+    program = capture_graph(_tiny, _tiny_args())
+    with pytest.raises(AssertionError, match="2 in_paths for 3 graph inputs"):
+        _rebuilt(program, program.graph, in_paths=program.in_paths[:2])
+    bad = OpGraph(program.graph.invars, program.graph.ops, (*program.graph.outvars, len(program.avals)))
+    with pytest.raises(AssertionError, match="out_paths for 2 graph outputs"):
+        _rebuilt(program, bad)
+    with pytest.raises(AssertionError, match=f"output 1 of the program is value {len(program.avals)}"):
+        _rebuilt(program, bad, out_paths=(*program.out_paths, "extra"))

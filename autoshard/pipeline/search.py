@@ -21,7 +21,7 @@ import time
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from autoshard.capture import CapturedProgram, OpGraph, index_ops
+from autoshard.capture import CapturedProgram, OpGraph
 from autoshard.cluster import make_mesh
 from autoshard.errors import InputError, MeshError
 from autoshard.pipeline.accumulate import StepAnalysis
@@ -71,11 +71,10 @@ def stage_program(analysis: StepAnalysis, part: Partition, stage: int) -> Captur
     # that planning can pin them to the layout stages exchange.
     paths = tuple(f"<boundary {v}> {full.in_paths[pos[v]]}" if v in batch else full.in_paths[pos[v]] if v in pos
                   else f"<boundary {v}>" if v in part.producer_task else f"<value {v}>" for v in invars)
-    producer, uses = index_ops(ops)
-    return CapturedProgram(graph=OpGraph(tuple(invars), tuple(ops), tuple(dict.fromkeys(outvars))),
-                           avals=analysis.micro.avals, ops=analysis.micro.ops, in_tree=None, out_tree=None,
-                           in_paths=paths, out_paths=tuple(f"<value {v}>" for v in dict.fromkeys(outvars)),
-                           consts={}, producer=producer, uses=uses)
+    # A part of the program: its ops keep the whole program's indices (its plan is applied to them).
+    return CapturedProgram.from_graph(OpGraph(tuple(invars), tuple(ops), tuple(dict.fromkeys(outvars))),
+                                      analysis.micro.avals, in_tree=None, out_tree=None, in_paths=paths,
+                                      out_paths=tuple(f"<value {v}>" for v in dict.fromkeys(outvars)), consts={})
 
 
 BOUNDARY_LAYOUT = {"^<boundary": PartitionSpec("data")}

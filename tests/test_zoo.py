@@ -198,21 +198,38 @@ def _spec_axes(sharding, ndim):
     return [(a,) if isinstance(a, str) else tuple(a or ()) for a in spec]
 
 
+def _wide_parts(name):
+    """(abstract state, abstract batch, extra args, train_step) of a wide zoo model, never allocated."""
+    if name == "llama":
+        state, batch, step = llama_nnx.functional_parts(llama_nnx.WIDE)
+        return state, batch, (), step
+    case = {"vit": functools.partial(vit.case, vit.WIDE), "lstm": functools.partial(lstm.case, lstm.WIDE)}[name]()
+    return jax.eval_shape(case.init_state), jax.eval_shape(case.make_batch), case.extra_args(0), case.train_step
+
+
 @pytest.mark.slow
-def test_wide_llama_splits_big_kernels_on_model_and_batch_on_data():
-    cfg = llama_nnx.WIDE
-    state, batch, train_step = llama_nnx.functional_parts(cfg)
+@pytest.mark.parametrize(("name", "big_kernels"), [("llama", 2 + 5 * llama_nnx.WIDE.n_layers),
+                                                  ("vit", 2 * vit.WIDE.layers), ("lstm", 4 * 2 + 2)])
+def test_wide_models_split_big_kernels_on_model_and_batch_on_data(name, big_kernels):
+    """Hidden >= 768, small batch, (2, 4): what XLA compiled puts every kernel of >= 1M elements on
+    `model` and the batch on `data`.
+
+    llama: wte, lm_head, per layer wq, wo and the 3 SwiGLU kernels (wk, wv are 1024 x 256). vit: the
+    MLP kernels (the 768 x 1000 head is smaller). lstm: the 4 recurrent gate kernels (1024 x 1024) of the encoder and
+    the decoder, the embedding and the output projection.
+    """
+    state, batch, extra, train_step = _wide_parts(name)
     step = autoshard.parallelize(train_step, mesh=MESHES["2x4"](), cluster=CPU_SIM, progress=None)
-    compiled = step.lower(state, batch).compile()
+    compiled = step.lower(state, batch, *extra).compile()
     shardings = jax.tree_util.tree_leaves(compiled.input_shardings[0])
-    leaves = jax.tree_util.tree_flatten_with_path((state, batch))[0]
+    leaves = jax.tree_util.tree_flatten_with_path((state, batch, *extra))[0]
     assert len(shardings) == len(leaves)
     layouts = {jax.tree_util.keystr(path): (leaf.shape, _spec_axes(s, len(leaf.shape)))
                for (path, leaf), s in zip(leaves, shardings, strict=True)}
-    # wte, lm_head, and per layer wq, wo and the three SwiGLU kernels (wk, wv are 1024 x 256).
     big = {p: v for p, v in layouts.items() if p.startswith("[0]['params']") and np.prod(v[0]) >= 1024 * 1024}
-    assert len(big) == 2 + 5 * cfg.n_layers, sorted(big)
+    assert len(big) == big_kernels, sorted(big)
     unsplit = {p: axes for p, (_, axes) in big.items() if not any("model" in a for a in axes)}
-    batch = {p: axes for p, (_, axes) in layouts.items() if p.startswith("[1]")}
+    # The batch leaves that feed activations (tokens, images); a label vector may stay whole (free to slice).
+    batch = {p: axes for p, (shape, axes) in layouts.items() if p.startswith("[1]") and len(shape) >= 2}
     assert not unsplit, f"big kernels not split on `model`: {unsplit}; the batch: {batch}"
     assert all(axes[0] == ("data",) for axes in batch.values()), f"the batch is not split on `data`: {batch}"

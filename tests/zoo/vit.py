@@ -73,8 +73,8 @@ class VisionTransformer(nn.Module):
 
 
 CFG = ViTConfig()
-MODEL = VisionTransformer(CFG)
-TX = optax.adam(1e-3, eps=ADAM_EPS)
+# ViT-B width, 2 layers: for the plan check at wide sizes (tests/test_zoo.py, slow).
+WIDE = ViTConfig(image=32, hidden=768, heads=12, mlp_dim=3072, classes=1000, batch=16)
 
 
 def make_batch(cfg: ViTConfig = CFG):
@@ -83,23 +83,23 @@ def make_batch(cfg: ViTConfig = CFG):
     return {"images": images, "labels": jax.random.randint(k2, (cfg.batch,), 0, cfg.classes)}
 
 
-def init_state():
-    params = MODEL.init(jax.random.key(0), make_batch()["images"])["params"]
-    return {"params": params, "opt_state": TX.init(params)}
+def case(cfg: ViTConfig = CFG) -> FunctionalCase:
+    model, tx = VisionTransformer(cfg), optax.adam(1e-3, eps=ADAM_EPS)
 
+    def init_state():
+        params = model.init(jax.random.key(0), make_batch(cfg)["images"])["params"]
+        return {"params": params, "opt_state": tx.init(params)}
 
-def train_step(state, batch):
-    def loss_fn(params):
-        logits = MODEL.apply({"params": params}, batch["images"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+    def train_step(state, batch):
+        def loss_fn(params):
+            logits = model.apply({"params": params}, batch["images"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
 
-    loss, grads = jax.value_and_grad(loss_fn)(state["params"])
-    updates, opt_state = TX.update(grads, state["opt_state"], state["params"])
-    return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}, loss
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}, loss
 
-
-def case() -> FunctionalCase:
     # Flax's attention has a key bias; softmax cancels it, so its gradient is zero and its Adam steps
     # (lr = 1e-3, 2 steps) are rounding noise.
-    return FunctionalCase("vit", init_state, make_batch, train_step,
+    return FunctionalCase("vit", init_state, lambda: make_batch(cfg), train_step,
                           null_paths=(r"\['key'\]\['bias'\]",), null_atol=2e-3)

@@ -98,25 +98,24 @@ class Explanation:
 
     def _repr_html_(self) -> str:
         related = [p for p, _ in self.chosen.related]
-        cell = 'style="padding: 2px 8px; text-align: {}"'
-        head = "".join(f"<th {cell.format('left')}>{html.escape(h)}</th>"
-                       for h in ("layout", "predicted step", "delta", *related, ""))
+        head = "".join(_html_cell(h, "th") for h in ("layout", "predicted step", "delta", *related, ""))
         rows = []
         for o in self.options:
-            weight = "font-weight: bold; " if o.chosen else ""
             step = _ms(o.objective) if o.objective is not None else "—"
             delta = "chosen" if o.chosen else _delta(o.delta, self.chosen.objective)
-            cells = [o.spec, step, delta, *_related_specs(o, related), o.note]
-            rows.append(f'<tr style="{weight}">' + "".join(
-                f"<td {cell.format('right' if k in (1, 2) else 'left')}><code>{html.escape(c)}</code></td>"
-                if k in (0, *range(3, 3 + len(related))) else
-                f"<td {cell.format('right' if k in (1, 2) else 'left')}>{html.escape(c)}</td>"
-                for k, c in enumerate(cells)) + "</tr>")
+            cells = [_html_cell(o.spec, code=True), _html_cell(step, right=True), _html_cell(delta, right=True),
+                     *(_html_cell(spec, code=True) for spec in _related_specs(o, related)), _html_cell(o.note)]
+            rows.append(f'<tr style="{"font-weight: bold" if o.chosen else ""}">{"".join(cells)}</tr>')
         return ('<div class="autoshard-explain" style="font-family: sans-serif; font-size: 13px">'
                 f"<div>why <code>{html.escape(self.path)}</code> {self.shape} {html.escape(self.dtype)} has layout "
                 f"<code>{html.escape(self.chosen.spec)}</code></div>"
                 f'<table style="border-collapse: collapse"><tr>{head}</tr>{"".join(rows)}</table>'
                 f"<div>{html.escape(self.verdict)}</div></div>")
+
+
+def _html_cell(text: str, tag: str = "td", *, right: bool = False, code: bool = False) -> str:
+    body = f"<code>{html.escape(text)}</code>" if code else html.escape(text)
+    return f'<{tag} style="padding: 2px 8px; text-align: {"right" if right else "left"}">{body}</{tag}>'
 
 
 def explain(plan, path: str, *, layouts=None) -> Explanation:

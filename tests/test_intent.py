@@ -235,3 +235,26 @@ def test_explain_errors_name_the_fix():
     loaded = autoshard.Plan.from_json(plan.to_json(), mesh=plan.mesh)
     with pytest.raises(PlanError, match="(?s)Plan.from_json.*Fix"):
         loaded.explain("[0]['params']['w1']")
+
+
+# ---- wide models, small batch --------------------------------------------------------------------
+@pytest.mark.slow  # plans and compiles a hidden-1024 GPT: 10-30 s
+def test_wide_gpt_puts_the_mlp_on_model_and_the_batch_on_data():
+    """Hidden 1024, 32 x 64 tokens, on (2, 4): the MLP kernels are split on `model` (Megatron) and the
+    batch on `data` in what XLA compiled. (At a few hundred tokens the cheapest plan, also by XLA's
+    compiled bytes, is tensor parallelism over both axes with the batch whole; the rule allows it.)"""
+    from benchmarks.models import gpt
+
+    config = gpt.GPTConfig(vocab_size=8192, seq_len=64, hidden=1024, num_layers=2, num_heads=16)
+    spec = gpt.build(config, 32)
+    state, batch = spec.abstract_state(), spec.abstract_batch()
+    mesh = autoshard.make_mesh((2, 4), ("data", "model"))
+    step = autoshard.parallelize(spec.train_step, mesh=mesh, cluster=CPU, progress=None, solver_time_limit=30)
+    plan = step.plan(state, batch)
+    compiled = step.lower(state, batch).compile()
+    for i in range(config.num_layers):
+        fc = _compiled_spec(compiled, plan, f"[0]['params']['blocks'][{i}]['mlp']['fc']['kernel']")
+        proj = _compiled_spec(compiled, plan, f"[0]['params']['blocks'][{i}]['mlp']['proj']['kernel']")
+        assert len(fc) == 2 and _names(fc[1]) == ("model",) and proj and _names(proj[0]) == ("model",), (fc, proj)
+    targets = _compiled_spec(compiled, plan, "[1]['targets']")
+    assert targets and "data" in _names(targets[0]), targets

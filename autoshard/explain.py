@@ -134,10 +134,10 @@ def explain(plan, path: str, *, layouts=None) -> Explanation:
     specs = _layouts(shape, info, layouts)
     related = _related(plan.in_paths, plan.in_avals, i)
 
-    def option(p, spec, note=""):
+    def option(p, spec):
         rel = tuple((plan.in_paths[j], _pspec(p.in_specs[j], info)) for j in related)
         return LayoutOption(_pspec(spec, info), p.cost.objective, p.cost.objective - plan.cost.objective, rel,
-                            spec == chosen, note)
+                            spec == chosen)
 
     options = [option(plan, chosen)]
     for spec in specs:

@@ -215,7 +215,9 @@ def enumerate_strategies(program: CapturedProgram, cost: CostModel, *, pinned=No
                 continue
             ctx = op_context(op)
             strategies, is_follower = op_strategies(op, ctx)
-            weak = op.name in ("broadcast_in_dim", "iota", "optimization_barrier")  # remat fences: see remat.py
+            # Layout sources the readers should not follow: broadcasts, iotas, random bits (a dropout mask
+            # is as big as the activation it masks), and remat fences (see remat.py).
+            weak = op.name in ("broadcast_in_dim", "iota", "random_bits", "optimization_barrier")
             n = add_node(_Node("op", strategies, op.outputs, trips=op.trips, op=op, weak=weak, label=op.name))
             follows[n] = is_follower
             for i, x in enumerate(op.inputs):

@@ -214,7 +214,6 @@ def _wide_parts(name):
     return jax.eval_shape(case.init_state), jax.eval_shape(case.make_batch), case.extra_args(0), case.train_step
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("name", "big_kernels"), [("llama", 2 + 5 * llama_nnx.WIDE.n_layers),
                                                   ("vit", 2 * vit.WIDE.layers), ("lstm", 4 * 2 + 2)])
 def test_wide_models_split_big_kernels_on_model_and_batch_on_data(name, big_kernels):

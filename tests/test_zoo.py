@@ -7,7 +7,7 @@ CNN with BatchNorm) train in place (``train_step(model, optimizer, batch)``) and
 ``nnx.jit`` on a fresh copy, with ``optimizer.step``, the ``Rngs`` counters and ``BatchStat``s checked.
 
 The ``test_reference_*`` tests check the zoo itself: a hand-partitioned model equals its plain
-form under ``jax.jit``. The slow ``test_wide_*`` tests check, on what XLA compiled, that wide models
+form under ``jax.jit``. The ``test_wide_*`` tests check, on what XLA compiled, that wide models
 (hidden >= 768) put their big kernels on ``model`` and the batch on ``data``.
 
 Failures and their diagnoses are recorded in the project notes (zoo_failures.md).

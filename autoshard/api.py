@@ -5,40 +5,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
-import re
 import time
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec
 
+from autoshard.cluster import parse_bytes
 from autoshard.errors import InfeasibleError, InputError, MeshError, PlanError
-from autoshard.roles import program_roles, with_roles
-from autoshard.signature import BoundCall, StepSignature, abstract_leaf, check_leaf
-from autoshard.spec import MeshInfo, ShardingSpec
-
-_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-          "tib": 2**40}
-
-
-def parse_bytes(value) -> float | None:
-    """``16e9``, ``"16GB"`` or ``"16 GiB"`` -> bytes; None stays None."""
-    if value is None or isinstance(value, (int, float)):
-        return None if value is None else float(value)
-    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise InputError(f"memory_budget={value!r} is not a size; write bytes (16e9) or a string like '16GB'")
-    return float(m.group(1)) * _UNITS[m.group(2).lower()]
-
-
-def _default_cluster(mesh):
-    from autoshard.cluster import cluster_preset
-
-    platform = mesh.devices.flat[0].platform
-    return cluster_preset({"cpu": "cpu-sim", "tpu": "tpu-v5e"}.get(platform, "h100-nvlink"))
-
+from autoshard.roles import with_roles
+from autoshard.signature import BoundCall, StepSignature, abstract_leaf, check_leaf, output_ties
+from autoshard.spec import MeshInfo
 
 _abstract = abstract_leaf
 
@@ -47,52 +24,6 @@ def _mesh_context(mesh):
     """Trace and run under autoshard's Auto-axis mesh: the caller may be inside ``jax.set_mesh`` of an
     Explicit mesh, under which ``with_sharding_constraint`` (the plan's pins) is an assertion."""
     return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
-
-
-def _ties(dyn_args, out_shape) -> dict[int, int]:
-    """Output leaves that are the next version of an input leaf (same subtree, shapes and dtypes)."""
-    in_leaves_offset, offset = [], 0
-    for a in dyn_args:
-        n = len(jax.tree_util.tree_leaves(a))
-        in_leaves_offset.append((offset, jax.tree_util.tree_structure(a), jax.tree_util.tree_leaves(a)))
-        offset += n
-    candidates = [((), out_shape)]
-    if isinstance(out_shape, (tuple, list)):
-        candidates += [((j,), o) for j, o in enumerate(out_shape)]
-    out_paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
-    ties = {}
-    for prefix, sub in candidates:
-        tree = jax.tree_util.tree_structure(sub)
-        leaves = jax.tree_util.tree_leaves(sub)
-        if not leaves:
-            continue
-        for start, in_tree, in_leaves in in_leaves_offset:
-            if tree != in_tree:
-                continue
-            if any(tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype
-                   for a, b in zip(leaves, in_leaves, strict=True)):
-                continue
-            first = next(k for k, p in enumerate(out_paths) if tuple(
-                getattr(x, "idx", getattr(x, "key", None)) for x in p[:len(prefix)]) == prefix)
-            for j in range(len(leaves)):
-                ties.setdefault(first + j, start + j)
-            break
-    return ties
-
-
-TIE_LAYERS_ABOVE = 300
-"""Merged-graph size above which ``tie_layers="auto"`` ties repeated layers."""
-
-TIE_LAYERS_ABOVE_UNDER_BUDGET = 1500
-"""The same, when a binding memory budget is searched with remat: a tied group's memory is charged
-over the lifetimes of all its layers at once, which hides what recomputing a layer frees."""
-
-MERGE_SHRINK = 8.0
-"""Under a remat search, followers this much smaller than their main operand lead their own node."""
-
-
-def _factorizations(n: int):
-    return [(a, n // a) for a in range(1, n + 1) if n % a == 0]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -292,7 +223,7 @@ class Parallelized:
                                                                     jax.ShapeDtypeStruct(np.shape(v.value),
                                                                                          np.asarray(v.value).dtype)
                                                                     for v in program.graph.outvars])
-        ties = _ties(abstract, out_shape)
+        ties = output_ties(abstract, out_shape)
         program = with_roles(program, abstract, ties, self.state_roles)
 
         def solve():
@@ -525,43 +456,6 @@ def parallelize(fun=None, *, mesh=None, cluster=None, memory_budget=None, static
     return Parallelized(fun, **kw)
 
 
-def _pinned_from_hints(program, hints, info: MeshInfo) -> dict[int, ShardingSpec]:
-    pinned, problems = {}, []
-    for pattern, pspec in hints.items():
-        if not isinstance(pspec, PartitionSpec):
-            problems.append(f"hint {pattern!r}: expected a PartitionSpec, got {pspec!r}")
-            continue
-        try:
-            rx = re.compile(pattern)
-        except re.error as e:
-            problems.append(f"hint {pattern!r} is not a regular expression: {e}")
-            continue
-        matched = [i for i, path in enumerate(program.in_paths) if rx.search(path)]
-        if not matched:
-            examples = ", ".join(program.in_paths[:3])
-            problems.append(f"hint {pattern!r} matches no argument leaf (paths look like: {examples})")
-        for i in matched:
-            path = program.in_paths[i]
-            shape = tuple(program.avals[program.graph.invars[i]].shape)
-            try:
-                spec = ShardingSpec.from_partition_spec(pspec, len(shape), info)
-            except ValueError as e:
-                problems.append(f"{path}: {e}")
-                continue
-            for d, (n, axes) in enumerate(zip(shape, spec.dims, strict=True)):
-                k = info.axes_size(axes)
-                if n % k:
-                    names = "*".join(info.names[a] for a in axes)
-                    problems.append(
-                        f"{path} has shape {shape}; dimension {d} (size {n}) is pinned to mesh axes {names} of size "
-                        f"{k}, which does not divide it. Fix: pin a dividing axis, or pad the dimension to a "
-                        f"multiple of {k}.")
-            pinned[i] = spec
-    if problems:
-        raise MeshError("cannot honour the sharding hints:\n  " + "\n  ".join(problems))
-    return pinned
-
-
 def _progress_callback(progress):
     """Resolve ``parallelize(progress=...)`` to a ``callback(stage, done, total)`` or None."""
     if progress is None or progress is False or callable(progress):
@@ -577,234 +471,12 @@ def _progress_callback(progress):
     return progress_callback(progress)
 
 
-_PASSES = ("capture", "strategies", "problem", "solve")
-
-
 def plan_program(program, *, mesh=None, cluster=None, memory_budget=None, hints=None, donated=(), ties=None,
                  time_limit=10.0, timings=None, tie_layers="auto", progress=None, remat=False):
-    """Plan a captured program. With ``mesh=None``, try every 2-D factorization of all devices.
+    """Plan a captured program: :func:`autoshard.driver.plan` of a :class:`~autoshard.driver.PlanRequest`
+    made of these options. With ``mesh=None``, every 2-D factorization of all devices is tried."""
+    from autoshard.driver import PlanRequest, plan
 
-    ``remat=True``: when the budget binds, also consider recomputing forward segments
-    (:mod:`autoshard.remat`); the plan's ``remat`` says which."""
-    from autoshard.cluster import make_mesh
-    from autoshard.planner import warn_unsupported
-
-    timings = {} if timings is None else timings
-    meshes = [None] if mesh is not None else _factorizations(len(jax.devices()))
-    total, done = 1 + 3 * len(meshes), [1]
-
-    def report(stage: str):
-        if progress is not None:
-            progress(stage, done[0], total)
-            done[0] += 1
-
-    report("captured")
-    if mesh is None:
-        best, infeasible = None, []
-        for shape in meshes:
-            m = make_mesh(shape, ("data", "model"))
-            try:
-                p = _plan_on_mesh(program, m, cluster, memory_budget, hints, donated, ties, time_limit,
-                                  dict(timings), tie_layers, report, remat)
-            except InfeasibleError as e:  # another factorization may fit the memory budget
-                infeasible.append(e)
-                continue
-            if best is None or p.cost.objective < best.cost.objective:
-                best = p
-        if best is None:  # report the mesh that comes closest
-            raise min(infeasible, key=lambda e: math.inf if e.smallest_memory is None else e.smallest_memory)
-    else:
-        best = _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings,
-                             tie_layers, report, remat)
-    if progress is not None:
-        progress("done", total, total)
-    # Warn here, once per plan, not once per candidate mesh.
-    warn_unsupported(best.warnings)
-    from autoshard.planner import warn_indivisible_batch
-
-    warn_indivisible_batch(program, ties, best.mesh_info)
-
-    def replan(pins):  # for Plan.explain: the same planning on the chosen mesh, with more leaves pinned
-        return plan_program(program, mesh=best.mesh, cluster=cluster, memory_budget=memory_budget,
-                            hints={**(hints or {}), **pins}, donated=donated, ties=ties, time_limit=time_limit,
-                            tie_layers=tie_layers, remat=remat)
-
-    return dataclasses.replace(best, replan=replan)
-
-
-# A sharding-only plan whose estimated peak is within this fraction of the budget is compiled
-# once to check XLA's peak (the estimate is within ~15% of it on the test models).
-CHECK_ABOVE = 0.85
-
-
-def _plan_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings,
-                  tie_layers="auto", report=lambda stage: None, remat=False):
-    """Plan on one mesh: sharding alone; when the budget binds, also recomputation (remat.py);
-    when nothing fits the device, optimizer state in host memory (offload.py).
-
-    No plan whose compiled peak exceeds the budget is returned: remat and offload plans are
-    compiled and checked by their searches; a sharding-only plan is compiled when its estimate
-    comes within ``CHECK_ABOVE`` of the budget, and if XLA's peak is over, planning runs again
-    under a budget shrunk by the ratio (at most twice) before giving up with InfeasibleError."""
-    cluster = _default_cluster(mesh) if cluster is None else cluster
-    budget = memory_budget if memory_budget is not None else cluster.memory
-    from autoshard.remat import compiled_peak, fit_compiled
-
-    def check(plan):
-        if plan.remat is not None or plan.host_inputs or plan.memory.peak_bytes <= CHECK_ABOVE * budget:
-            return None  # remat and offload plans were checked by their searches
-        plan.stats["compiled_peak"] = compiled_peak(program, plan, (), donated)
-        return plan.stats["compiled_peak"]
-
-    def refuse(smallest):
-        return InfeasibleError(
-            f"no plan fits memory budget {budget:.4g} bytes per device on mesh "
-            f"{dict(zip(mesh.axis_names, mesh.devices.shape, strict=True))}: the planner's memory row says one "
-            f"does, but XLA's compiled peak of each plan found is higher (the lowest, {smallest:.4g} bytes; "
-            f"re-planned under a shrunk budget). Fix: raise memory_budget to about {smallest:.4g}, or use more "
-            "devices.", smallest_memory=smallest)
-
-    # limit None: the cluster's memory, named so in errors
-    return fit_compiled(lambda limit: _plan_within(program, mesh, cluster, limit, hints, donated, ties, time_limit,
-                                                   timings, tie_layers, report, remat),
-                        check, budget, memory_budget, refuse)
-
-
-def _plan_within(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings, tie_layers,
-                 report, remat):
-    """One round of :func:`_plan_on_mesh`: the levers in order under ``memory_budget``."""
-    from autoshard.remat import choose_remat, compiled_peak
-
-    budget = memory_budget if memory_budget is not None else cluster.memory
-    try:
-        if not remat:
-            return _solve_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings,
-                                  tie_layers, report)
-        plan, choice = choose_remat(
-            lambda prog, limit: _solve_on_mesh(prog, mesh, cluster, limit, hints, donated, ties, time_limit,
-                                               dict(timings), tie_layers, report, remat_split=True),
-            program, ties, budget=budget, flops_per_second=cluster.flops * mesh.devices.size,
-            check=lambda p, prog, groups: compiled_peak(prog, p, groups, donated))
-        return plan if choice is None else dataclasses.replace(plan, fingerprint=program.fingerprint(), remat=choice)
-    except InfeasibleError as e:
-        if e.smallest_memory is None:
-            raise
-        # No sharding (nor recomputation) fits the device: keep optimizer state in host memory.
-        from autoshard.offload import plan_with_offload
-
-        return plan_with_offload(
-            lambda offloaded, limit: _solve_on_mesh(program, mesh, cluster, limit, hints, donated, ties, time_limit,
-                                                    timings, tie_layers, report, offloaded=offloaded),
-            program, ties or {}, e, budget=budget, num_devices=mesh.devices.size,
-            check=lambda p: compiled_peak(program, p, (), donated))
-
-
-def _solve_on_mesh(program, mesh, cluster, memory_budget, hints, donated, ties, time_limit, timings,
-                   tie_layers="auto", report=lambda stage: None, offloaded=(), remat_split=False):
-    from autoshard.cost import CostModel
-    from autoshard.memory import estimate_memory
-    from autoshard.plan import Plan, PlanCost
-    from autoshard.planner import (
-        build_problem,
-        decode,
-        enumerate_strategies,
-        merge_followers,
-        tie_repeated_layers,
-    )
-    from autoshard.solver import solve
-
-    info = MeshInfo.from_mesh(mesh)
-    cluster = _default_cluster(mesh) if cluster is None else cluster
-    platform = mesh.devices.flat[0].platform
-    cost = CostModel.create(info, cluster, platform=platform)
-    pinned = _pinned_from_hints(program, hints or {}, info)
-    t = time.perf_counter()
-    sgraph = enumerate_strategies(program, cost, pinned=pinned, donated=donated, tie_outputs=ties,
-                                  host_bandwidth=getattr(cluster, "host_bandwidth", None), offloaded=offloaded)
-    timings["strategies"] = time.perf_counter() - t
-    report(f"strategies {info.shape}")
-    t = time.perf_counter()
-    merged = merge_followers(sgraph, cost, program.avals, shrink=MERGE_SHRINK if remat_split else None)
-    if tie_layers == "auto":
-        tie_layers = len(merged.roots) > (TIE_LAYERS_ABOVE_UNDER_BUDGET if remat_split else TIE_LAYERS_ABOVE)
-    layer_ties = tie_repeated_layers(merged, program.avals) if tie_layers else None
-    budget = memory_budget if memory_budget is not None else getattr(cluster, "memory", None)
-    built = build_problem(merged, program, cost, memory_limit=budget, donated_inputs=donated,
-                          ties=layer_ties, carried=ties, offloaded=offloaded)
-    timings["problem"] = time.perf_counter() - t
-    report(f"problem {info.shape}: {built.problem.num_nodes} nodes")
-    t = time.perf_counter()
-    # Solve without the memory row first: it is much faster, and when its answer fits the budget
-    # it is also the constrained optimum. Only otherwise solve again with the budget.
-    unconstrained = dataclasses.replace(built.problem, memory_limit=None)
-    sol = solve(unconstrained, time_limit=time_limit)
-    free_objective, budget_bound = float(sol.cost), budget is not None and sol.peak_memory > budget
-    if budget_bound:
-        try:
-            sol = solve(built.problem, time_limit=max(time_limit - (time.perf_counter() - t), 1.0))
-        except InfeasibleError as e:
-            if e.smallest_memory is None:
-                raise
-            origin = "memory_budget" if memory_budget is not None else f"the memory of ClusterSpec {cluster.name!r}"
-            err = InfeasibleError(
-                f"no plan fits {origin}={budget:.4g} bytes per device on mesh "
-                f"{dict(zip(info.names, info.shape, strict=True))}; the smallest peak the solver found is "
-                f"{e.smallest_memory:.4g} bytes. Fix: raise memory_budget to at least {e.smallest_memory:.4g}, "
-                "or use more devices.", smallest_memory=e.smallest_memory)
-            err.unconstrained_objective = free_objective  # a floor for the remat search
-            raise err from None
-        if not sol.feasible:
-            err = InfeasibleError(
-                f"the solver found no plan under {budget:.4g} bytes per device within {time_limit:g} s "
-                f"(best peak {sol.peak_memory:.4g}). Fix: raise memory_budget or solver_time_limit.",
-                smallest_memory=sol.peak_memory)
-            err.unconstrained_objective = free_objective
-            raise err
-    timings["solve"] = time.perf_counter() - t
-    report(f"solved {info.shape}")
-    dec = decode(built, sol.choice, program, cost)
-    in_specs = tuple(dec.value_specs[v] for v in program.graph.invars)
-    out_specs = []
-    for j, v in enumerate(program.graph.outvars):
-        if j in sgraph.output_ties:
-            out_specs.append(dec.node_strategy[sgraph.output_ties[j]].out_specs[0])
-        elif isinstance(v, int):
-            out_specs.append(dec.value_specs[v])
-        else:
-            out_specs.append(ShardingSpec(((),) * np.ndim(v.value)))
-    comm_bytes = sum(c.bytes * k for c, k in dec.collectives)
-    reduced = frozenset(v for node, s in zip(built.merged.graph.nodes, dec.node_strategy, strict=True)
-                        if node.kind == "op" and node.trips == 1
-                        and any(c.kind == "all-reduce" for c in s.collectives) for v in node.outputs)
-    memory = estimate_memory(program, dec.value_specs, info, donated=donated, out_specs=out_specs, ties=ties,
-                             offloaded=offloaded, operand_specs=dec.operand_specs, reduced=reduced)
-    pcost = PlanCost(dec.compute_seconds, dec.comm_seconds, comm_bytes, memory.peak_bytes, float(sol.cost))
-    stats = {"timings": dict(timings), "nodes": built.problem.num_nodes, "edges": built.problem.num_edges,
-             "graph_nodes": len(sgraph.nodes), "eqns": program.num_eqns, "solver": dict(sol.stats),
-             "optimal": sol.optimal, "memory_budget": budget, "budget_bound": budget_bound,
-             "unconstrained_objective": free_objective, "solver_peak": float(sol.peak_memory)}
-    if offloaded:
-        from autoshard.offload import transfer_seconds
-
-        stats["host_transfer_seconds"] = transfer_seconds(program, in_specs, info, offloaded, cluster.host_bandwidth)
-    return Plan(
-        mesh=mesh,
-        in_specs=in_specs,
-        out_specs=tuple(out_specs),
-        in_paths=program.in_paths,
-        in_roles=program_roles(program, ties),
-        out_paths=program.out_paths,
-        in_avals=tuple((tuple(program.avals[v].shape), str(program.avals[v].dtype)) for v in program.graph.invars),
-        cost=pcost,
-        collectives=dec.collectives,
-        value_specs=dec.value_specs,
-        operand_specs=dec.operand_specs,
-        fingerprint=program.fingerprint(),
-        stats=stats,
-        warnings=sgraph.unsupported,
-        memory=memory,
-        host_inputs=tuple(sorted(offloaded)),
-        host_outputs=tuple(sorted(o for o, i in (ties or {}).items() if i in set(offloaded))),
-    )
-
-
+    return plan(PlanRequest(program, mesh=mesh, cluster=cluster, memory_budget=memory_budget, hints=dict(hints or {}),
+                            donated=frozenset(donated), ties=dict(ties or {}), time_limit=time_limit,
+                            tie_layers=tie_layers, remat=remat, progress=progress, timings=dict(timings or {})))

@@ -30,13 +30,14 @@ import dataclasses
 import json
 import math
 import os
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from autoshard.errors import MeshError
+from autoshard.errors import InputError, MeshError
 
 __all__ = [
     "ALL_TO_ALL_PENALTY",
@@ -659,3 +660,17 @@ def profile_cluster(
         host_bandwidth=host_bandwidth,
         name=name,
     )
+
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}
+
+
+def parse_bytes(value) -> float | None:
+    """``16e9``, ``"16GB"`` or ``"16 GiB"`` -> bytes; None stays None."""
+    if value is None or isinstance(value, (int, float)):
+        return None if value is None else float(value)
+    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise InputError(f"memory_budget={value!r} is not a size; write bytes (16e9) or a string like '16GB'")
+    return float(m.group(1)) * _UNITS[m.group(2).lower()]

@@ -7,7 +7,7 @@ optimizer moments: ``opt_state ... mu[...]`` for ``params[...]``) are shown with
 each plan, so a kernel kept whole while its moments are split reads as what it is: ZeRO-1.
 
 The re-planning needs the captured program, which a plan keeps only in the process that planned it
-(:func:`autoshard.api.plan_program` stores a function on the plan; JSON does not carry it).
+(:func:`autoshard.driver.plan` stores a function on the plan; JSON does not carry it).
 """
 
 from __future__ import annotations

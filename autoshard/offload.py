@@ -1,7 +1,7 @@
 """Host offload (ZeRO-Offload): keep optimizer state in host memory when the device budget demands it.
 
 The planner first looks for a sharding that fits ``memory_budget`` on the device
-(see ``autoshard.api._plan_on_mesh``). Only when none does, it moves optimizer
+(see ``autoshard.driver.offload_lever``). Only when none does, it moves optimizer
 state to host memory, largest leaves first, and keeps the smallest such set
 that fits:
 
@@ -123,7 +123,7 @@ def plan_with_offload(solve_with, program, ties: dict[int, int], error: Infeasib
         runs again against a limit shrunk by the ratio, at most ``check_rounds`` times; a plan
         whose compiled peak stays over the budget is never returned.
     """
-    from autoshard.remat import fit_compiled
+    from autoshard.compile import fit_compiled
 
     candidates = offload_candidates(program, ties)
     if not candidates:

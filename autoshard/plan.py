@@ -127,13 +127,9 @@ class Plan:
         return tuple(self.in_paths[i] for i in self.host_inputs)
 
     def _named(self, specs, host=()):
-        from jax.sharding import NamedSharding
+        from autoshard.compile import named_shardings
 
-        from autoshard.offload import MEMORY_KIND
-
-        info = self.mesh_info
-        return [NamedSharding(self.mesh, s.to_partition_spec(info), memory_kind=MEMORY_KIND if k in host else None)
-                for k, s in enumerate(specs)]
+        return named_shardings(self, specs, host)
 
     @property
     def in_shardings(self):

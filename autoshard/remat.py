@@ -370,14 +370,14 @@ def apply_remat(program: CapturedProgram, choice: RematChoice | None, ties=None)
 
 
 def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float, flops_per_second: float,
-                 max_units: int = DEFAULT_MAX_UNITS, check=None, check_rounds: int = 2):
+                 max_units: int = DEFAULT_MAX_UNITS, check=None, check_rounds: int = 2, base=None):
     """Pass 3: the remat set and sharding plan of least predicted step time within the budget.
 
-    ``plan_fn(program, budget) -> Plan`` plans a program under a memory budget (raising
-    :class:`~autoshard.errors.InfeasibleError` when nothing fits) and records in
-    ``plan.stats`` whether the budget bound (``budget_bound``) and the unconstrained optimum
-    (``unconstrained_objective``). Remat is only considered when the plan without it is
-    bound by the budget.
+    ``plan_fn(program, budget) -> Attempt`` (:class:`autoshard.driver.Attempt`) plans a program
+    under a memory budget: its plan, or the :class:`~autoshard.errors.InfeasibleError` when nothing
+    fits, whether the budget bound and the unconstrained optimum. Remat is only considered when
+    the plan without it is bound by the budget. ``base``: that Attempt for the program itself
+    under ``budget``, when the caller has it already.
 
     Candidates are the prefixes of the forward segments: recompute the first ``k``. Each
     candidate program is planned whole, so the sharding of every op, recomputed ones
@@ -409,22 +409,24 @@ def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float,
     """
     from autoshard.errors import InfeasibleError
 
-    errors: dict[tuple, InfeasibleError] = {}
+    attempts: dict[tuple, object] = {} if base is None else {(0, budget): base}
     plans: dict[tuple, object] = {}
+    errors: dict[tuple, InfeasibleError] = {}
     units: tuple[RematUnit, ...] = ()
 
     def attempt(k: int, limit: float, prog=None):
         key = (k, limit)
-        if key not in plans:
+        if key not in attempts:
             p = prog if prog is not None else rematerialize(program, units[:k])[0]
-            try:
-                plans[key] = plan_fn(p, limit)
-            except InfeasibleError as e:
-                plans[key], errors[key] = None, e
-        return plans[key]
+            attempts[key] = plan_fn(p, limit)
+        got = attempts[key]
+        plans[key] = got.plan
+        if got.error is not None:
+            errors[key] = got.error
+        return got.plan
 
     base = attempt(0, budget, program)
-    if base is not None and not base.stats.get("budget_bound"):
+    if base is not None and not attempts[(0, budget)].budget_bound:
         return base, None
     units = find_remat_units(program, ties, max_units)
     if not units:
@@ -437,8 +439,7 @@ def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float,
         first = attempt(0, limit, program)
         # The floor: no candidate beats the plan without remat and without a budget, plus its
         # recomputed matmuls at full speed on every device.
-        floor = first.stats["unconstrained_objective"] if first is not None else \
-            getattr(errors[(0, limit)], "unconstrained_objective", 0.0)
+        floor = attempts[(0, limit)].unconstrained_objective
         best_k = 0 if first is not None else None
         for k in range(1, n + 1):
             bound = floor + sum(u.matmul_flops for u in units[:k]) / flops_per_second
@@ -482,56 +483,3 @@ def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float,
                                for (k, lim), p in sorted(plans.items())),
                          tuple(u.source for u in units[:best_k]), chosen[1], compiled)
     return plans[chosen], choice
-
-
-def compiled_peak(program: CapturedProgram, plan, groups, donated=()) -> float:
-    """Lower and compile a plan of a (rewritten) program from abstract inputs; XLA's peak bytes per device
-    (device memory only: host-offloaded state is in ``memory_stats``'s ``host_*`` keys)."""
-    import jax
-    from jax.sharding import NamedSharding
-
-    from autoshard.hlo import memory_stats
-    from autoshard.lower import make_flat_function
-
-    mesh, info = plan.mesh, plan.mesh_info
-    host_in, host_out = frozenset(plan.host_inputs), frozenset(plan.host_outputs)
-    flat = make_flat_function(program, plan.value_specs, plan.operand_specs, mesh, plan.out_specs, groups,
-                              host_inputs=host_in, host_outputs=host_out)
-
-    def sharding(spec, host):
-        s = NamedSharding(mesh, spec.to_partition_spec(info))
-        return s.with_memory_kind("pinned_host") if host else s
-
-    in_sh = [sharding(s, i in host_in) for i, s in enumerate(plan.in_specs)]
-    out_sh = [sharding(s, j in host_out) for j, s in enumerate(plan.out_specs)]
-    args = [jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype, sharding=s)
-            for v, s in zip(program.graph.invars, in_sh, strict=True)]
-    jitted = jax.jit(flat, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=tuple(sorted(donated)))
-    return memory_stats(jitted.lower(*args).compile())["peak"]
-
-
-def fit_compiled(search, check, budget: float, limit, refuse, rounds: int = 2):
-    """Re-plan until XLA's compiled peak fits: the loop the memory levers share.
-
-    ``search(limit) -> plan`` plans under ``limit`` (None: the default budget ``budget``) and
-    raises :class:`~autoshard.errors.InfeasibleError` when nothing fits; ``check(plan)`` is the
-    plan's compiled device peak, or None when it need not be compiled. A plan over ``budget``
-    is planned again under the limit shrunk by the ratio, at most ``rounds`` times; when none
-    fits, ``refuse(lowest compiled peak seen)`` is raised. A search that fails after the first
-    round ends the loop (its smallest peak is the memory row's, under a shrunk budget)."""
-    from autoshard.errors import InfeasibleError
-
-    smallest = math.inf
-    for round_ in range(1 + rounds):
-        try:
-            plan = search(limit)
-        except InfeasibleError:
-            if round_ == 0:
-                raise
-            break
-        compiled = check(plan)
-        if compiled is None or compiled <= budget:
-            return plan
-        smallest = min(smallest, compiled)
-        limit = (limit if limit is not None else budget) * budget / compiled
-    raise refuse(smallest)

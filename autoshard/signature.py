@@ -328,3 +328,34 @@ def check_leaf(path: str, leaf, label, static_names=()):
         "array. autoshard traces every leaf of a dynamic argument.\n"
         f"Fix: pass arrays only, or mark the argument static: parallelize(..., {fix})."
     )
+
+
+def output_ties(dyn_args, out_shape) -> dict[int, int]:
+    """Output leaves that are the next version of an input leaf (same subtree, shapes and dtypes)."""
+    in_leaves_offset, offset = [], 0
+    for a in dyn_args:
+        n = len(jax.tree_util.tree_leaves(a))
+        in_leaves_offset.append((offset, jax.tree_util.tree_structure(a), jax.tree_util.tree_leaves(a)))
+        offset += n
+    candidates = [((), out_shape)]
+    if isinstance(out_shape, (tuple, list)):
+        candidates += [((j,), o) for j, o in enumerate(out_shape)]
+    out_paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
+    ties = {}
+    for prefix, sub in candidates:
+        tree = jax.tree_util.tree_structure(sub)
+        leaves = jax.tree_util.tree_leaves(sub)
+        if not leaves:
+            continue
+        for start, in_tree, in_leaves in in_leaves_offset:
+            if tree != in_tree:
+                continue
+            if any(tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype
+                   for a, b in zip(leaves, in_leaves, strict=True)):
+                continue
+            first = next(k for k, p in enumerate(out_paths) if tuple(
+                getattr(x, "idx", getattr(x, "key", None)) for x in p[:len(prefix)]) == prefix)
+            for j in range(len(leaves)):
+                ties.setdefault(first + j, start + j)
+            break
+    return ties

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 import autoshard
-from autoshard.api import _solve_on_mesh, _ties
 from autoshard.capture import capture_graph
+from autoshard.driver import MeshTarget, PlanRequest, attempt_sharding
 from autoshard.hlo import memory_stats
 from autoshard.lower import make_flat_function
 from autoshard.remat import choose_remat, find_remat_units, rematerialize
+from autoshard.signature import output_ties
 from autoshard.spec import replicated
 from tests.helpers import assert_trees_close, run_steps
 
@@ -43,7 +44,7 @@ def _chain_args():
 def _capture_chain():
     ws, x = _chain_args()
     program = capture_graph(_chain_step, (ws, x))
-    ties = _ties((ws, x), jax.eval_shape(_chain_step, ws, x))
+    ties = output_ties((ws, x), jax.eval_shape(_chain_step, ws, x))
     return program, ties, (ws, x)
 
 
@@ -71,10 +72,12 @@ def _plan_fn(mesh, donated=()):
     cluster = autoshard.cluster_preset("h100-nvlink")
     ties = _capture_chain()[1]
 
-    def plan(prog, budget):
-        return _solve_on_mesh(prog, mesh, cluster, budget, None, donated, ties, 10.0, {}, remat_split=True)
+    def attempt(prog, budget):
+        """One exact sharding solve of ``prog`` under ``budget``: an Attempt (a plan, or why none fits)."""
+        request = PlanRequest(prog, mesh=mesh, cluster=cluster, donated=frozenset(donated), ties=ties)
+        return attempt_sharding(request, MeshTarget.create(request, mesh), budget, remat_split=True)
 
-    return plan, cluster
+    return attempt, cluster
 
 
 @pytest.mark.parametrize("fraction", [0.9, 0.8])
@@ -88,14 +91,13 @@ def test_prefix_search_matches_brute_force_over_every_remat_subset(fraction):
     assert len(units) == 4
     mesh = autoshard.make_mesh((8,), ("data",))
     plan_fn, cluster = _plan_fn(mesh)
-    free = plan_fn(program, None)
+    free = plan_fn(program, None).plan
     budget = fraction * free.stats["solver_peak"]  # the unconstrained plan does not fit the solver's memory row
     best = None
     for r in range(len(units) + 1):
         for subset in itertools.combinations(units, r):
-            try:
-                p = plan_fn(rematerialize(program, subset)[0], budget)
-            except autoshard.InfeasibleError:
+            p = plan_fn(rematerialize(program, subset)[0], budget).plan
+            if p is None:  # does not fit
                 continue
             assert p.stats["optimal"], "brute force needs exact sharding solves"
             if best is None or p.cost.objective < best[0] - 1e-15:

@@ -1,7 +1,7 @@
 """Gradient accumulation as the last memory lever: ``parallelize(..., accumulate=True)``.
 
 When no plan of the full batch fits the memory budget (sharding, recomputation and host offload
-all tried, see ``autoshard.api._plan_on_mesh``), the step is split into ``k`` microbatches, the
+all tried, see ``autoshard.driver.LEVERS``), the step is split into ``k`` microbatches, the
 smallest ``k`` dividing the batch whose tasks fit: activations shrink by ``k``, parameters and
 optimizer state do not. "Fit" is XLA's compiled peak of every task (microbatch forward/backward
 with its running gradient sum, and the update), not the planner's estimate: the accumulator and
@@ -50,16 +50,16 @@ def choose_microbatches(make_step, build_args, budget_of, error: InfeasibleError
     Returns:
       ``(step, entry)``: the step and its built entry (``entry.plan.stats["num_microbatches"] == k``).
     """
-    from autoshard.api import _abstract, _ties
     from autoshard.pipeline.accumulate import batch_leaf_positions
+    from autoshard.signature import abstract_leaf, output_ties
 
     dyn, stat, dyn_index, n_args = build_args
     probe = make_step(1)
-    abstract = jax.tree_util.tree_map(_abstract, dyn)
+    abstract = jax.tree_util.tree_map(abstract_leaf, dyn)
     fun = probe._bound(stat, n_args, dyn_index)
     in_paths = tuple(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(abstract)[0])
     try:
-        ties = _ties(abstract, jax.eval_shape(fun, *abstract))
+        ties = output_ties(abstract, jax.eval_shape(fun, *abstract))
         _, batch_size = batch_leaf_positions(abstract, probe._batch_args(abstract, dyn_index, ties), 1, in_paths)
     except InputError as e:
         raise _annotated(error, f"it has no batch to split ({e})") from None

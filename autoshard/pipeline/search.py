@@ -7,7 +7,7 @@ plan per stage, and the :class:`PipelinePlan` report:
 2. each distinct layer (same ops and shapes: repeated blocks are planned once) is planned on every
    sub-mesh option, giving per-layer time, memory and residual bytes;
 3. :func:`assign_stages` (or, with fixed ``submeshes``, a scan over the layer cuts) picks stages;
-4. the final stages are planned with :func:`autoshard.api.plan_program` on their sub-meshes.
+4. the final stages are planned with :func:`autoshard.driver.plan` on their sub-meshes.
 """
 
 from __future__ import annotations
@@ -103,13 +103,13 @@ def boundary_ties(program: CapturedProgram, part: Partition) -> dict[int, int]:
 
 def plan_boundaries(program: CapturedProgram, part: Partition, mesh, cluster, time_limit):
     """The intra-op plan of a layer or stage with its boundary values in the exchange layout."""
-    from autoshard.api import plan_program
+    from autoshard.driver import PlanRequest, plan
 
     try:
-        return plan_program(program, mesh=mesh, cluster=cluster, time_limit=time_limit, hints=BOUNDARY_LAYOUT,
-                            ties=boundary_ties(program, part))
+        return plan(PlanRequest(program, mesh=mesh, cluster=cluster, time_limit=time_limit,
+                                hints=BOUNDARY_LAYOUT, ties=boundary_ties(program, part)))
     except (MeshError, InputError, ValueError):  # e.g. a microbatch the data axis does not divide
-        return plan_program(program, mesh=mesh, cluster=cluster, time_limit=time_limit)
+        return plan(PlanRequest(program, mesh=mesh, cluster=cluster, time_limit=time_limit))
 
 
 def residual_bytes(analysis: StepAnalysis, part: Partition, stage: int) -> float:

@@ -10,9 +10,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from autoshard.api import _abstract, _default_cluster, _ties, parse_bytes, plan_program
+from autoshard.cluster import parse_bytes
+from autoshard.driver import PlanRequest, default_cluster
+from autoshard.driver import plan as plan_request
 from autoshard.errors import InputError
-from autoshard.signature import check_leaf
 from autoshard.pipeline.accumulate import StepAnalysis, analyze_step, batch_leaf_positions
 from autoshard.pipeline.options import PipelineOptions
 from autoshard.pipeline.partition import partition
@@ -20,6 +21,7 @@ from autoshard.pipeline.plan import PipelinePlan, StagePlan
 from autoshard.pipeline.runtime import PipelineExecutable
 from autoshard.pipeline.search import plan_stages, residual_bytes, stage_program
 from autoshard.pipeline.spmd import SpmdPipelineExecutable, spans_processes
+from autoshard.signature import abstract_leaf, check_leaf, output_ties
 
 
 def _resolve_runtime(runtime: str, mesh) -> str:
@@ -103,7 +105,7 @@ class PipelinedStep:
             hash(stat)
         except TypeError as e:
             raise InputError(f"static arguments must be hashable: {e}") from None
-        return (tree, tuple((np.shape(x), str(_abstract(x).dtype)) for x in leaves), stat)
+        return (tree, tuple((np.shape(x), str(abstract_leaf(x).dtype)) for x in leaves), stat)
 
     def _bound(self, stat, n_args, dyn_index):
         def bound(*dyn):
@@ -141,10 +143,10 @@ class PipelinedStep:
 
             mesh = make_mesh((len(jax.devices()),), ("devices",))
         runtime = "device_put" if self.pipeline is None else _resolve_runtime(self.pipeline.runtime, mesh)
-        abstract = jax.tree_util.tree_map(_abstract, dyn)
+        abstract = jax.tree_util.tree_map(abstract_leaf, dyn)
         fun = self._bound(stat, n_args, dyn_index)
         out_shape = jax.eval_shape(fun, *abstract)
-        ties = _ties(abstract, out_shape)
+        ties = output_ties(abstract, out_shape)
         in_paths = tuple(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(abstract)[0])
         batch_dyn = self._batch_args(abstract, dyn_index, ties)
         positions, batch_size = batch_leaf_positions(abstract, batch_dyn, self.num_microbatches, in_paths)
@@ -156,7 +158,7 @@ class PipelinedStep:
         if self.pipeline is None:
             part, meshes, plans, pplan = self._single_stage(analysis)
         else:
-            cluster = _default_cluster(mesh) if self.cluster is None else self.cluster
+            cluster = default_cluster(mesh) if self.cluster is None else self.cluster
             # The spmd runtime replicates inside a stage: intra-op plans cannot price its cut.
             opts = self.pipeline if runtime != "spmd" else dataclasses.replace(self.pipeline, stage_cost="estimate")
             part, meshes, plans, pplan = plan_stages(analysis, mesh, cluster, opts, self.memory_budget)
@@ -193,8 +195,9 @@ class PipelinedStep:
         prog = stage_program(analysis, part, 0)
         t0 = time.perf_counter()
         if prog.graph.ops:
-            plan = plan_program(prog, mesh=self.mesh, cluster=self.cluster, memory_budget=self.memory_budget,
-                                time_limit=self.solver_time_limit, tie_layers=self.tie_layers)
+            plan = plan_request(PlanRequest(prog, mesh=self.mesh, cluster=self.cluster,
+                                            memory_budget=self.memory_budget, time_limit=self.solver_time_limit,
+                                            tie_layers=self.tie_layers))
             mesh = plan.mesh
         else:
             from autoshard.cluster import make_mesh

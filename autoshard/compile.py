@@ -1,0 +1,76 @@
+"""Compiling a plan: its shardings, the program XLA compiles, and the compile-and-shrink loop.
+
+Every memory lever that must not return a plan over its budget uses :func:`fit_compiled`: plan,
+compile (:func:`compiled_peak`), and when XLA's peak is over the budget, plan again under a budget
+shrunk by the ratio.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def named_shardings(plan, specs, host=()) -> list:
+    """``NamedSharding``s on the plan's mesh for ``specs``; the indices in ``host`` live in host memory."""
+    from jax.sharding import NamedSharding
+
+    from autoshard.offload import MEMORY_KIND
+
+    info = plan.mesh_info
+    return [NamedSharding(plan.mesh, s.to_partition_spec(info), memory_kind=MEMORY_KIND if k in host else None)
+            for k, s in enumerate(specs)]
+
+
+def compile_plan(program, plan, groups=(), donated=()):
+    """Lower and compile a plan of a (rewritten) program from abstract inputs: the ``jax.stages.Compiled``.
+
+    ``groups``: the program's remat groups (:func:`autoshard.remat.rematerialize`); ``donated``: flat
+    argument indices whose buffers the outputs may reuse."""
+    import jax
+
+    from autoshard.lower import make_flat_function
+
+    host_in, host_out = frozenset(plan.host_inputs), frozenset(plan.host_outputs)
+    flat = make_flat_function(program, plan.value_specs, plan.operand_specs, plan.mesh, plan.out_specs, groups,
+                              host_inputs=host_in, host_outputs=host_out)
+    in_sh = named_shardings(plan, plan.in_specs, host_in)
+    out_sh = named_shardings(plan, plan.out_specs, host_out)
+    args = [jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype, sharding=s)
+            for v, s in zip(program.graph.invars, in_sh, strict=True)]
+    jitted = jax.jit(flat, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=tuple(sorted(donated)))
+    return jitted.lower(*args).compile()
+
+
+def compiled_peak(program, plan, groups=(), donated=()) -> float:
+    """XLA's peak bytes per device of :func:`compile_plan` (device memory only: host-offloaded state is in
+    ``memory_stats``'s ``host_*`` keys)."""
+    from autoshard.hlo import memory_stats
+
+    return memory_stats(compile_plan(program, plan, groups, donated))["peak"]
+
+
+def fit_compiled(search, check, budget: float, limit, refuse, rounds: int = 2):
+    """Re-plan until XLA's compiled peak fits: the loop the memory levers share.
+
+    ``search(limit) -> plan`` plans under ``limit`` (None: the default budget ``budget``) and
+    raises :class:`~autoshard.errors.InfeasibleError` when nothing fits; ``check(plan)`` is the
+    plan's compiled device peak, or None when it need not be compiled. A plan over ``budget``
+    is planned again under the limit shrunk by the ratio, at most ``rounds`` times; when none
+    fits, ``refuse(lowest compiled peak seen)`` is raised. A search that fails after the first
+    round ends the loop (its smallest peak is the memory row's, under a shrunk budget)."""
+    from autoshard.errors import InfeasibleError
+
+    smallest = math.inf
+    for round_ in range(1 + rounds):
+        try:
+            plan = search(limit)
+        except InfeasibleError:
+            if round_ == 0:
+                raise
+            break
+        compiled = check(plan)
+        if compiled is None or compiled <= budget:
+            return plan
+        smallest = min(smallest, compiled)
+        limit = (limit if limit is not None else budget) * budget / compiled
+    raise refuse(smallest)

@@ -1,0 +1,458 @@
+"""The planning driver: a captured program and its options in, a plan out.
+
+::
+
+    plan(request)                                every candidate mesh; the cheapest plan
+      plan_on_mesh(request, mesh)                the memory levers in order, checked against XLA
+        fit_compiled(...)                        a plan near the budget is compiled; over it, re-plan
+          LEVERS: shard -> remat -> offload      lever(request, on, limit, previous) -> Attempt
+            solve_sharding(request, on, ...)     strategies, merge, tie, problem, solve, decode -> Plan
+
+Gradient accumulation, the last lever, is another runtime (several programs): the front end
+(:mod:`autoshard.api`) takes it when :func:`plan` raises :class:`InfeasibleError`.
+
+Everything between the steps is a frozen value: :class:`PlanRequest` (what the user asked for),
+:class:`MeshTarget` (the request made concrete on one mesh), :class:`Attempt` (a lever's plan or
+its error, whether the budget bound, and the unconstrained optimum, a floor for the levers that
+trade time for memory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from autoshard.capture import CapturedProgram
+from autoshard.errors import InfeasibleError, MeshError
+from autoshard.spec import MeshInfo, ShardingSpec
+
+TIE_LAYERS_ABOVE = 300
+"""Merged-graph size above which ``tie_layers="auto"`` ties repeated layers."""
+
+TIE_LAYERS_ABOVE_UNDER_BUDGET = 1500
+"""The same, when a binding memory budget is searched with remat: a tied group's memory is charged
+over the lifetimes of all its layers at once, which hides what recomputing a layer frees."""
+
+MERGE_SHRINK = 8.0
+"""Under a remat search, followers this much smaller than their main operand lead their own node."""
+
+CHECK_ABOVE = 0.85
+"""A sharding-only plan whose estimated peak is within this fraction of the budget is compiled once
+to check XLA's peak (the estimate is within ~15% of it on the test models)."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PlanRequest:
+    """What to plan, and how.
+
+    Attributes:
+      program: the captured step.
+      mesh: the mesh (Auto axes); None: every 2-D factorization of all devices over ``("data", "model")``.
+      cluster: the :class:`~autoshard.ClusterSpec`; None: the platform's preset.
+      memory_budget: bytes per device; None: the cluster's memory.
+      hints: ``{path regex: PartitionSpec}`` pinning argument leaves.
+      donated: flat argument indices whose buffers the step may reuse.
+      ties: flat output index -> the argument it is the next version of (the carried state).
+      time_limit: seconds each solve may take.
+      tie_layers: solve repeated layers as one: True, False or ``"auto"`` (large graphs only).
+      remat: whether recomputation is a lever when the budget binds.
+      progress: ``callback(stage, done, total)`` or None.
+      timings: seconds of the passes before planning (capture), copied into each plan's stats.
+    """
+
+    program: CapturedProgram
+    mesh: Any = None
+    cluster: Any = None
+    memory_budget: float | None = None
+    hints: Mapping = dataclasses.field(default_factory=dict)
+    donated: frozenset = frozenset()
+    ties: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    time_limit: float = 10.0
+    tie_layers: Any = "auto"
+    remat: bool = False
+    progress: Callable | None = None
+    timings: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+    def meshes(self) -> list:
+        """The candidate meshes: the request's, or every 2-D factorization of the devices."""
+        from autoshard.cluster import make_mesh
+
+        if self.mesh is not None:
+            return [self.mesh]
+        n = len(jax.devices())
+        return [make_mesh((a, n // a), ("data", "model")) for a in range(1, n + 1) if n % a == 0]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MeshTarget:
+    """A request made concrete on one mesh: its cluster, budget, cost model inputs and pins."""
+
+    mesh: Any
+    info: MeshInfo
+    cluster: Any
+    budget: float | None
+    pinned: Mapping[int, ShardingSpec]
+    report: Callable[[str], None]
+
+    @classmethod
+    def create(cls, request: PlanRequest, mesh, report=lambda stage: None) -> MeshTarget:
+        info = MeshInfo.from_mesh(mesh)
+        cluster = default_cluster(mesh) if request.cluster is None else request.cluster
+        budget = request.memory_budget if request.memory_budget is not None else getattr(cluster, "memory", None)
+        return cls(mesh, info, cluster, budget, pinned_from_hints(request.program, request.hints, info), report)
+
+    @property
+    def shape(self) -> dict:
+        return dict(zip(self.info.names, self.info.shape, strict=True))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Attempt:
+    """One lever's result: a plan, or the :class:`InfeasibleError` saying why none fits.
+
+    Attributes:
+      plan: the plan, or None.
+      error: why no plan fits, or None.
+      budget_bound: the unconstrained optimum's peak exceeds the budget (a lever that trades time
+        for memory may still find a cheaper plan).
+      unconstrained_objective: the least predicted objective without the budget.
+    """
+
+    plan: Any = None
+    error: InfeasibleError | None = None
+    budget_bound: bool = False
+    unconstrained_objective: float = 0.0
+
+    @property
+    def fits(self) -> bool:
+        return self.plan is not None
+
+    @property
+    def out_of_memory(self) -> bool:
+        """No plan fits the device (not: the constraints forbid every assignment)."""
+        return self.error is not None and self.error.smallest_memory is not None
+
+
+def default_cluster(mesh):
+    """The :class:`~autoshard.ClusterSpec` preset for the mesh's platform."""
+    from autoshard.cluster import cluster_preset
+
+    platform = mesh.devices.flat[0].platform
+    return cluster_preset({"cpu": "cpu-sim", "tpu": "tpu-v5e"}.get(platform, "h100-nvlink"))
+
+
+# ---- the passes ----------------------------------------------------------------------------------
+
+
+def plan(request: PlanRequest):
+    """The plan of least predicted step time over the request's candidate meshes.
+
+    Raises:
+      InfeasibleError: no mesh fits the budget (the one that came closest is reported).
+    """
+    from autoshard.planner import warn_indivisible_batch, warn_unsupported
+
+    meshes = request.meshes()
+    total, done = 1 + 3 * len(meshes), [1]
+
+    def report(stage: str):
+        if request.progress is not None:
+            request.progress(stage, done[0], total)
+            done[0] += 1
+
+    report("captured")
+    best, infeasible = None, []
+    for mesh in meshes:
+        try:
+            p = plan_on_mesh(request, MeshTarget.create(request, mesh, report))
+        except InfeasibleError as e:  # another factorization may fit the memory budget
+            if len(meshes) == 1:
+                raise
+            infeasible.append(e)
+            continue
+        if best is None or p.cost.objective < best.cost.objective:
+            best = p
+    if best is None:  # report the mesh that comes closest
+        raise min(infeasible, key=lambda e: math.inf if e.smallest_memory is None else e.smallest_memory)
+    if request.progress is not None:
+        request.progress("done", total, total)
+    # Warn here, once per plan, not once per candidate mesh.
+    warn_unsupported(best.warnings)
+    warn_indivisible_batch(request.program, request.ties, best.mesh_info)
+
+    def replan(pins):  # for Plan.explain: the same planning on the chosen mesh, with more leaves pinned
+        return plan(dataclasses.replace(request, mesh=best.mesh, hints={**request.hints, **pins}, progress=None))
+
+    return dataclasses.replace(best, replan=replan)
+
+
+def plan_on_mesh(request: PlanRequest, on: MeshTarget):
+    """Plan on one mesh: the levers in order, and no plan whose compiled peak exceeds the budget.
+
+    Remat and offload plans are compiled and checked by their searches; a sharding-only plan is
+    compiled when its estimate comes within ``CHECK_ABOVE`` of the budget, and if XLA's peak is over,
+    planning runs again under a budget shrunk by the ratio (at most twice) before giving up."""
+    from autoshard.compile import compiled_peak, fit_compiled
+
+    program, budget = request.program, on.budget
+
+    def check(p):
+        if p.remat is not None or p.host_inputs or p.memory.peak_bytes <= CHECK_ABOVE * budget:
+            return None  # remat and offload plans were checked by their searches
+        p.stats["compiled_peak"] = compiled_peak(program, p, (), request.donated)
+        return p.stats["compiled_peak"]
+
+    def refuse(smallest):
+        return InfeasibleError(
+            f"no plan fits memory budget {budget:.4g} bytes per device on mesh {on.shape}: the planner's memory "
+            f"row says one does, but XLA's compiled peak of each plan found is higher (the lowest, "
+            f"{smallest:.4g} bytes; re-planned under a shrunk budget). Fix: raise memory_budget to about "
+            f"{smallest:.4g}, or use more devices.", smallest_memory=smallest)
+
+    # limit None: the cluster's memory, named so in errors
+    return fit_compiled(lambda limit: run_levers(request, on, limit), check, budget, request.memory_budget, refuse)
+
+
+def run_levers(request: PlanRequest, on: MeshTarget, limit: float | None):
+    """The memory levers in order under ``limit``: each sees the previous one's :class:`Attempt`."""
+    attempt = None
+    for lever in LEVERS:
+        attempt = lever(request, on, limit, attempt)
+    if attempt.fits:
+        return attempt.plan
+    raise attempt.error
+
+
+def shard_lever(request: PlanRequest, on: MeshTarget, limit, previous: Attempt | None) -> Attempt:
+    """Sharding alone (merged as the remat search merges, when remat is a lever: see MERGE_SHRINK)."""
+    return attempt_sharding(request, on, limit, remat_split=request.remat)
+
+
+def remat_lever(request: PlanRequest, on: MeshTarget, limit, previous: Attempt) -> Attempt:
+    """When the budget binds (or nothing fits), recompute forward segments too (:mod:`autoshard.remat`)."""
+    if not request.remat or not (previous.budget_bound or previous.out_of_memory):
+        return previous
+    from autoshard.compile import compiled_peak
+    from autoshard.remat import choose_remat
+
+    program = request.program
+    budget = limit if limit is not None else on.budget
+    try:
+        plan_, choice = choose_remat(
+            lambda prog, lim: attempt_sharding(request, on, lim, program=prog, remat_split=True),
+            program, request.ties, budget=budget, flops_per_second=on.cluster.flops * on.mesh.devices.size,
+            check=lambda p, prog, groups: compiled_peak(prog, p, groups, request.donated), base=previous)
+    except InfeasibleError as e:
+        return dataclasses.replace(previous, plan=None, error=e)
+    if choice is not None:
+        plan_ = dataclasses.replace(plan_, fingerprint=program.fingerprint(), remat=choice)
+    return dataclasses.replace(previous, plan=plan_, error=None)
+
+
+def offload_lever(request: PlanRequest, on: MeshTarget, limit, previous: Attempt) -> Attempt:
+    """When nothing fits the device, keep optimizer state in host memory (:mod:`autoshard.offload`)."""
+    if previous.fits or not previous.out_of_memory:
+        return previous
+    from autoshard.compile import compiled_peak
+    from autoshard.offload import plan_with_offload
+
+    program = request.program
+    budget = limit if limit is not None else on.budget
+
+    def solve_with(offloaded, lim):
+        got = attempt_sharding(request, on, lim, offloaded=offloaded)
+        if not got.fits:
+            raise got.error
+        return got.plan
+
+    try:
+        plan_ = plan_with_offload(solve_with, program, dict(request.ties), previous.error, budget=budget,
+                                  num_devices=on.mesh.devices.size,
+                                  check=lambda p: compiled_peak(program, p, (), request.donated))
+    except InfeasibleError as e:
+        return dataclasses.replace(previous, error=e)
+    return dataclasses.replace(previous, plan=plan_, error=None)
+
+
+LEVERS = (shard_lever, remat_lever, offload_lever)
+"""The memory levers of one program, in order. Accumulation comes after them, in the front end."""
+
+
+def attempt_sharding(request: PlanRequest, on: MeshTarget, limit, *, program=None, offloaded=(),
+                     remat_split=False) -> Attempt:
+    """One sharding plan: strategies, follower merging, layer tying, the problem, the solve, the decode.
+
+    ``program`` (default the request's) may be a rewritten one (remat candidates); ``offloaded``
+    lists argument leaves kept in host memory; ``limit`` overrides the budget (None: the target's);
+    ``remat_split`` merges and ties as the remat search needs (see ``MERGE_SHRINK``).
+
+    Returns:
+      An :class:`Attempt`: the plan, or the :class:`InfeasibleError` of a budget no plan meets.
+
+    Raises:
+      InfeasibleError: the constraints (pins, forbidden strategies) admit no plan at all.
+    """
+    try:
+        return _solve_sharding(request, on, limit, program=program, offloaded=offloaded, remat_split=remat_split)
+    except _OverBudget as e:
+        return Attempt(error=e.error, budget_bound=True, unconstrained_objective=e.unconstrained_objective)
+
+
+@dataclasses.dataclass(frozen=True)
+class _OverBudget(Exception):
+    """Internal: the memory row admits no plan; carries the unconstrained optimum (a floor for remat)."""
+
+    error: InfeasibleError
+    unconstrained_objective: float
+
+
+def _solve_sharding(request: PlanRequest, on: MeshTarget, limit, *, program, offloaded, remat_split) -> Attempt:
+    from autoshard.cost import CostModel
+    from autoshard.planner import build_problem, enumerate_strategies, merge_followers, tie_repeated_layers
+
+    program = request.program if program is None else program
+    timings = dict(request.timings)
+    cost = CostModel.create(on.info, on.cluster, platform=on.mesh.devices.flat[0].platform)
+    t = time.perf_counter()
+    sgraph = enumerate_strategies(program, cost, pinned=on.pinned, donated=request.donated, tie_outputs=request.ties,
+                                  host_bandwidth=getattr(on.cluster, "host_bandwidth", None), offloaded=offloaded)
+    timings["strategies"] = time.perf_counter() - t
+    on.report(f"strategies {on.info.shape}")
+    t = time.perf_counter()
+    merged = merge_followers(sgraph, cost, program.avals, shrink=MERGE_SHRINK if remat_split else None)
+    tie = request.tie_layers
+    if tie == "auto":
+        tie = len(merged.roots) > (TIE_LAYERS_ABOVE_UNDER_BUDGET if remat_split else TIE_LAYERS_ABOVE)
+    budget = limit if limit is not None else on.budget
+    built = build_problem(merged, program, cost, memory_limit=budget, donated_inputs=request.donated,
+                          ties=tie_repeated_layers(merged, program.avals) if tie else None, carried=request.ties,
+                          offloaded=offloaded)
+    timings["problem"] = time.perf_counter() - t
+    on.report(f"problem {on.info.shape}: {built.problem.num_nodes} nodes")
+    t = time.perf_counter()
+    sol, free_objective, budget_bound = _solve(request, on, built, budget, limit)
+    timings["solve"] = time.perf_counter() - t
+    on.report(f"solved {on.info.shape}")
+    plan_ = _decoded_plan(request, on, program, (sgraph, built, cost), sol, offloaded, stats={
+        "timings": dict(timings), "nodes": built.problem.num_nodes, "edges": built.problem.num_edges,
+        "graph_nodes": len(sgraph.nodes), "eqns": program.num_eqns, "solver": dict(sol.stats),
+        "optimal": sol.optimal, "memory_budget": budget, "budget_bound": budget_bound,
+        "unconstrained_objective": free_objective, "solver_peak": float(sol.peak_memory)})
+    return Attempt(plan_, None, budget_bound, free_objective)
+
+
+def _solve(request: PlanRequest, on: MeshTarget, built, budget, limit):
+    """Solve without the memory row first: it is much faster, and when its answer fits the budget it is
+    also the constrained optimum. Only otherwise solve again with the budget."""
+    from autoshard.solver import solve
+
+    t = time.perf_counter()
+    sol = solve(dataclasses.replace(built.problem, memory_limit=None), time_limit=request.time_limit)
+    free_objective, budget_bound = float(sol.cost), budget is not None and sol.peak_memory > budget
+    if not budget_bound:
+        return sol, free_objective, budget_bound
+    try:
+        sol = solve(built.problem, time_limit=max(request.time_limit - (time.perf_counter() - t), 1.0))
+    except InfeasibleError as e:
+        if e.smallest_memory is None:
+            raise
+        origin = ("memory_budget" if request.memory_budget is not None or limit is not None
+                  else f"the memory of ClusterSpec {on.cluster.name!r}")
+        raise _OverBudget(InfeasibleError(
+            f"no plan fits {origin}={budget:.4g} bytes per device on mesh {on.shape}; the smallest peak the "
+            f"solver found is {e.smallest_memory:.4g} bytes. Fix: raise memory_budget to at least "
+            f"{e.smallest_memory:.4g}, or use more devices.", smallest_memory=e.smallest_memory),
+            free_objective) from None
+    if not sol.feasible:
+        raise _OverBudget(InfeasibleError(
+            f"the solver found no plan under {budget:.4g} bytes per device within {request.time_limit:g} s "
+            f"(best peak {sol.peak_memory:.4g}). Fix: raise memory_budget or solver_time_limit.",
+            smallest_memory=sol.peak_memory), free_objective)
+    return sol, free_objective, budget_bound
+
+
+def _decoded_plan(request: PlanRequest, on: MeshTarget, program, built_with, sol, offloaded, stats):
+    """The :class:`~autoshard.Plan` of a solved problem: specs, collectives, predicted cost and memory."""
+    from autoshard.memory import estimate_memory
+    from autoshard.plan import Plan, PlanCost
+    from autoshard.planner import decode
+    from autoshard.roles import program_roles
+
+    sgraph, built, cost = built_with
+    dec = decode(built, sol.choice, program, cost)
+    in_specs = tuple(dec.value_specs[v] for v in program.graph.invars)
+    out_specs = []
+    for j, v in enumerate(program.graph.outvars):
+        if j in sgraph.output_ties:
+            out_specs.append(dec.node_strategy[sgraph.output_ties[j]].out_specs[0])
+        elif isinstance(v, int):
+            out_specs.append(dec.value_specs[v])
+        else:
+            out_specs.append(ShardingSpec(((),) * np.ndim(v.value)))
+    reduced = frozenset(v for node, s in zip(built.merged.graph.nodes, dec.node_strategy, strict=True)
+                        if node.kind == "op" and node.trips == 1
+                        and any(c.kind == "all-reduce" for c in s.collectives) for v in node.outputs)
+    ties = request.ties
+    memory = estimate_memory(program, dec.value_specs, on.info, donated=request.donated, out_specs=out_specs,
+                             ties=ties, offloaded=offloaded, operand_specs=dec.operand_specs, reduced=reduced)
+    comm_bytes = sum(c.bytes * k for c, k in dec.collectives)
+    pcost = PlanCost(dec.compute_seconds, dec.comm_seconds, comm_bytes, memory.peak_bytes, float(sol.cost))
+    if offloaded:
+        from autoshard.offload import transfer_seconds
+
+        stats["host_transfer_seconds"] = transfer_seconds(program, in_specs, on.info, offloaded,
+                                                          on.cluster.host_bandwidth)
+    return Plan(
+        mesh=on.mesh, in_specs=in_specs, out_specs=tuple(out_specs), in_paths=program.in_paths,
+        in_roles=program_roles(program, ties), out_paths=program.out_paths,
+        in_avals=tuple((tuple(program.avals[v].shape), str(program.avals[v].dtype)) for v in program.graph.invars),
+        cost=pcost, collectives=dec.collectives, value_specs=dec.value_specs, operand_specs=dec.operand_specs,
+        fingerprint=program.fingerprint(), stats=stats, warnings=sgraph.unsupported, memory=memory,
+        host_inputs=tuple(sorted(offloaded)),
+        host_outputs=tuple(sorted(o for o, i in ties.items() if i in set(offloaded))),
+    )
+
+
+def pinned_from_hints(program, hints, info: MeshInfo) -> dict[int, ShardingSpec]:
+    pinned, problems = {}, []
+    for pattern, pspec in hints.items():
+        if not isinstance(pspec, PartitionSpec):
+            problems.append(f"hint {pattern!r}: expected a PartitionSpec, got {pspec!r}")
+            continue
+        try:
+            rx = re.compile(pattern)
+        except re.error as e:
+            problems.append(f"hint {pattern!r} is not a regular expression: {e}")
+            continue
+        matched = [i for i, path in enumerate(program.in_paths) if rx.search(path)]
+        if not matched:
+            examples = ", ".join(program.in_paths[:3])
+            problems.append(f"hint {pattern!r} matches no argument leaf (paths look like: {examples})")
+        for i in matched:
+            path = program.in_paths[i]
+            shape = tuple(program.avals[program.graph.invars[i]].shape)
+            try:
+                spec = ShardingSpec.from_partition_spec(pspec, len(shape), info)
+            except ValueError as e:
+                problems.append(f"{path}: {e}")
+                continue
+            for d, (n, axes) in enumerate(zip(shape, spec.dims, strict=True)):
+                k = info.axes_size(axes)
+                if n % k:
+                    names = "*".join(info.names[a] for a in axes)
+                    problems.append(
+                        f"{path} has shape {shape}; dimension {d} (size {n}) is pinned to mesh axes {names} of size "
+                        f"{k}, which does not divide it. Fix: pin a dividing axis, or pad the dimension to a "
+                        f"multiple of {k}.")
+            pinned[i] = spec
+    if problems:
+        raise MeshError("cannot honour the sharding hints:\n  " + "\n  ".join(problems))
+    return pinned

@@ -117,8 +117,5 @@ def _chosen(k, step, entry, peaks, error):
 
 
 def _annotated(error: InfeasibleError, why: str) -> InfeasibleError:
-    err = InfeasibleError(f"{error}\nGradient accumulation (accumulate=True) cannot help: {why}",
-                          smallest_memory=error.smallest_memory)
-    for name, value in vars(error).items():
-        setattr(err, name, value)
-    return err
+    return InfeasibleError(f"{error}\nGradient accumulation (accumulate=True) cannot help: {why}",
+                           smallest_memory=error.smallest_memory)

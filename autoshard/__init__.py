@@ -20,6 +20,8 @@ _EXPORTS = {
     "Plan": "autoshard.plan",
     "PlanCost": "autoshard.plan",
     "PlanCheck": "autoshard.plan",
+    "Explanation": "autoshard.explain",
+    "PlanRequest": "autoshard.driver",
     "ClusterSpec": "autoshard.cluster",
     "cluster_preset": "autoshard.cluster",
     "profile_cluster": "autoshard.cluster",

@@ -341,7 +341,7 @@ def _solve_sharding(request: PlanRequest, on: MeshTarget, limit, *, program, off
     sol, free_objective, budget_bound = _solve(request, on, built, budget, limit)
     timings["solve"] = time.perf_counter() - t
     on.report(f"solved {on.info.shape}")
-    plan_ = _decoded_plan(request, on, program, (sgraph, built, cost), sol, offloaded, stats={
+    plan_ = _decoded_plan(request, on, _Solved(program, sgraph, built, cost, sol, tuple(offloaded)), stats={
         "timings": dict(timings), "nodes": built.problem.num_nodes, "edges": built.problem.num_edges,
         "graph_nodes": len(sgraph.nodes), "eqns": program.num_eqns, "solver": dict(sol.stats),
         "optimal": sol.optimal, "memory_budget": budget, "budget_bound": budget_bound,
@@ -379,14 +379,27 @@ def _solve(request: PlanRequest, on: MeshTarget, built, budget, limit):
     return sol, free_objective, budget_bound
 
 
-def _decoded_plan(request: PlanRequest, on: MeshTarget, program, built_with, sol, offloaded, stats):
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Solved:
+    """A solved sharding problem and what it was built from."""
+
+    program: CapturedProgram
+    sgraph: Any  # planner.StrategyGraph
+    built: Any  # planner.BuiltProblem
+    cost: Any  # cost.CostModel
+    sol: Any  # solver.ShardingSolution
+    offloaded: tuple
+
+
+def _decoded_plan(request: PlanRequest, on: MeshTarget, solved: _Solved, *, stats: dict):
     """The :class:`~autoshard.Plan` of a solved problem: specs, collectives, predicted cost and memory."""
     from autoshard.memory import estimate_memory
     from autoshard.plan import Plan, PlanCost
     from autoshard.planner import decode
     from autoshard.roles import program_roles
 
-    sgraph, built, cost = built_with
+    program, sgraph, built, cost, sol, offloaded = (solved.program, solved.sgraph, solved.built, solved.cost,
+                                                     solved.sol, solved.offloaded)
     dec = decode(built, sol.choice, program, cost)
     in_specs = tuple(dec.value_specs[v] for v in program.graph.invars)
     out_specs = []

@@ -1,15 +1,9 @@
 """Primitive coverage as a tested contract: every primitive the installed jax defines is classified by
 ``autoshard.strategies.coverage()`` as a rule, as structure, or as replicated with the reason why."""
 
-import importlib
-import pkgutil
-import warnings
-
-import jax
-import jax.extend.core as jex_core
 import pytest
 
-from autoshard.strategies import coverage
+from autoshard.strategies import coverage, installed_primitives
 
 # The primitives that issue 14 names: each must have a real rule.
 MUST_HAVE_RULES = (
@@ -24,25 +18,9 @@ STRUCTURAL = ("jit", "custom_jvp_call", "custom_vjp_call", "remat2", "closed_cal
 KERNEL_LANGUAGE = "replicated: a kernel-language primitive"
 
 
-def _primitives_of_installed_jax() -> dict[str, set[str]]:
-    """Every ``jax.extend.core.Primitive`` that is a module attribute anywhere in jax's package."""
-    found: dict[str, set[str]] = {}
-    for info in pkgutil.walk_packages(jax.__path__, "jax.", onerror=lambda name: None):
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                module = importlib.import_module(info.name)
-        except Exception:  # noqa: BLE001 - platform-only modules, optional dependencies
-            continue
-        for value in list(vars(module).values()):
-            if isinstance(value, jex_core.Primitive):
-                found.setdefault(value.name, set()).add(info.name)
-    return found
-
-
 @pytest.fixture(scope="module")
 def installed():
-    return _primitives_of_installed_jax()
+    return installed_primitives()
 
 
 @pytest.fixture(scope="module")

@@ -52,16 +52,29 @@ def _place(roles, axes, choice):
     """Turn one role per mesh axis into (lhs, rhs, out) placements and the contracted axes."""
     lp, rp, op_, k_axes = [], [], [], []
     for a, ri in zip(axes, choice, strict=True):
-        l, r, o, is_k = roles[ri][:4]
-        if l is not None:
-            lp.append((l, a))
-        if r is not None:
-            rp.append((r, a))
+        dl, dr, o, is_k = roles[ri][:4]
+        if dl is not None:
+            lp.append((dl, a))
+        if dr is not None:
+            rp.append((dr, a))
         if o is not None:
             op_.append((o, a))
         if is_k:
             k_axes.append(a)
     return lp, rp, op_, k_axes
+
+
+def _placements(ctx: RuleContext, roles, lshape, rshape):
+    """Every way to put each mesh axis on one role (or none) that divides both operands:
+    ``(lhs_spec, rhs_spec, output placements, contracted axes, shards of the work)``."""
+    axes = ctx.mesh.active_axes
+    for choice in itertools.product(range(len(roles)), repeat=len(axes)):
+        lp, rp, op_, k_axes = _place(roles, axes, choice)
+        lhs_spec, rhs_spec = assign_axes(len(lshape), lp), assign_axes(len(rshape), rp)
+        if not (divides(lshape, lhs_spec, ctx.mesh) and divides(rshape, rhs_spec, ctx.mesh)):
+            continue
+        shards = ctx.mesh.axes_size([a for a, ri in zip(axes, choice, strict=True) if ri != 0])
+        yield lhs_spec, rhs_spec, op_, k_axes, shards
 
 
 @register_strategy("dot_general")
@@ -76,21 +89,14 @@ def _dot_strategies(ctx: RuleContext, dimension_numbers) -> list[Strategy]:
     rfree = [d for d in range(len(rshape)) if d not in rc and d not in rb]
     # Roles: (lhs dim, rhs dim, out dim, is_contraction); None where the operand lacks the dim.
     roles = [(None, None, None, False)]
-    roles += [(l, r, i, False) for i, (l, r) in enumerate(zip(lb, rb, strict=True))]
+    roles += [(dl, dr, i, False) for i, (dl, dr) in enumerate(zip(lb, rb, strict=True))]
     roles += [(d, None, len(lb) + i, False) for i, d in enumerate(lfree)]
     roles += [(None, d, len(lb) + len(lfree) + i, False) for i, d in enumerate(rfree)]
-    roles += [(l, r, None, True) for l, r in zip(lc, rc, strict=True)]
+    roles += [(dl, dr, None, True) for dl, dr in zip(lc, rc, strict=True)]
     flops = 2.0 * math.prod(ctx.out_shapes[0]) * math.prod(lshape[d] for d in lc)
-    axes = ctx.mesh.active_axes
     out = []
-    for choice in itertools.product(range(len(roles)), repeat=len(axes)):
-        lp, rp, op_, k_axes = _place(roles, axes, choice)
-        lhs_spec, rhs_spec = assign_axes(len(lshape), lp), assign_axes(len(rshape), rp)
-        if not (divides(lshape, lhs_spec, ctx.mesh) and divides(rshape, rhs_spec, ctx.mesh)):
-            continue
-        shards = ctx.mesh.axes_size([a for a, ri in zip(axes, choice, strict=True) if ri != 0])
-        name = f"{lhs_spec}x{rhs_spec}"
-        out.extend(_finish(ctx, name, lhs_spec, rhs_spec, op_, k_axes, flops, shards))
+    for lhs_spec, rhs_spec, op_, k_axes, shards in _placements(ctx, roles, lshape, rshape):
+        out.extend(_finish(ctx, f"{lhs_spec}x{rhs_spec}", lhs_spec, rhs_spec, op_, k_axes, flops, shards))
     return out
 
 
@@ -165,14 +171,8 @@ def _ragged_dot_general(op, ctx: RuleContext) -> list[Strategy]:
     roles += [(d, None, base + i, False) for i, d in enumerate(lfree) if d != ragged]
     roles += [(None, d, base + len(lfree) + i, False) for i, d in enumerate(rfree)]
     roles += [(dl, dr, None, True) for dl, dr in zip(lc, rc, strict=True) if dl != ragged]
-    axes = ctx.mesh.active_axes
     out = []
-    for choice in itertools.product(range(len(roles)), repeat=len(axes)):
-        lp, rp, op_, k_axes = _place(roles, axes, choice)
-        lhs_spec, rhs_spec = assign_axes(len(lshape), lp), assign_axes(len(rshape), rp)
-        if not (divides(lshape, lhs_spec, ctx.mesh) and divides(rshape, rhs_spec, ctx.mesh)):
-            continue
-        shards = ctx.mesh.axes_size([a for a, ri in zip(axes, choice, strict=True) if ri != 0])
+    for lhs_spec, rhs_spec, op_, k_axes, shards in _placements(ctx, roles, lshape, rshape):
         for s in _finish(ctx, f"{lhs_spec}x{rhs_spec}", lhs_spec, rhs_spec, op_, k_axes, flops, shards):
             if "|RS" not in s.name:  # the group-wise partial sums are all-reduced whole
                 out.append(dataclasses.replace(s, in_specs=(*s.in_specs, gs_spec)))

@@ -250,3 +250,7 @@ def test_wide_models_split_big_kernels_on_model_and_batch_on_data(name, big_kern
     # readers slice it on the device for free (its activations are what carry the batch on `data`).
     assert any(axes[0] == ("data",) for axes in batch.values()), f"the batch is not split on `data`: {batch}"
     assert all(axes[0] in ((), ("data",)) for axes in batch.values()), f"the batch is split off `data`: {batch}"
+    if name == "llama":  # the attention scores compile per device as (batch / data, heads / model, seq, seq)
+        cfg = llama_nnx.WIDE
+        scores = f"f32[{cfg.batch // 2},{cfg.n_heads // 4},{cfg.seq},{cfg.seq}]"
+        assert re.search(rf"= {re.escape(scores)}\{{[^}}]*\}} dot\(", compiled.as_text()), scores

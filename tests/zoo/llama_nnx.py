@@ -171,7 +171,7 @@ def case(cfg: LlamaConfig = LlamaConfig()) -> NnxCase:
 
 
 WIDE = LlamaConfig(vocab=8192, dim=1024, n_layers=2, n_heads=16, n_kv_heads=4, ffn_dim=2816, seq=64,
-                   batch=16, dropout=0.0)
+                   batch=32, dropout=0.0)
 
 
 def functional_parts(cfg: LlamaConfig):

@@ -45,7 +45,7 @@ class Seq2Seq(nn.Module):
 
 CFG = Seq2SeqConfig()
 # Hidden 1024: for the plan check at wide sizes (tests/test_zoo.py, slow).
-WIDE = Seq2SeqConfig(vocab=4096, embed=512, hidden=1024, src_len=16, tgt_len=16, batch=16)
+WIDE = Seq2SeqConfig(vocab=4096, embed=512, hidden=1024, src_len=16, tgt_len=16, batch=32)
 
 
 def make_batch(cfg: Seq2SeqConfig = CFG):

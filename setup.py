@@ -30,6 +30,7 @@ setup(
             "rich>=13",
             "tqdm",
             "orbax-checkpoint>=0.11",
+            "einops>=0.7",  # tests/zoo: GQA and ViT written as their communities write them
         ],
         "notebook": [
             "flax>=0.11",

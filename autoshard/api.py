@@ -17,8 +17,6 @@ from autoshard.roles import with_roles
 from autoshard.signature import BoundCall, StepSignature, abstract_leaf, check_leaf, output_ties
 from autoshard.spec import MeshInfo
 
-_abstract = abstract_leaf
-
 
 def _mesh_context(mesh):
     """Trace and run under autoshard's Auto-axis mesh: the caller may be inside ``jax.set_mesh`` of an
@@ -172,7 +170,7 @@ class Parallelized:
         call = self.signature.bind(args, kwargs)
         for path, leaf in jax.tree_util.tree_flatten_with_path(call.dyn)[0]:
             check_leaf(jax.tree_util.keystr(path[1:]), leaf, call.labels[path[0].idx], [k for k, _ in call.static])
-        return call, jax.tree_util.tree_map(_abstract, call.dyn)
+        return call, jax.tree_util.tree_map(abstract_leaf, call.dyn)
 
     # ---- planning ----------------------------------------------------------------------------------
     def _get(self, args, kwargs=None) -> _Compiled | _Accumulated:
@@ -322,7 +320,7 @@ class Parallelized:
                 "fits the memory budget), which is several programs, not one to lower. Fix: inspect "
                 "step.plan(...) (a PipelinePlan; stats['task_peaks'] has each program's compiled peak), or "
                 "raise memory_budget.")
-        abstract = jax.tree_util.tree_map(_abstract, call.dyn)
+        abstract = jax.tree_util.tree_map(abstract_leaf, call.dyn)
         if entry.process_local is not None:
             abstract = entry.process_local.global_abstract(abstract)
         flat = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)

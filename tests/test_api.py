@@ -17,10 +17,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import autoshard
-from autoshard.hlo import memory_stats
 import autoshard.api as autoshard_api
 import autoshard.solver as autoshard_solver
 from autoshard.errors import InfeasibleError, InputError, MeshError, PlanError
+from autoshard.hlo import memory_stats
 
 RTOL = 1e-5
 

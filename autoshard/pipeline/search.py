@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec
 
 from autoshard.capture import CapturedProgram, OpGraph
 from autoshard.cluster import make_mesh
-from autoshard.errors import InputError, MeshError
+from autoshard.errors import InfeasibleError, InputError, MeshError
 from autoshard.pipeline.accumulate import StepAnalysis
 from autoshard.pipeline.cluster_layers import boundary_layers, cluster_layers, op_flops
 from autoshard.pipeline.options import PipelineOptions
@@ -108,7 +108,7 @@ def plan_boundaries(program: CapturedProgram, part: Partition, mesh, cluster, ti
     try:
         return plan(PlanRequest(program, mesh=mesh, cluster=cluster, time_limit=time_limit,
                                 hints=BOUNDARY_LAYOUT, ties=boundary_ties(program, part)))
-    except (MeshError, InputError, ValueError):  # e.g. a microbatch the data axis does not divide
+    except MeshError:  # the exchange layout does not divide, e.g. a microbatch the data axis does not divide
         return plan(PlanRequest(program, mesh=mesh, cluster=cluster, time_limit=time_limit))
 
 
@@ -196,7 +196,7 @@ class _CostTable:
                 plan = plan_boundaries(prog, self.part, mesh, sub_cluster, self.options.solver_time_limit)
                 self.plans_made += 1
                 hit = _LayerCost(plan.cost.total_seconds, plan.cost.peak_memory_bytes, act)
-            except Exception:  # an infeasible layer on this option
+            except (InfeasibleError, MeshError):  # no plan of this layer fits this option (bugs propagate)
                 hit = _LayerCost(math.inf, math.inf, act)
         self.cache[key] = hit
         return hit

@@ -165,12 +165,12 @@ class Parallelized:
             resolve_mesh(mesh)  # refuse a Manual-axis mesh now, not at the first call
 
     # ---- argument handling -------------------------------------------------------------------------
-    def _bind(self, args, kwargs) -> tuple[BoundCall, Any]:
-        """The call bound to the signature, and its abstract dynamic arguments (leaves checked)."""
-        call = self.signature.bind(args, kwargs)
+    @staticmethod
+    def _checked_abstract(call: BoundCall):
+        """The call's dynamic arguments as ``ShapeDtypeStruct``s, every leaf checked to be an array."""
         for path, leaf in jax.tree_util.tree_flatten_with_path(call.dyn)[0]:
             check_leaf(jax.tree_util.keystr(path[1:]), leaf, call.labels[path[0].idx], [k for k, _ in call.static])
-        return call, jax.tree_util.tree_map(abstract_leaf, call.dyn)
+        return jax.tree_util.tree_map(abstract_leaf, call.dyn)
 
     # ---- planning ----------------------------------------------------------------------------------
     def _get(self, args, kwargs=None) -> _Compiled | _Accumulated:
@@ -183,7 +183,7 @@ class Parallelized:
             entry = self._cache.get(call.key_of(leaves, tree))
             if entry is not None:
                 return entry, call
-        call, abstract = self._bind(args, kwargs)
+        abstract = self._checked_abstract(call)
         key = call.key(abstract)
         entry = self._cache.get(key)
         if entry is None:
@@ -192,6 +192,7 @@ class Parallelized:
 
     def _build(self, call: BoundCall, abstract) -> _Compiled | _Accumulated:
         from autoshard.cluster import make_mesh, resolve_mesh
+        from autoshard.compile import named_shardings
         from autoshard.lower import make_flat_function
 
         timings = {}
@@ -213,8 +214,9 @@ class Parallelized:
             device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
             fun = cast_matmuls(fun, self.compute_dtype, widen=widen_operands(device.platform))
         program = _capture(fun, abstract, call.in_paths(abstract), mesh)
-        if mesh is None and _program_mesh(program) is not None:  # a shard_map fixes the mesh
-            mesh = resolve_mesh(_program_mesh(program))
+        fixed = _program_mesh(program) if mesh is None else None
+        if fixed is not None:  # a shard_map fixes the mesh
+            mesh = resolve_mesh(fixed)
         timings["capture"] = time.perf_counter() - t0
         donated = call.donated_leaves()
         out_shape = jax.tree_util.tree_unflatten(program.out_tree, [program.avals[v] if isinstance(v, int) else
@@ -249,10 +251,10 @@ class Parallelized:
         program, groups = apply_remat(program, plan.remat, ties)
         flat = make_flat_function(program, plan.value_specs, plan.operand_specs, plan.mesh, plan.out_specs, groups,
                                   host_inputs=plan.host_inputs, host_outputs=plan.host_outputs)
-        in_sh = tuple(plan._named(plan.in_specs, plan.host_inputs))
+        in_sh = tuple(named_shardings(plan, plan.in_specs, plan.host_inputs))
         # Outputs reuse the inputs' sharding objects, so the next call finds its arguments placed by identity.
         same = {s: s for s in in_sh}
-        out_sh = tuple(same.get(s, s) for s in plan._named(plan.out_specs, plan.host_outputs))
+        out_sh = tuple(same.get(s, s) for s in named_shardings(plan, plan.out_specs, plan.host_outputs))
         jitted = jax.jit(flat, in_shardings=in_sh, out_shardings=list(out_sh), donate_argnums=tuple(sorted(donated)))
         return _Compiled(plan, jitted, in_sh, program.out_tree, local)
 

@@ -300,21 +300,6 @@ def attempt_sharding(request: PlanRequest, on: MeshTarget, limit, *, program=Non
     Raises:
       InfeasibleError: the constraints (pins, forbidden strategies) admit no plan at all.
     """
-    try:
-        return _solve_sharding(request, on, limit, program=program, offloaded=offloaded, remat_split=remat_split)
-    except _OverBudget as e:
-        return Attempt(error=e.error, budget_bound=True, unconstrained_objective=e.unconstrained_objective)
-
-
-@dataclasses.dataclass(frozen=True)
-class _OverBudget(Exception):
-    """Internal: the memory row admits no plan; carries the unconstrained optimum (a floor for remat)."""
-
-    error: InfeasibleError
-    unconstrained_objective: float
-
-
-def _solve_sharding(request: PlanRequest, on: MeshTarget, limit, *, program, offloaded, remat_split) -> Attempt:
     from autoshard.cost import CostModel
     from autoshard.planner import build_problem, enumerate_strategies, merge_followers, tie_repeated_layers
 
@@ -338,7 +323,9 @@ def _solve_sharding(request: PlanRequest, on: MeshTarget, limit, *, program, off
     timings["problem"] = time.perf_counter() - t
     on.report(f"problem {on.info.shape}: {built.problem.num_nodes} nodes")
     t = time.perf_counter()
-    sol, free_objective, budget_bound = _solve(request, on, built, budget, limit)
+    sol, free_objective, budget_bound, error = _solve(request, on, built, budget, limit)
+    if error is not None:
+        return Attempt(error=error, budget_bound=True, unconstrained_objective=free_objective)
     timings["solve"] = time.perf_counter() - t
     on.report(f"solved {on.info.shape}")
     plan_ = _decoded_plan(request, on, _Solved(program, sgraph, built, cost, sol, tuple(offloaded)), stats={
@@ -351,32 +338,33 @@ def _solve_sharding(request: PlanRequest, on: MeshTarget, limit, *, program, off
 
 def _solve(request: PlanRequest, on: MeshTarget, built, budget, limit):
     """Solve without the memory row first: it is much faster, and when its answer fits the budget it is
-    also the constrained optimum. Only otherwise solve again with the budget."""
+    also the constrained optimum. Only otherwise solve again with the budget.
+
+    Returns ``(solution, unconstrained objective, whether the budget bound, error)``; the error (and no
+    solution) when the memory row admits no plan."""
     from autoshard.solver import solve
 
     t = time.perf_counter()
     sol = solve(dataclasses.replace(built.problem, memory_limit=None), time_limit=request.time_limit)
     free_objective, budget_bound = float(sol.cost), budget is not None and sol.peak_memory > budget
     if not budget_bound:
-        return sol, free_objective, budget_bound
+        return sol, free_objective, budget_bound, None
     try:
         sol = solve(built.problem, time_limit=max(request.time_limit - (time.perf_counter() - t), 1.0))
     except InfeasibleError as e:
         if e.smallest_memory is None:
             raise
-        origin = ("memory_budget" if request.memory_budget is not None or limit is not None
-                  else f"the memory of ClusterSpec {on.cluster.name!r}")
-        raise _OverBudget(InfeasibleError(
+        origin = "memory_budget" if limit is not None else f"the memory of ClusterSpec {on.cluster.name!r}"
+        return None, free_objective, budget_bound, InfeasibleError(
             f"no plan fits {origin}={budget:.4g} bytes per device on mesh {on.shape}; the smallest peak the "
             f"solver found is {e.smallest_memory:.4g} bytes. Fix: raise memory_budget to at least "
-            f"{e.smallest_memory:.4g}, or use more devices.", smallest_memory=e.smallest_memory),
-            free_objective) from None
+            f"{e.smallest_memory:.4g}, or use more devices.", smallest_memory=e.smallest_memory)
     if not sol.feasible:
-        raise _OverBudget(InfeasibleError(
+        return None, free_objective, budget_bound, InfeasibleError(
             f"the solver found no plan under {budget:.4g} bytes per device within {request.time_limit:g} s "
             f"(best peak {sol.peak_memory:.4g}). Fix: raise memory_budget or solver_time_limit.",
-            smallest_memory=sol.peak_memory), free_objective)
-    return sol, free_objective, budget_bound
+            smallest_memory=sol.peak_memory)
+    return sol, free_objective, budget_bound, None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

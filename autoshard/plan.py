@@ -126,17 +126,14 @@ class Plan:
         """Pytree paths of the arguments kept in host memory (see :mod:`autoshard.offload`)."""
         return tuple(self.in_paths[i] for i in self.host_inputs)
 
-    def _named(self, specs, host=()):
-        from autoshard.compile import named_shardings
-
-        return named_shardings(self, specs, host)
-
     @property
     def in_shardings(self):
         """``NamedSharding``s mirroring the (dynamic) arguments."""
         import jax
 
-        flat = self._named(self.in_specs, self.host_inputs)
+        from autoshard.compile import named_shardings
+
+        flat = named_shardings(self, self.in_specs, self.host_inputs)
         return flat if self.in_tree is None else jax.tree_util.tree_unflatten(self.in_tree, flat)
 
     @property
@@ -144,7 +141,9 @@ class Plan:
         """``NamedSharding``s mirroring the outputs."""
         import jax
 
-        flat = self._named(self.out_specs, self.host_outputs)
+        from autoshard.compile import named_shardings
+
+        flat = named_shardings(self, self.out_specs, self.host_outputs)
         return flat if self.out_tree is None else jax.tree_util.tree_unflatten(self.out_tree, flat)
 
     def predicted_bytes_by_kind(self) -> dict[str, float]:

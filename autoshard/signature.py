@@ -253,10 +253,7 @@ class _NodeGraph:
         positions = tuple(i for i, x in enumerate(leaves) if _is_graph_node(x))
         objects = tuple(leaves[i] for i in positions)
         graphdef, state = nnx.split(objects)
-        pure = list(leaves)
-        for j, i in enumerate(positions):
-            pure[i] = state[j] if j in state else nnx.State({})
-        return cls(objects, tree, positions, graphdef, tuple(jax.tree_util.tree_unflatten(tree, pure)))
+        return cls(objects, tree, positions, graphdef, _placed(tree, leaves, positions, state))
 
     @property
     def static_key(self):
@@ -287,10 +284,7 @@ class _NodeGraph:
                     f"{name} changed the structure of the nnx objects it was passed (it added, removed or retyped "
                     "an attribute), which a compiled step cannot write back.\nFix: create every attribute in "
                     "__init__ (e.g. nnx.Variable(jnp.zeros(...))) and only update values in the step.")
-            new = list(parts)
-            for j, i in enumerate(self.positions):
-                new[i] = new_state[j] if j in new_state else nnx.State({})
-            return (out, *jax.tree_util.tree_unflatten(self.tree, new))
+            return (out, *_placed(self.tree, parts, self.positions, new_state))
 
         return pure
 
@@ -298,6 +292,16 @@ class _NodeGraph:
         nnx = _nnx()
         _, state = self._states(new_dyn)
         nnx.update(self.objects, state)
+
+
+def _placed(tree, leaves, positions, state) -> tuple:
+    """The arguments with the graph node at each leaf position replaced by its part of ``state`` (the
+    ``nnx.State`` of the split tuple of nodes; a node whose variables a shared one holds gets none)."""
+    nnx = _nnx()
+    parts = list(leaves)
+    for j, i in enumerate(positions):
+        parts[i] = state[j] if j in state else nnx.State({})
+    return tuple(jax.tree_util.tree_unflatten(tree, parts))
 
 
 def abstract_leaf(leaf):

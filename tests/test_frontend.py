@@ -1,6 +1,8 @@
 """The programs users write: typed PRNG keys, nnx objects updated in place, keyword arguments and
 argument names, meshes made by jax, sharding annotations and pmap leftovers in model code."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -287,22 +289,10 @@ def test_composite_and_custom_vmap_bodies_are_planned_as_their_ops(mesh):
         return jnp.sum(sin(gelu(x @ w)) ** 2)
 
     w, x = jnp.ones((16, 16)) / 16, jnp.linspace(0, 1, 128, dtype=jnp.float32).reshape(8, 16)
-    with _no_autoshard_warning():  # no primitive left without a rule
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", autoshard.AutoshardWarning)  # no primitive left without a rule
         out = autoshard.parallelize(f, mesh=mesh)(w, x)
     np.testing.assert_allclose(out, jax.jit(f)(w, x), rtol=1e-5)
-
-
-def _no_autoshard_warning():
-    import contextlib
-    import warnings
-
-    @contextlib.contextmanager
-    def ctx():
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", autoshard.AutoshardWarning)
-            yield
-
-    return ctx()
 
 
 def test_dropout_masks_shard_with_their_activations(mesh):

@@ -17,10 +17,15 @@ the live temporaries over XLA's sequential schedule:
   several schedulers, and moves each optimizer update next to its gradient);
 - buffer reuse: an elementwise fusion writes over an operand it reads last, and a result's
   buffer holds one smaller temporary until the result is written (:func:`_sweep`);
-- what XLA:CPU adds when lowering: layout copies of convolution operands and the index
-  buffers of expanded max-pool gradients (:func:`_lowering_buffers`), and 64-byte alignment.
+- what the backend adds when lowering: layout copies of convolution operands and the index
+  buffers of expanded max-pool gradients (:func:`_lowering_buffers`), and buffer alignment.
   A convolution that reads a copy, and a pooling gradient that scatters by the saved winners'
   indices, no longer read the original value, so it is not kept alive for them.
+
+What is platform behaviour (alignment, library reductions, convolution copies, max-pool index
+buffers) comes from a :class:`~autoshard.backends.BackendProfile`; what is primitive behaviour
+(fusion, reductions, expensive ops, bitcasts) from the primitive's
+:class:`~autoshard.strategies.OpInfo`.
 """
 from __future__ import annotations
 
@@ -30,10 +35,11 @@ import math
 
 import numpy as np
 
+from autoshard.backends import BackendProfile, profile_for
 from autoshard.capture import CapturedProgram, OpGraph
 from autoshard.roles import program_roles
 from autoshard.spec import MeshInfo, ShardingSpec
-from autoshard.strategies import lookup_rule
+from autoshard.strategies import op_info
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -69,12 +75,12 @@ def value_bytes(aval, spec: ShardingSpec | None, mesh: MeshInfo) -> float:
     return float(math.prod(spec.shard_shape(shape, mesh)) * itemsize)
 
 
-_ALIGNMENT = 64  # XLA:CPU starts every temporary buffer on a 64-byte boundary
 COMBINE_THRESHOLD = 30 * 2**20  # bytes XLA's all-reduce combiner puts in one all-reduce
 
 
-def _aligned(b: float) -> float:
-    return float(math.ceil(b / _ALIGNMENT) * _ALIGNMENT)
+def _aligned(b: float, profile: BackendProfile) -> float:
+    a = profile.buffer_alignment
+    return float(math.ceil(b / a) * a)
 
 
 class _ShardBytes:
@@ -93,43 +99,21 @@ class _ShardBytes:
         return self(v) / max(self.program.avals[v].dtype.itemsize, 1)
 
 
-# Ops whose sharding rule is not a follower but which XLA fuses into their readers like any
-# cheap elementwise op (a broadcast is recomputed per element, not written out).
-_FUSED_SOURCES = frozenset(("broadcast_in_dim", "iota"))
-
-
 def _size(aval) -> int:
     return math.prod(getattr(aval, "shape", ()))
 
 
 def _fusible(op) -> bool:
-    if op.body is not None:
-        return False
-    if op.name in _FUSED_SOURCES:
-        return True
-    entry = lookup_rule(op.name)
-    return entry is not None and entry.follows
+    """XLA fuses the op into its readers (its OpInfo says so, and it has no body)."""
+    return op.body is None and op_info(op.name).fusible
 
 
-# Reductions take their producers into the same fusion (XLA's input fusion), but their own
-# result is written to a buffer: XLA does not fuse a reduce into its consumers.
-_REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax "
-                        "argmin reduce_window_sum reduce_window_max reduce_window_min reduce_window cumsum cumprod "
-                        "cummax cummin cumlogsumexp select_and_scatter_add select_and_gather_add sort".split())
-_LIBRARY_REDUCTIONS = frozenset("reduce_sum reduce_max reduce_min reduce_prod".split())
-# Windowed reductions run on their own (XLA:CPU wraps each in a fusion of one op), so their
-# operands are buffers.
-_WINDOWED = frozenset("reduce_window_sum reduce_window_max reduce_window_min reduce_window "
-                      "select_and_scatter_add select_and_gather_add".split())
-# Elementwise ops XLA's fusion deems expensive (instruction_fusion.cc IsExpensive): it will not
-# duplicate them into several consumers, so their result is materialised once.
-_EXPENSIVE = frozenset("exp exp2 expm1 log log1p logistic tanh erf erfc erf_inv pow sqrt rsqrt cbrt div atan2 "
-                       "lgamma digamma igamma igammac".split())
-# Reshapes of a buffer are bitcasts: they name the same bytes.
-_BITCASTS = frozenset("reshape squeeze expand_dims".split())
+def _loop_fused(op) -> bool:
+    """A fusible op whose result is not a reduction's (a reduce is never fused into its readers)."""
+    return _fusible(op) and not op_info(op.name).reduction
 
 
-def _materialised(graph: OpGraph, avals) -> set:
+def _materialised(graph: OpGraph, avals, profile: BackendProfile) -> set:
     """The values of a graph that XLA writes to a buffer.
 
     Elementwise and layout ops fuse into their readers (cheap ones duplicated into each
@@ -145,60 +129,67 @@ def _materialised(graph: OpGraph, avals) -> set:
                 readers.setdefault(x, []).append(op)
     mat: set = set()
     for op in graph.ops:
-        loop = _fusible(op) and op.name not in _REDUCTIONS
+        loop = _loop_fused(op)
         for v in op.outputs:
             rs = readers.get(v, ())
-            if v in outs or not loop or (len(rs) > 1 and op.name in _EXPENSIVE):
+            if v in outs or not loop or (len(rs) > 1 and op_info(op.name).expensive):
                 mat.add(v)
-    # XLA:CPU emits large reductions as library fusions that take no broadcast: a centring
-    # (x - a broadcast mean) that feeds a reduction is written out (BatchNorm's x - mean, kept
-    # from the forward to the backward's sum((x - mean) * dy)). Writing out every op of a
-    # broadcast that feeds a sum (a scale, a mask too) overshot XLA by 30% on the tiny
-    # Wide-ResNet, so the rule is kept to the centring.
-    seen: set = set()  # whether a value is written out does not depend on which sum reached it
-    for op in graph.ops:
-        if op.name not in _LIBRARY_REDUCTIONS:
-            continue
-        stack = [x for x in op.inputs if isinstance(x, int)]
-        while stack:
-            x = stack.pop()
-            p = producer.get(x)
-            if x in seen or x in mat or p is None or not _fusible(p) or p.name in _FUSED_SOURCES:
-                continue
-            seen.add(x)
-            if p.name == "sub" and any(isinstance(y, int) and _size(avals[y]) < _size(avals[x]) for y in p.inputs):
-                mat.add(x)
-                continue
-            stack.extend(y for y in p.inputs if isinstance(y, int))
+    if profile.library_reductions:
+        _centrings(graph, avals, producer, mat, profile.library_reductions)
     for op in graph.ops:  # operands of ops that are not fusions must be buffers
-        if _fusible(op) and op.name not in _WINDOWED:
+        if _fusible(op) and not op_info(op.name).windowed:
             continue
         for x in op.inputs:
             if not isinstance(x, int) or x in mat or x not in producer:
                 continue
             p = producer[x]
             src = next((y for y in p.inputs if isinstance(y, int)), None)
-            if p.name in _BITCASTS and src is not None and (src in mat or src not in producer):
+            if op_info(p.name).bitcast and src is not None and (src in mat or src not in producer):
                 continue
             mat.add(x)
     return mat
 
 
-def _graph_peak(graph: OpGraph, program, value_specs, mesh, fixed_live: float) -> float:
+def _centrings(graph: OpGraph, avals, producer, mat: set, library_reductions) -> None:
+    """Add to ``mat`` the centrings that feed a library reduction.
+
+    XLA:CPU emits large reductions as library fusions that take no broadcast: a centring
+    (x - a broadcast mean) that feeds a reduction is written out (BatchNorm's x - mean, kept
+    from the forward to the backward's sum((x - mean) * dy)). Writing out every op of a
+    broadcast that feeds a sum (a scale, a mask too) overshot XLA by 30% on the tiny
+    Wide-ResNet, so the rule is kept to the centring."""
+    seen: set = set()  # whether a value is written out does not depend on which sum reached it
+    for op in graph.ops:
+        if op.name not in library_reductions:
+            continue
+        stack = [x for x in op.inputs if isinstance(x, int)]
+        while stack:
+            x = stack.pop()
+            p = producer.get(x)
+            if x in seen or x in mat or p is None or not _fusible(p) or op_info(p.name).fused_source:
+                continue
+            seen.add(x)
+            if p.name == "sub" and any(isinstance(y, int) and _size(avals[y]) < _size(avals[x]) for y in p.inputs):
+                mat.add(x)
+                continue
+            stack.extend(y for y in p.inputs if isinstance(y, int))
+
+
+def _graph_peak(graph: OpGraph, program, value_specs, mesh, *, profile: BackendProfile) -> float:
     """Peak of a scan body's own buffers, evaluated once per iteration."""
     last: dict[int, int] = {}
     for t, op in enumerate(graph.ops):
         for x in op.inputs:
             if isinstance(x, int):
                 last[x] = t
-    mat = _materialised(graph, program.avals)
+    mat = _materialised(graph, program.avals, profile)
     live = 0.0
     peak = 0.0
     ends: dict[int, list[float]] = {}
     for t, op in enumerate(graph.ops):
         extra = 0.0
         if op.body is not None:
-            extra = _graph_peak(op.body, program, value_specs, mesh, 0.0)
+            extra = _graph_peak(op.body, program, value_specs, mesh, profile=profile)
         for v in op.outputs:
             if v in mat:
                 b = value_bytes(program.avals[v], value_specs.get(v), mesh)
@@ -207,7 +198,7 @@ def _graph_peak(graph: OpGraph, program, value_specs, mesh, fixed_live: float) -
         peak = max(peak, live + extra)
         for b in ends.pop(t, ()):
             live -= b
-    return peak + fixed_live
+    return peak + 0.0
 
 
 def _fused_reads(graph: OpGraph, materialised: set) -> list[tuple[int, ...]]:
@@ -235,11 +226,38 @@ def _fused_reads(graph: OpGraph, materialised: set) -> list[tuple[int, ...]]:
     return reads
 
 
-def _list_schedule(nodes, reads, made, size, kept, alloc_at=()) -> list[int]:
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Liveness:
+    """What the schedules sweep. Nodes are top-level op positions (in program order), ``-1`` for the
+    step's start, and other negative ids for combined all-reduces; values are value ids, and
+    negative ids for the buffers lowering adds.
+
+    Attributes:
+      nodes: the nodes in program order.
+      reads / made: node -> the temporaries it reads / writes.
+      size: temporary -> bytes.
+      inplace: node -> whether it may write its result over an operand it reads last.
+      transient: node -> bytes live only while it runs (a scan body's peak, a result's temporary).
+      alloc_at: offloaded inputs, copied in by their first reader.
+      kept: results, which have buffers of their own for the whole step.
+    """
+
+    nodes: list
+    reads: dict
+    made: dict
+    size: dict
+    inplace: dict
+    transient: dict
+    alloc_at: set
+    kept: set
+
+
+def _list_schedule(live: _Liveness) -> list[int]:
     """A greedy memory-minimising order, like XLA's list scheduler: of the ready ops, run the
     one that frees the most temporary bytes net of what it allocates (program order breaks ties)."""
     import heapq
 
+    nodes, reads, made, size, kept, alloc_at = live.nodes, live.reads, live.made, live.size, live.kept, live.alloc_at
     producer = {v: n for n in nodes for v in made[n]}
     consumers: dict[int, list[int]] = {}
     waiting: dict[int, int] = {}
@@ -301,14 +319,14 @@ def _hosted(temps, free) -> float:
     return hosted
 
 
-def _sweep(order, reads, made, size, inplace, transient, alloc_at=(), kept=()) -> tuple[float, int]:
+def _sweep(order, live: _Liveness) -> tuple[float, int]:
     """Peak bytes of XLA's temp allocation over an order, and the op at the peak.
 
     Results (``kept``) have buffers of their own for the whole step; until its result is
     written, each such buffer can hold one temporary no larger than itself (XLA's buffer
     assignment reuses it), so only the temporaries that find no such buffer count."""
-    import bisect
-
+    reads, made, size, inplace = live.reads, live.made, live.size, live.inplace
+    transient, alloc_at, kept = live.transient, live.alloc_at, live.kept
     last: dict[int, int] = {}
     for k, n in enumerate(order):
         for v in reads[n]:
@@ -356,49 +374,67 @@ def _conv_copy(spec, shape, kernel: bool) -> bool:
     return moved != sorted(moved)
 
 
-def _lowering_buffers(graph: OpGraph, materialised: set, nbytes) -> tuple[list, dict, set]:
-    """Buffers XLA:CPU adds when it lowers convolutions and max-pool gradients.
+def _lowering_buffers(graph: OpGraph, materialised: set, nbytes, profile: BackendProfile) -> tuple[list, dict, set]:
+    """Buffers the backend adds when it lowers convolutions and max-pool gradients.
 
     Returns ``(extras, transient, covered)``: ``extras`` are ``(bytes, op made at or None for
     the step's start, op last read at)``; ``transient`` is op position -> bytes live only there;
     ``covered`` the ``(op, operand)`` reads that go to one of the extras instead (a
-    convolution's copy; the pooling winners' indices).
-    A convolution operand in the wrong layout is copied: the copy of a program input is
-    made at the start (XLA schedules it first), others just before the convolution, and a
-    result in the wrong layout is written to a temporary first. ``select_and_scatter_add``
-    is expanded into an argmax over each window next to the forward pooling (index iotas
-    of the operand's shape, and the winners' indices, kept until the gradient)."""
+    convolution's copy; the pooling winners' indices). Which mechanisms apply is the profile's
+    (``conv_layout_copies``, ``maxpool_index_buffers``)."""
     producer = {v: t for t, op in enumerate(graph.ops) for v in op.outputs}
     extras, transient, covered = [], {}, set()
     for t, op in enumerate(graph.ops):
-        if op.name == "conv_general_dilated":
-            dn = op.params["dimension_numbers"]
-            for x, spec, kernel in ((op.inputs[0], dn.lhs_spec, False), (op.inputs[1], dn.rhs_spec, True)):
-                if isinstance(x, int) and (x in materialised or x not in producer) and _conv_copy(
-                        spec, nbytes.shape(x), kernel):
-                    # The copy is made right after the operand (XLA fuses the transpose into its
-                    # producer): a forward activation read by a backward convolution is kept, in
-                    # the convolution's layout, until then.
-                    extras.append((nbytes(x), producer.get(x), t))
-                    covered.add((t, x))
-            y = op.outputs[0]
-            if _conv_copy(dn.out_spec, nbytes.shape(y), False):
-                transient[t] = transient.get(t, 0.0) + nbytes(y)
-        elif op.name == "select_and_scatter_add" and isinstance(op.inputs[1], int):
-            source, operand = op.inputs[0], op.inputs[1]
-            rank = len(nbytes.shape(operand))
-            per_index = nbytes.count(source) * 4  # s32 per window winner and dimension
-            at = producer.get(operand)
-            pool = next((u for u, o in enumerate(graph.ops) if o.name == "reduce_window_max" and operand in o.inputs),
-                        t if at is None else at)
-            # The pooling writes the winners' indices beside its result; they are kept until the gradient.
-            extras.append((rank * per_index, pool, t))
-            # The index iotas, and the zeros the gradient is scattered into, depend on nothing:
-            # XLA makes them at the step's start.
-            extras.append((rank * nbytes.count(operand) * 4, None, pool))
-            extras.append((nbytes(op.outputs[0]), None, t))
-            covered.add((t, operand))  # the gradient scatters by the winners' indices, not the operand
+        if op.name == "conv_general_dilated" and profile.conv_layout_copies:
+            more, temp, reads = _conv_buffers(t, op, producer, materialised, nbytes)
+            if temp:
+                transient[t] = transient.get(t, 0.0) + temp
+        elif op.name == "select_and_scatter_add" and profile.maxpool_index_buffers and isinstance(op.inputs[1], int):
+            more, reads = _pool_buffers(graph, t, op, producer, nbytes)
+        else:
+            continue
+        extras += more
+        covered |= reads
     return extras, transient, covered
+
+
+def _conv_buffers(t: int, op, producer, materialised: set, nbytes) -> tuple[list, float, set]:
+    """A convolution operand in the wrong layout is copied: the copy of a program input is made at
+    the start (XLA schedules it first), others right after the operand; a result in the wrong
+    layout is written to a temporary first (the middle of the returned triple, 0 if none)."""
+    dn = op.params["dimension_numbers"]
+    extras, covered = [], set()
+    for x, spec, kernel in ((op.inputs[0], dn.lhs_spec, False), (op.inputs[1], dn.rhs_spec, True)):
+        if isinstance(x, int) and (x in materialised or x not in producer) and _conv_copy(
+                spec, nbytes.shape(x), kernel):
+            # The copy is made right after the operand (XLA fuses the transpose into its
+            # producer): a forward activation read by a backward convolution is kept, in
+            # the convolution's layout, until then.
+            extras.append((nbytes(x), producer.get(x), t))
+            covered.add((t, x))
+    y = op.outputs[0]
+    temp = nbytes(y) if _conv_copy(dn.out_spec, nbytes.shape(y), False) else 0.0
+    return extras, temp, covered
+
+
+def _pool_buffers(graph: OpGraph, t: int, op, producer, nbytes) -> tuple[list, set]:
+    """``select_and_scatter_add`` is expanded into an argmax over each window next to the forward
+    pooling: index iotas of the operand's shape, and the winners' indices, kept until the gradient."""
+    source, operand = op.inputs[0], op.inputs[1]
+    rank = len(nbytes.shape(operand))
+    per_index = nbytes.count(source) * 4  # s32 per window winner and dimension
+    at = producer.get(operand)
+    pool = next((u for u, o in enumerate(graph.ops) if o.name == "reduce_window_max" and operand in o.inputs),
+                t if at is None else at)
+    extras = [
+        # The pooling writes the winners' indices beside its result; they are kept until the gradient.
+        (rank * per_index, pool, t),
+        # The index iotas, and the zeros the gradient is scattered into, depend on nothing:
+        # XLA makes them at the step's start.
+        (rank * nbytes.count(operand) * 4, None, pool),
+        (nbytes(op.outputs[0]), None, t),
+    ]
+    return extras, {(t, operand)}  # the gradient scatters by the winners' indices, not the operand
 
 
 def _resharded_buffers(program: CapturedProgram, value_specs: dict, operand_specs: dict, mesh) -> list:
@@ -470,7 +506,7 @@ def _combine_all_reduces(nodes, reads, made, size, reduced) -> None:
 
 def estimate_memory(program: CapturedProgram, value_specs: dict, mesh: MeshInfo, *, donated=(),
                     out_specs=None, ties=None, offloaded=(), operand_specs=None,
-                    reduced=frozenset()) -> MemoryEstimate:
+                    reduced=frozenset(), profile: BackendProfile | None = None) -> MemoryEstimate:
     """Per-device peak as XLA accounts it: arguments + outputs + the peak of live temporaries.
 
     XLA allocates the entry's arguments and results apart from its temporaries, for the whole
@@ -491,16 +527,52 @@ def estimate_memory(program: CapturedProgram, value_specs: dict, mesh: MeshInfo,
         where it differs from the value's (``Plan.operand_specs``).
       reduced: value ids the plan all-reduces where they are made (partial sums); XLA
         combines the independent ones (:func:`_combine_all_reduces`).
+      profile: the backend that compiles the plan (:mod:`autoshard.backends`); None: the
+        default backend's (``jax.default_backend()``).
     """
+    if profile is None:
+        import jax
+
+        profile = profile_for(jax.default_backend())
+    entry = _entry_buffers(program, value_specs, mesh, donated=set(donated), out_specs=out_specs,
+                           ties=ties or {}, offloaded=set(offloaded))
+    live = _liveness(program, value_specs, mesh, entry, operand_specs=operand_specs or {}, reduced=reduced,
+                     profile=profile)
+    best = _sweep(live.nodes, live)
+    best = min(best, _sweep(_list_schedule(live), live), key=lambda r: r[0])
+    temp, at = best
+    if at < -1:  # a combined all-reduce: report the op after which it runs
+        at = max((n for n in live.nodes[:live.nodes.index(at)] if n >= -1), default=-1)
+    fixed = entry.fixed
+    breakdown = {k: fixed.get(k, 0.0) for k in ("parameters", "optimizer_state", "inputs", "outputs")}
+    breakdown["intermediates"] = temp
+    return MemoryEstimate(sum(fixed.values()) + temp, breakdown, at + 1, entry.host_bytes)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Entry:
+    """The entry computation's own buffers: arguments and results, allocated for the whole step.
+
+    Attributes:
+      fixed: bytes per breakdown category (parameters, optimizer_state, inputs, outputs).
+      size: offloaded inputs -> bytes of their device copy (temporaries, copied in when read).
+      host_bytes: bytes kept in host memory.
+      out_bytes: result value -> bytes of its own buffer (results not aliased to a donated argument).
+      host_values: result values that move to host memory.
+    """
+
+    fixed: dict
+    size: dict
+    host_bytes: float
+    out_bytes: dict
+    host_values: set
+
+
+def _entry_buffers(program: CapturedProgram, value_specs, mesh, *, donated, out_specs, ties, offloaded) -> _Entry:
     graph = program.graph
-    ops = graph.ops
-    ties = ties or {}
-    donated = set(donated)
-    offloaded = set(offloaded)
     host_outputs = {o for o, i in ties.items() if i in offloaded}
     aliased_outputs = {o for o, i in ties.items() if i in donated} - host_outputs
     host_bytes = 0.0
-
     roles = program_roles(program, ties)
 
     def category(i: int) -> str:
@@ -509,21 +581,16 @@ def estimate_memory(program: CapturedProgram, value_specs: dict, mesh: MeshInfo,
         return "optimizer_state" if roles[i] == "optimizer_state" else "parameters"
 
     fixed: dict[str, float] = {}
-    size: dict[int, float] = {}  # temporaries: value id -> bytes
-    alloc_at: set = set()  # offloaded inputs: copied in before their first reader
-    kept: set = set()  # results: live from their op to the end
+    size: dict[int, float] = {}  # offloaded inputs' device copies
     for i, v in enumerate(graph.invars):
         b = value_bytes(program.avals[v], value_specs.get(v), mesh)
         if i in offloaded:  # a host buffer (two unless donated), and a device copy while in use
             host_bytes += b if i in donated else 2 * b
             size[v] = b
-            alloc_at.add(v)
             continue
         fixed[category(i)] = fixed.get(category(i), 0.0) + b
     for v in program.consts:
         fixed["parameters"] = fixed.get("parameters", 0.0) + value_bytes(program.avals[v], value_specs.get(v), mesh)
-    outputs = {x for x in graph.outvars if isinstance(x, int)}
-    host_values = {graph.outvars[o] for o in host_outputs}
     out_bytes: dict[int, float] = {}  # result buffers not aliased to a donated argument
     for j, x in enumerate(graph.outvars):
         if j in aliased_outputs or j in host_outputs:
@@ -535,24 +602,36 @@ def estimate_memory(program: CapturedProgram, value_specs: dict, mesh: MeshInfo,
             out_bytes[x] = out_bytes.get(x, 0.0) + b
         else:
             fixed["outputs"] = fixed.get("outputs", 0.0) + float(np.asarray(x.value).nbytes)
+    return _Entry(fixed, size, host_bytes, out_bytes, {graph.outvars[o] for o in host_outputs})
 
-    materialised = _materialised(graph, program.avals)
+
+def _liveness(program: CapturedProgram, value_specs, mesh, entry: _Entry, *, operand_specs, reduced,
+              profile: BackendProfile) -> _Liveness:
+    """The temporaries and the ops that write and read them, with the buffers lowering adds."""
+    graph = program.graph
+    ops = graph.ops
+    size = dict(entry.size)  # temporaries: value id -> bytes
+    alloc_at = set(entry.size)  # offloaded inputs: copied in before their first reader
+    kept: set = set()  # results: live from their op to the end
+    outputs = {x for x in graph.outvars if isinstance(x, int)}
+    materialised = _materialised(graph, program.avals, profile)
     reads = _fused_reads(graph, materialised)
     nodes = [t for t, op in enumerate(ops) if not _fusible(op) or any(v in materialised for v in op.outputs)]
     made = {t: tuple(v for v in ops[t].outputs if v in materialised) for t in nodes}
     for t in nodes:
         for v in made[t]:
-            if v not in outputs or v in host_values:
-                size[v] = _aligned(value_bytes(program.avals[v], value_specs.get(v), mesh))
-            elif v in out_bytes:  # the result's buffer, which holds other temporaries before it is written
-                size[v] = out_bytes[v]
+            if v not in outputs or v in entry.host_values:
+                size[v] = _aligned(value_bytes(program.avals[v], value_specs.get(v), mesh), profile)
+            elif v in entry.out_bytes:  # the result's buffer, which holds other temporaries before it is written
+                size[v] = entry.out_bytes[v]
                 kept.add(v)
-    inplace = {t: _fusible(ops[t]) and ops[t].name not in _REDUCTIONS for t in nodes}
-    transient = {t: _graph_peak(ops[t].body, program, value_specs, mesh, 0.0) for t in nodes
+    inplace = {t: _loop_fused(ops[t]) for t in nodes}
+    transient = {t: _graph_peak(ops[t].body, program, value_specs, mesh, profile=profile) for t in nodes
                  if ops[t].body is not None}
-    extras, lowering, covered = _lowering_buffers(graph, materialised, _ShardBytes(program, value_specs, mesh))
+    extras, lowering, covered = _lowering_buffers(graph, materialised, _ShardBytes(program, value_specs, mesh),
+                                                  profile)
     reads = [tuple(v for v in r if (t, v) not in covered) for t, r in enumerate(reads)]
-    extras += _resharded_buffers(program, value_specs, operand_specs or {}, mesh)
+    extras += _resharded_buffers(program, value_specs, operand_specs, mesh)
 
     def scheduled(t):  # a fused op runs inside the next op that is not fused
         return nodes[min(bisect.bisect_left(nodes, t), len(nodes) - 1)]
@@ -564,7 +643,7 @@ def estimate_memory(program: CapturedProgram, value_specs: dict, mesh: MeshInfo,
     reads[start], made[start], inplace[start] = (), (), False
     for k, (b, at, last_reader) in enumerate(extras):
         fake = -2 - k
-        size[fake] = _aligned(b)
+        size[fake] = _aligned(b, profile)
         at = start if at is None else scheduled(at)
         made[at] = made[at] + (fake,)
         reads[scheduled(last_reader)] = reads[scheduled(last_reader)] + (fake,)
@@ -572,12 +651,4 @@ def estimate_memory(program: CapturedProgram, value_specs: dict, mesh: MeshInfo,
     if reduced:
         _combine_all_reduces(nodes, reads, made, size, reduced)
         inplace.update({n: False for n in nodes if n not in inplace})  # the combined all-reduces
-    best = _sweep(nodes, reads, made, size, inplace, transient, alloc_at, kept)
-    order = _list_schedule(nodes, reads, made, size, kept, alloc_at)
-    best = min(best, _sweep(order, reads, made, size, inplace, transient, alloc_at, kept), key=lambda r: r[0])
-    temp, at = best
-    if at < -1:  # a combined all-reduce: report the op after which it runs
-        at = max((n for n in nodes[:nodes.index(at)] if n >= -1), default=-1)
-    breakdown = {k: fixed.get(k, 0.0) for k in ("parameters", "optimizer_state", "inputs", "outputs")}
-    breakdown["intermediates"] = temp
-    return MemoryEstimate(sum(fixed.values()) + temp, breakdown, at + 1, host_bytes)
+    return _Liveness(nodes, reads, made, size, inplace, transient, alloc_at, kept)

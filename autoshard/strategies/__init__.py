@@ -1,11 +1,13 @@
-"""Per-primitive sharding strategy rules.
+"""Per-primitive sharding strategy rules, and the registry of what each primitive is.
 
 Importing this package registers every rule. To support a new primitive, write
 ``rule(op, ctx) -> list[Strategy]`` in the module of its family and decorate it
 with ``@register_strategy("prim_name")`` (``follows=True`` if it should keep its
-main operand's layout). A primitive that is right to run replicated is registered
-with ``register_replicated("prim_name", why=...)``. ``coverage()`` classifies every
-primitive; unregistered ones run replicated, with one warning.
+main operand's layout); give it its other properties (fusion, reduction, contraction,
+flops, ...) with ``register_op("prim_name", ...)`` in the same file. ``op_info(name)``
+returns everything known about a primitive (an :class:`OpInfo`). A primitive that is
+right to run replicated is registered with ``register_replicated("prim_name", why=...)``.
+``coverage()`` classifies every primitive; unregistered ones run replicated, with one warning.
 """
 
 from autoshard.strategies import annotations as _annotations  # noqa: F401  (registers rules)
@@ -28,3 +30,8 @@ from autoshard.strategies.base import registered_primitives as registered_primit
 from autoshard.strategies.base import replicated_strategy as replicated_strategy
 from autoshard.strategies.coverage import coverage as coverage
 from autoshard.strategies.coverage import installed_primitives as installed_primitives
+from autoshard.strategies.opinfo import OpInfo as OpInfo
+from autoshard.strategies.opinfo import is_scan as is_scan
+from autoshard.strategies.opinfo import op_flops as op_flops
+from autoshard.strategies.opinfo import op_info as op_info
+from autoshard.strategies.opinfo import register_op as register_op

@@ -7,7 +7,7 @@ they keep the operand's layout instead of being solved on their own.
 
 Primitives that are right to run replicated are registered with
 :func:`register_replicated`, together with the reason; :func:`autoshard.strategies.coverage`
-reports it.
+reports it. Both fill the primitive's :class:`~autoshard.strategies.opinfo.OpInfo`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import numpy as np
 
 from autoshard.cost import Collective, CostModel
 from autoshard.spec import MeshInfo, ShardingSpec, replicated
+from autoshard.strategies.opinfo import OpInfo, op_info, register_op, registered_ops
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -84,20 +85,11 @@ def itemsize(dtype) -> int:
 
 Rule = Callable[[object, RuleContext], list[Strategy]]
 
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RuleEntry:
-    rule: Rule
-    follows: bool
-
-
-_RULES: dict[str, RuleEntry] = {}
-_REPLICATED_WHY: dict[str, str] = {}
 _REPLICATED_FAMILIES: dict[tuple[str, ...], str] = {}
 
 
 def register_strategy(*names: str, follows: bool = False):
-    """Register ``rule`` as the strategy rule of primitives ``names``.
+    """Register ``rule`` as the strategy rule of primitives ``names`` (their :class:`OpInfo` ``rule``).
 
     Example::
 
@@ -107,9 +99,7 @@ def register_strategy(*names: str, follows: bool = False):
     """
 
     def deco(rule: Rule) -> Rule:
-        for n in names:
-            _RULES[n] = RuleEntry(rule, follows)
-            _REPLICATED_WHY.pop(n, None)
+        register_op(*names, rule=rule, follows=follows, replicated_why=None)
         return rule
 
     return deco
@@ -126,9 +116,7 @@ def register_replicated(*names: str, why: str) -> None:
     """
     if not why:
         raise ValueError(f"register_replicated({', '.join(names)}) needs a reason: why=...")
-    for n in names:
-        _RULES[n] = RuleEntry(_replicated_rule, False)
-        _REPLICATED_WHY[n] = why
+    register_op(*names, rule=_replicated_rule, follows=False, replicated_why=why)
 
 
 def register_replicated_family(*module_prefixes: str, why: str) -> None:
@@ -144,17 +132,20 @@ def _replicated_rule(op, ctx: RuleContext) -> list[Strategy]:
     return [replicated_strategy(ctx, sum(math.prod(s) for s in ctx.out_shapes))]
 
 
-def lookup_rule(name: str) -> RuleEntry | None:
-    return _RULES.get(name)
+def lookup_rule(name: str) -> OpInfo | None:
+    """The :class:`OpInfo` of ``name`` when it has a strategy rule (``.rule``, ``.follows``), else None."""
+    info = op_info(name)
+    return info if info.rule is not None else None
 
 
 def registered_primitives() -> tuple[str, ...]:
-    return tuple(sorted(_RULES))
+    """Primitives with a strategy rule (their own, or the replicated one)."""
+    return tuple(sorted(n for n, info in registered_ops().items() if info.rule is not None))
 
 
 def replicated_reasons() -> dict[str, str]:
     """Primitive name -> why it runs replicated, for those registered with :func:`register_replicated`."""
-    return dict(_REPLICATED_WHY)
+    return {n: info.replicated_why for n, info in registered_ops().items() if info.replicated_why is not None}
 
 
 def replicated_families() -> dict[tuple[str, ...], str]:

@@ -11,12 +11,12 @@ import importlib
 import pkgutil
 import warnings
 
-from autoshard.capture import INLINED
 from autoshard.strategies.base import registered_primitives, replicated_families, replicated_reasons
+from autoshard.strategies.opinfo import registered_ops
 
 # Captured as structure: inlined into the op graph (capture.INLINED), or kept as one structured op
-# whose body the planner solves (scan).
-STRUCTURED_OPS = ("scan",)
+# whose body the planner solves (scan). ``while`` and ``cond`` are structure too, but run replicated.
+STRUCTURAL_KINDS = ("inlined", "scan")
 
 
 @functools.cache
@@ -62,6 +62,7 @@ def coverage() -> dict[str, str]:
     reasons = replicated_reasons()
     for name in registered_primitives():
         out[name] = f"replicated: {reasons[name]}" if name in reasons else "rule"
-    for name in (*INLINED, *STRUCTURED_OPS):
-        out[name] = "structural"
+    for name, info in registered_ops().items():
+        if info.structure in STRUCTURAL_KINDS:
+            out[name] = "structural"
     return out

@@ -22,13 +22,65 @@ from autoshard.strategies.base import (
     register_strategy,
     replicated_strategy,
 )
+from autoshard.strategies.opinfo import register_op
 
 
-def _finish(ctx, name, lhs_spec, rhs_spec, out_placements, k_axes, flops, shards) -> list[Strategy]:
+def dot_flops(dimension_numbers, lhs_shape, out_shape) -> float:
+    """``2 · output elements · contracted size`` of a ``dot_general``."""
+    (lc, _), _ = dimension_numbers
+    return 2.0 * math.prod(out_shape) * math.prod(lhs_shape[d] for d in lc)
+
+
+def conv_flops(dimension_numbers, rhs_shape, out_shape) -> float:
+    """``2 · output elements · (kernel input features · window)`` of a ``conv_general_dilated``
+    (the kernel's input-feature dim already counts one feature group)."""
+    rhs_spec = dimension_numbers.rhs_spec
+    return 2.0 * math.prod(out_shape) * rhs_shape[rhs_spec[1]] * math.prod(rhs_shape[d] for d in rhs_spec[2:])
+
+
+def _shape(x, avals) -> tuple[int, ...]:
+    return tuple(x.shape) if not isinstance(x, int) else tuple(avals[x].shape)  # a Const literal has its own
+
+
+def _dot_op_flops(op, avals) -> float:
+    return dot_flops(op.params["dimension_numbers"], _shape(op.inputs[0], avals), _shape(op.outputs[0], avals))
+
+
+def _conv_op_flops(op, avals) -> float:
+    return conv_flops(op.params["dimension_numbers"], _shape(op.inputs[1], avals), _shape(op.outputs[0], avals))
+
+
+def _dot_contracted(op) -> tuple[int, ...]:
+    return tuple(op.params["dimension_numbers"][0][0])
+
+
+def _conv_contracted(op) -> tuple[int, ...]:
+    if op.params["feature_group_count"] == 1 and op.params["batch_group_count"] == 1:
+        return (op.params["dimension_numbers"].lhs_spec[1],)
+    return ()
+
+
+register_op("dot_general", contraction=True, contracted_dims=_dot_contracted, flops=_dot_op_flops)
+register_op("conv_general_dilated", contraction=True, contracted_dims=_conv_contracted, flops=_conv_op_flops)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Roles:
+    """One role assignment of the mesh axes: operand layouts, output placements, contracted axes."""
+
+    lhs: ShardingSpec
+    rhs: ShardingSpec
+    out_placements: tuple
+    k_axes: tuple
+    shards: int
+
+
+def _finish(ctx, name, roles: _Roles, flops) -> list[Strategy]:
     """Strategies for one role assignment: all-reduce the partial sums, or reduce-scatter them."""
+    lhs_spec, rhs_spec, k_axes = roles.lhs, roles.rhs, roles.k_axes
     out_rank = len(ctx.out_shapes[0])
-    base_out = assign_axes(out_rank, out_placements)
-    compute = ctx.compute_time(flops, shards)
+    base_out = assign_axes(out_rank, roles.out_placements)
+    compute = ctx.compute_time(flops, roles.shards)
     if not k_axes:
         return [Strategy(name, (lhs_spec, rhs_spec), (base_out,), compute=compute)]
     nbytes = ctx.out_bytes() / base_out.num_shards(ctx.mesh)
@@ -74,7 +126,7 @@ def _placements(ctx: RuleContext, roles, lshape, rshape):
         if not (divides(lshape, lhs_spec, ctx.mesh) and divides(rshape, rhs_spec, ctx.mesh)):
             continue
         shards = ctx.mesh.axes_size([a for a, ri in zip(axes, choice, strict=True) if ri != 0])
-        yield lhs_spec, rhs_spec, op_, k_axes, shards
+        yield _Roles(lhs_spec, rhs_spec, tuple(op_), tuple(k_axes), shards)
 
 
 @register_strategy("dot_general")
@@ -93,10 +145,10 @@ def _dot_strategies(ctx: RuleContext, dimension_numbers) -> list[Strategy]:
     roles += [(d, None, len(lb) + i, False) for i, d in enumerate(lfree)]
     roles += [(None, d, len(lb) + len(lfree) + i, False) for i, d in enumerate(rfree)]
     roles += [(dl, dr, None, True) for dl, dr in zip(lc, rc, strict=True)]
-    flops = 2.0 * math.prod(ctx.out_shapes[0]) * math.prod(lshape[d] for d in lc)
+    flops = dot_flops(dimension_numbers, lshape, ctx.out_shapes[0])
     out = []
-    for lhs_spec, rhs_spec, op_, k_axes, shards in _placements(ctx, roles, lshape, rshape):
-        out.extend(_finish(ctx, f"{lhs_spec}x{rhs_spec}", lhs_spec, rhs_spec, op_, k_axes, flops, shards))
+    for r in _placements(ctx, roles, lshape, rshape):
+        out.extend(_finish(ctx, f"{r.lhs}x{r.rhs}", r, flops))
     return out
 
 
@@ -120,9 +172,7 @@ def _conv(op, ctx: RuleContext) -> list[Strategy]:
         roles.append((lhs_f, rhs_i, None, True, 1))
     else:
         roles.append((lhs_f, rhs_o, out_f, False, groups))
-    flops = 2.0 * math.prod(ctx.out_shapes[0]) * rshape[rhs_i] * math.prod(
-        rshape[d] for d in dn.rhs_spec[2:]
-    )
+    flops = conv_flops(dn, rshape, ctx.out_shapes[0])
     axes = ctx.mesh.active_axes
     out = []
     for choice in itertools.product(range(len(roles)), repeat=len(axes)):
@@ -136,7 +186,8 @@ def _conv(op, ctx: RuleContext) -> list[Strategy]:
         if not divides(ctx.out_shapes[0], assign_axes(len(ctx.out_shapes[0]), op_), ctx.mesh):
             continue
         shards = ctx.mesh.axes_size([a for a, ri in zip(axes, choice, strict=True) if ri != 0])
-        out.extend(_finish(ctx, f"{lhs_spec}*{rhs_spec}", lhs_spec, rhs_spec, op_, k_axes, flops, shards))
+        out.extend(_finish(ctx, f"{lhs_spec}*{rhs_spec}", _Roles(lhs_spec, rhs_spec, tuple(op_), tuple(k_axes), shards),
+                           flops))
     return out
 
 
@@ -172,8 +223,8 @@ def _ragged_dot_general(op, ctx: RuleContext) -> list[Strategy]:
     roles += [(None, d, base + len(lfree) + i, False) for i, d in enumerate(rfree)]
     roles += [(dl, dr, None, True) for dl, dr in zip(lc, rc, strict=True) if dl != ragged]
     out = []
-    for lhs_spec, rhs_spec, op_, k_axes, shards in _placements(ctx, roles, lshape, rshape):
-        for s in _finish(ctx, f"{lhs_spec}x{rhs_spec}", lhs_spec, rhs_spec, op_, k_axes, flops, shards):
+    for r in _placements(ctx, roles, lshape, rshape):
+        for s in _finish(ctx, f"{r.lhs}x{r.rhs}", r, flops):
             if "|RS" not in s.name:  # the group-wise partial sums are all-reduced whole
                 out.append(dataclasses.replace(s, in_specs=(*s.in_specs, gs_spec)))
     return out

@@ -7,6 +7,7 @@ import math
 from autoshard.cost import ELEMENTWISE_FLOPS_PER_ELEMENT
 from autoshard.spec import ShardingSpec, candidate_specs, replicated
 from autoshard.strategies.base import RuleContext, Strategy, register_strategy
+from autoshard.strategies.opinfo import register_op
 
 ELEMENTWISE = (
     "abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp clz complex conj "
@@ -53,3 +54,9 @@ def elementwise_strategies(op, ctx: RuleContext) -> list[Strategy]:
 
 
 register_strategy(*ELEMENTWISE, follows=True)(elementwise_strategies)
+
+# Elementwise ops XLA's fusion deems expensive (instruction_fusion.cc IsExpensive): it will not
+# duplicate them into several consumers, so their result is materialised once.
+EXPENSIVE = ("exp exp2 expm1 log log1p logistic tanh erf erfc erf_inv pow sqrt rsqrt cbrt div atan2 "
+             "lgamma digamma igamma igammac").split()
+register_op(*EXPENSIVE, expensive=True)

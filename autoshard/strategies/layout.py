@@ -12,6 +12,17 @@ import math
 
 from autoshard.spec import ShardingSpec, candidate_specs, replicated
 from autoshard.strategies.base import RuleContext, Strategy, divides, drop_axes, register_strategy
+from autoshard.strategies.opinfo import register_op
+
+# A broadcast is recomputed per element inside its readers' fusion (never written out), and its
+# layout is one readers should not follow.
+register_op("broadcast_in_dim", fused_source=True, weak_layout=True)
+# Reshapes of a buffer are bitcasts: they name the same bytes.
+register_op("reshape", "squeeze", "expand_dims", bitcast=True)
+# Windowed reductions run on their own (XLA wraps each in a fusion of one op), so their operands
+# are buffers.
+register_op("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window",
+            "select_and_scatter_add", "select_and_gather_add", windowed=True)
 
 
 def _main_shape(ctx):

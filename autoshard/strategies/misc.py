@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from autoshard.capture import INLINED
 from autoshard.spec import candidate_specs, replicated
 from autoshard.strategies.base import (
     RuleContext,
@@ -17,6 +18,7 @@ from autoshard.strategies.base import (
     register_strategy,
     replicated_strategy,
 )
+from autoshard.strategies.opinfo import op_flops, register_op
 
 register_replicated(
     "while", "cond", "custom_linear_solve", "composite", "remat_opt", "linear_call", "custom_vmap_call",
@@ -95,6 +97,28 @@ register_replicated_family(
     "jax._src.pallas", "jax.experimental.pallas", "jax.experimental.mosaic", "jax._src.tpu_custom_call",
     why="a kernel-language primitive: it exists only inside a Pallas/Mosaic kernel body, which runs as one op",
 )
+
+
+
+
+def _scan_flops(op, avals) -> float:
+    """A scan's body flops, once per iteration."""
+    if op.body is None:
+        return float(sum(math.prod(getattr(avals[v], "shape", ())) for v in op.outputs))
+    return sum(op_flops(o, avals) for o in op.body.ops) * int(op.params.get("length", 1))
+
+
+# Structure: capture inlines calls (capture.INLINED) and keeps a scan as one op over a body the
+# planner solves; while and cond are opaque, re-bound as they are. Remat duplicates neither them nor
+# effects (callbacks).
+register_op(*INLINED, structure="inlined")
+register_op("scan", structure="scan", flops=_scan_flops)
+register_op("while", structure="while", duplicable=False)
+register_op("cond", structure="cond", duplicable=False)
+register_op("debug_callback", "io_callback", duplicable=False)
+# An iota is computed inside its readers' fusion; a remat fence leads its own node (see remat.py).
+register_op("iota", fused_source=True, weak_layout=True)
+register_op("optimization_barrier", weak_layout=True)
 
 
 def identity_strategies(ctx: RuleContext) -> list[Strategy]:

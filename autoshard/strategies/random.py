@@ -17,6 +17,10 @@ import math
 from autoshard.spec import ShardingSpec, candidate_specs, replicated
 from autoshard.strategies.base import RuleContext, Strategy, register_strategy
 from autoshard.strategies.elementwise import elementwise_strategies
+from autoshard.strategies.opinfo import register_op
+
+# A dropout mask is as big as the activation it masks: its layout is not one to follow.
+register_op("random_bits", weak_layout=True)
 
 
 def _leading(spec: ShardingSpec, in_shape, out_shape) -> ShardingSpec:

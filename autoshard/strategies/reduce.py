@@ -7,6 +7,13 @@ import math
 from autoshard.cost import ELEMENTWISE_FLOPS_PER_ELEMENT
 from autoshard.spec import ShardingSpec, candidate_specs, replicated
 from autoshard.strategies.base import RuleContext, Strategy, register_strategy
+from autoshard.strategies.opinfo import register_op
+
+# Reductions take their producers into the same fusion (XLA's input fusion), but their own
+# result is written to a buffer: XLA does not fuse a reduce into its consumers.
+register_op(*("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin "
+              "reduce_window_sum reduce_window_max reduce_window_min reduce_window cumsum cumprod cummax cummin "
+              "cumlogsumexp select_and_scatter_add select_and_gather_add sort").split(), reduction=True)
 
 
 @register_strategy("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",

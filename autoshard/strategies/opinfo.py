@@ -1,0 +1,143 @@
+"""What autoshard knows about a primitive: one :class:`OpInfo` per primitive name.
+
+Every pass that needs to know what a primitive is asks this registry, never a list of names of
+its own: the planner (the strategy rule, ``follows``, weak layout sources, contractions), the
+memory estimate (what XLA fuses, reductions, expensive ops, bitcasts), remat (what may be
+recomputed, flops), the layer clusterer (flops) and lowering (contractions, scans).
+
+Properties are registered beside the rules of their family (``strategies/*.py``), with
+:func:`register_op`; :func:`~autoshard.strategies.register_strategy` and
+:func:`~autoshard.strategies.register_replicated` fill the ``rule`` of the same entry. A new
+primitive is one file: its rule and its properties.
+
+Example::
+
+    from autoshard.strategies import op_info, register_op, register_strategy
+
+    @register_strategy("my_matmul")
+    def _my_matmul(op, ctx): ...
+
+    register_op("my_matmul", contraction=True, flops=lambda op, avals: 2.0 * ...)
+    assert op_info("my_matmul").contraction
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+Flops = Callable[[object, object], float]
+"""``flops(op, avals) -> float``: the unsharded flops of one op (``avals`` indexed by value id)."""
+
+STRUCTURES = ("scan", "while", "cond", "inlined")
+"""Structural kinds: ``scan`` (captured as one op over a body the planner solves), ``while`` and
+``cond`` (opaque control flow, re-bound as is), ``inlined`` (calls whose body capture inlines:
+``jit``, ``custom_jvp_call``, ``custom_vjp_call``, ``remat2``, ...)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OpInfo:
+    """Everything autoshard knows about one primitive.
+
+    Attributes:
+      name: the primitive's name.
+      rule: ``rule(op, ctx) -> list[Strategy]``; None: no rule (runs replicated with a warning).
+      follows: the planner merges the op into the producer of its main operand (Alpa's followers).
+      replicated_why: why running replicated is right, for primitives registered so.
+      weak_layout: a layout source readers should not follow (a broadcast, an iota, random bits,
+        a remat fence): when picking a follower's main operand, others win.
+      fused_source: XLA computes it inside its readers' fusion although its rule is not a follower
+        (a broadcast, an iota): it is recomputed per element, never written out.
+      reduction: XLA takes its producers into its fusion but writes its own result to a buffer.
+      windowed: runs as a fusion of its own (a windowed reduction): its operands are buffers.
+      expensive: XLA's fusion will not duplicate it into several readers (instruction_fusion.cc
+        ``IsExpensive``): read twice, it is materialised once.
+      bitcast: a reshape of a buffer that names the same bytes.
+      contraction: a matmul-like op (the planner's terminal-op rule, remat's matmul flops floor,
+        lowering's summed layout).
+      contracted_dims: ``(op) -> dims`` of the left operand a contraction sums over.
+      flops: ``flops(op, avals)``; None: one per output element.
+      duplicable: remat may recompute it (not a side effect, not opaque control flow).
+      structure: one of :data:`STRUCTURES`, or None for an ordinary op.
+    """
+
+    name: str
+    rule: Callable | None = None
+    follows: bool = False
+    replicated_why: str | None = None
+    weak_layout: bool = False
+    fused_source: bool = False
+    reduction: bool = False
+    windowed: bool = False
+    expensive: bool = False
+    bitcast: bool = False
+    contraction: bool = False
+    contracted_dims: Callable | None = None
+    flops: Flops | None = None
+    duplicable: bool = True
+    structure: str | None = None
+
+    def __post_init__(self):
+        if self.structure is not None and self.structure not in STRUCTURES:
+            raise ValueError(f"OpInfo({self.name!r}): structure={self.structure!r} is not one of {STRUCTURES}. "
+                             f"Fix: use one of them, or None for an ordinary op.")
+
+    @property
+    def fusible(self) -> bool:
+        """XLA fuses it into its readers (loop fusion): a follower-rule op or a fused source."""
+        return self.follows or self.fused_source
+
+
+_INFO: dict[str, OpInfo] = {}
+
+
+def register_op(*names: str, **properties) -> None:
+    """Set ``properties`` (fields of :class:`OpInfo`) of primitives ``names``; others keep their value.
+
+    Example::
+
+        register_op("exp", "log", expensive=True)
+    """
+    unknown = set(properties) - {f.name for f in dataclasses.fields(OpInfo)} - {"name"}
+    if unknown or "name" in properties:
+        raise TypeError(f"register_op({', '.join(names)}): {sorted(unknown | ({'name'} & set(properties)))} "
+                        f"are not OpInfo properties. Fix: use fields of autoshard.strategies.OpInfo.")
+    for n in names:
+        _INFO[n] = dataclasses.replace(_INFO.get(n) or OpInfo(n), **properties)
+
+
+def op_info(name: str) -> OpInfo:
+    """The :class:`OpInfo` of primitive ``name`` (a default one, with no rule, if nothing is registered).
+
+    Example:
+        >>> from autoshard.strategies import op_info
+        >>> op_info("dot_general").contraction
+        True
+    """
+    info = _INFO.get(name)
+    return info if info is not None else OpInfo(name)
+
+
+def registered_ops() -> dict[str, OpInfo]:
+    """Every primitive with a registry entry, by name."""
+    return dict(_INFO)
+
+
+def elements(aval) -> int:
+    return math.prod(getattr(aval, "shape", ()))
+
+
+def op_flops(op, avals) -> float:
+    """Unsharded flops of one op: its :attr:`OpInfo.flops`, else one per output element.
+
+    The one flop count that remat, the layer clusterer and the pipeline's stage costs use."""
+    info = op_info(op.name)
+    if info.flops is not None:
+        return float(info.flops(op, avals))
+    return float(sum(elements(avals[v]) for v in op.outputs))
+
+
+def is_scan(op) -> bool:
+    """A ``scan`` captured with its body (capture keeps it as one op over a nested graph)."""
+    return op.body is not None and op_info(op.name).structure == "scan"

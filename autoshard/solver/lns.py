@@ -44,6 +44,8 @@ class WindowSearch:
         self.improved = 0
         # nodes inside a window solved to optimality, without a gain, since the last gain
         self.settled = np.zeros(n, dtype=bool)
+        # a window holding every core node was solved to optimality: the choice is optimal
+        self.proven = False
 
     def _group(self, k: int) -> tuple:
         g = self.groups.get(k)
@@ -153,6 +155,8 @@ class WindowSearch:
             options={"time_limit": max(time_limit, 0.05), "mip_rel_gap": 1e-7},
         )
         self.windows += 1
+        if res.status == 0 and free.all():
+            self.proven = True  # the whole core in one window, solved to optimality
         if res.x is None or res.fun >= old - 1e-9 * max(1.0, abs(old)):
             if res.status == 0:  # proven: no cheaper choice for these nodes given the rest
                 self.settled |= free
@@ -219,7 +223,8 @@ class WindowSearch:
         )
         return scipy.optimize.LinearConstraint(mat, -np.inf, cap)
 
-    def run(self, deadline: float, window_size: int, window_time: float, log=None, hot=None) -> None:
+    def run(self, deadline: float, window_size: int, window_time: float, log=None, hot=None,
+            grow: bool = False, adopt=None) -> None:
         """Re-solve windows until ``deadline``, or until the search has stalled.
 
         Stalled (:attr:`stalled`): since the last gain, every node has been in a
@@ -229,12 +234,28 @@ class WindowSearch:
 
         ``hot``, when given, returns nodes to seed windows at (refreshed every
         few windows), e.g. the endpoints of forbidden pairs still in use.
+
+        With ``grow``, a stall doubles the window size and time and the search goes
+        on until ``deadline``; it ends early only once a window holding the whole
+        core was solved to optimality (:attr:`proven`). ``adopt``, when given, is
+        called every few windows and may replace ``self.state`` by a cheaper one
+        (an incumbent shared by another worker).
         """
+        n = self.state.red.num_core
         # seconds a window spends outside HiGHS's time limit (building the
         # model, reading the answer): on a loaded machine, large cores ran a
         # full second past the deadline without this
         overhead = 0.05
-        while time.perf_counter() + 2 * overhead + 0.05 < deadline and not self.stalled:
+        while time.perf_counter() + 2 * overhead + 0.05 < deadline and not self.proven:
+            if self.stalled:
+                if not grow or window_size >= n:
+                    break
+                window_size, window_time = min(2 * window_size, n), 2 * window_time
+                self.settled[:] = False
+                if log is not None:
+                    log(f"lns: stalled, windows of {window_size} nodes from now on")
+            if adopt is not None and self.windows % 10 == 0:
+                adopt(self)
             t0 = time.perf_counter()
             if hot is not None and self.windows % 5 == 0:
                 self.hot = hot()

@@ -197,3 +197,46 @@ def solve_milp(
         out[k] = int(np.argmax(res.x[off[k] : off[k] + sizes[k]]))
     obj = float(res.fun) if peak else float(res.fun) + const
     return MilpResult(out, status, obj, bound + (0.0 if peak else const))
+
+
+def restrict(red: Reduction, keep: list[np.ndarray]) -> Reduction:
+    """The core with node ``k`` limited to its strategies ``keep[k]`` (core-local indices, sorted).
+
+    A choice of the restricted core maps back as ``keep[k][choice[k]]``; its
+    ``alive`` lists are left as they are (the restricted core is never expanded).
+    """
+    mem = tuple(None if m is None else m[kp] for m, kp in zip(red.node_memory, keep, strict=True))
+    return dataclasses.replace(
+        red,
+        node_costs=tuple(c[kp] for c, kp in zip(red.node_costs, keep, strict=True)),
+        edge_costs=tuple(m[np.ix_(keep[u], keep[v])] for (u, v), m in zip(red.edges, red.edge_costs, strict=True)),
+        node_memory=mem,
+        records=(),
+    )
+
+
+def promising(red: Reduction, choice: np.ndarray, local: list[np.ndarray], width: int) -> list[np.ndarray]:
+    """Per core node, about ``width`` strategies worth a restricted MILP, always including ``choice``'s.
+
+    Half are the cheapest given the neighbours' current strategies (``local``, the
+    node's local cost vectors), half the cheapest optimistically (node cost plus
+    each incident edge's cheapest entry in that row); the least-memory strategy is kept too, so the
+    restricted core can still fit where the limit binds.
+    """
+    opt = [c.copy() for c in red.node_costs]
+    for (u, v), m in zip(red.edges, red.edge_costs, strict=True):
+        opt[u] += np.min(m, axis=1)
+        opt[v] += np.min(m, axis=0)
+    keep = []
+    half = max(width // 2, 1)
+    for k, c in enumerate(red.node_costs):
+        if c.size <= width:
+            keep.append(np.arange(c.size))
+            continue
+        pick = {int(choice[k])}
+        pick.update(np.argsort(local[k], kind="stable")[:half].tolist())
+        pick.update(np.argsort(opt[k], kind="stable")[: width - half].tolist())
+        if red.node_memory[k] is not None:
+            pick.add(int(np.argmin(red.node_memory[k])))
+        keep.append(np.array(sorted(pick), dtype=np.int64))
+    return keep

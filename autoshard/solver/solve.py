@@ -9,6 +9,12 @@ Cores too large for one MILP: without memory rows, multi-start forest descents
 (:mod:`forest`); with them, the memory-priced searches of :mod:`penalty`
 (lagrangian descent, then guarded descents, then a second start from the
 uniform penalty search), and MILP windows (:mod:`lns`) with the time left.
+Mid-sized memory cores (few nodes, big matrices) get the penalty search, guarded
+descents, one time-limited MILP over the whole core, then windows.
+
+No search returns before the deadline unless its answer is proven optimal (by
+the MILP, or by a window holding the whole core). With more than one worker,
+large cores are searched in several processes (:mod:`parallel`).
 """
 
 from __future__ import annotations
@@ -19,12 +25,13 @@ import time
 import numpy as np
 
 from autoshard.errors import InfeasibleError
-from autoshard.solver.bp import MinSumBP
+from autoshard.solver.bp import MinSumBP, trivial_bound
 from autoshard.solver.forest import forest_ils
 from autoshard.solver.lns import WindowSearch
 from autoshard.solver.local import CoreState, greedy, min_memory_choice
 from autoshard.solver.memory import MemoryRows, memory_rows
-from autoshard.solver.milp import solve_milp
+from autoshard.solver.milp import promising, restrict, solve_milp
+from autoshard.solver.parallel import MIN_PARALLEL_SECONDS, default_workers, search_in_workers
 from autoshard.solver.penalty import (
     FORBIDDEN,
     guarded_descent,
@@ -51,6 +58,9 @@ _WINDOW_SECONDS = 2.0
 # Large memory-constrained cores: smaller, quicker windows (more of them per second).
 _WINDOW_NODES_LARGE = 100
 _WINDOW_SECONDS_LARGE = 1.0
+# Mid-sized memory cores (big matrices): smaller windows still (they grow on a stall).
+_WINDOW_NODES_MID = 30
+_WINDOW_SECONDS_MID = 0.5
 # Large memory-constrained cores start from the choice under the uniform memory
 # multiplier plain_scale * 2**this (contest M: cost 5.5e10, far over the limit).
 _LAGRANGE_START = 4.0
@@ -71,9 +81,21 @@ _GAP = 1e-6
 # decode came within 7; on random dense cores they never settle, and its best decode
 # still improved after 30-40 rounds without gain, so "no gain for k rounds" would not do).
 _BP_TOL = 1e-4
-# Forest restarts stop once the last max(this, r) of them found nothing, r being the
-# restart that found the best (see forest_ils).
-_FOREST_STALL = 5
+# Large memory-constrained cores: belief propagation's dual bound (memory ignored) gets
+# this share of the time at the end, at most this many seconds and rounds.
+_BOUND_SHARE = 0.02
+_BOUND_SECONDS = 3.0
+_BOUND_ROUNDS = 60
+# Mid-sized memory cores (too many cells for the plain MILP path, at most _FULL_MILP_NODES
+# nodes): guarded descents get this share of the time after the penalty search, then one
+# MILP over the whole core this share of the rest, then MILP windows to the deadline.
+_MID_DESCENT_SHARE = 0.15
+# ... then MILPs over the most promising _RESTRICT_WIDTH, 2x, 4x, ... strategies per node, each
+# with this share of the time left, up to the last one over all strategies; the windows
+# keep _MID_WINDOW_SHARE of the time.
+_RESTRICT_WIDTH = 4
+_RESTRICT_SHARE = 0.3
+_MID_WINDOW_SHARE = 0.3
 
 
 def solve(
@@ -81,6 +103,7 @@ def solve(
     *,
     time_limit: float = 10.0,
     seed: int = 0,
+    workers: int | None = None,
     verbose: bool = False,
 ) -> ShardingSolution:
     """Pick one strategy per node at least total cost under the memory limit.
@@ -89,20 +112,25 @@ def solve(
       problem: the problem.
       time_limit: wall-clock budget in seconds; 0 asks for an immediate
         best-effort answer (reductions plus a greedy pass).
-      seed: seeds the randomised parts; the result is deterministic for a given
-        seed whenever the budget is not the binding stop.
+      seed: seeds the randomised parts; with ``workers=1`` the result is
+        deterministic for a given seed whenever the budget is not the binding stop.
+      workers: processes searching at once (None: the cores this process may run
+        on). Cores too large for one MILP, with at least a few seconds left, are
+        searched by that many worker processes with different searches that share
+        their incumbents; everything else runs in this process.
       verbose: print progress lines.
 
     Returns:
       The best solution found. ``feasible`` is False only when no feasible choice
       was found in time (none is proven impossible). The search returns before
-      ``time_limit`` when it is done; ``stats["stop"]`` says why it stopped:
-      ``"optimal"`` (proven, also when the reductions left no core), ``"gap"``
-      (the MILP's relative gap closed to within 1e-6; also ``optimal``),
-      ``"stalled"`` (the searches stopped improving: forest restarts or a full
-      pass of MILP windows found nothing cheaper) or ``"time_limit"``.
-      ``stats["bound"]`` (a lower bound on the cost) and ``stats["gap"]``
-      (``(cost - bound) / cost``) are there when a MILP gave a bound.
+      ``time_limit`` only when its answer is proven optimal; ``stats["stop"]``
+      says why it stopped: ``"optimal"`` (proven, also when the reductions left
+      no core), ``"gap"`` (the relative gap to the lower bound closed to within
+      1e-6; also ``optimal``) or ``"time_limit"``. ``stats["bound"]`` (a lower
+      bound on the cost: the MILP's, or belief propagation's dual bound with
+      memory ignored) and ``stats["gap"]`` (``(cost - bound) / cost``) come with
+      every answer that has a finite cost; ``stats["elapsed"]`` is the time the
+      solve took by its own clock and ``stats["time_limit"]`` the limit it had.
 
     Raises:
       InfeasibleError: a node has no finite-cost strategy, the infinite edge
@@ -114,7 +142,7 @@ def solve(
       >>> p = ShardingProblem(node_costs=(np.array([1.0, 2.0]), np.array([3.0, 0.0])),
       ...                     edges=np.array([[0, 1]]),
       ...                     edge_costs=(np.array([[0.0, 5.0], [0.0, 0.0]]),))
-      >>> sol = solve(p)
+      >>> sol = solve(p, workers=1)
       >>> sol.choice.tolist(), sol.cost
       ([1, 1], 2.0)
     """
@@ -125,7 +153,8 @@ def solve(
     n = problem.num_nodes
     if n == 0:
         return ShardingSolution(np.zeros(0, dtype=np.int64), 0.0, 0.0, True, True, 0.0,
-                                {"stop": "optimal", "bound": 0.0, "gap": 0.0})
+                                {"stop": "optimal", "bound": 0.0, "gap": 0.0, "elapsed": 0.0,
+                                 "time_limit": float(time_limit)})
     with_memory = (
         problem.memory_limit is not None and problem.node_memory is not None and problem.intervals is not None
     )
@@ -139,14 +168,20 @@ def solve(
         stats.update(memory_points=rows.num_points)
     log(f"reduced {n} nodes / {problem.num_edges} edges to a core of {red.num_core} / {len(red.edges)}")
 
-    core = _solve_core(problem, red, rows, deadline, seed, log, stats)
+    count = default_workers() if workers is None else max(int(workers), 1)
+    if count > 1 and red.num_core and is_big(red) and deadline - time.perf_counter() > MIN_PARALLEL_SECONDS:
+        core = CoreAnswer(**search_in_workers(red, rows, deadline, seed, count, stats, verbose=verbose, log=log))
+    else:
+        core = search_core(red, rows, deadline, seed, log, stats)
+    if core.infeasible:
+        _raise_infeasible(problem, red, deadline)
     optimal = core.optimal
     choice = red.expand(core.choice, n)
     cost = problem.cost(choice)
     if np.isfinite(core.bound) and np.isfinite(cost):
         # the reductions are exact: the full cost is the core's plus a constant
         bound = min(core.bound + cost - core.cost, cost) if optimal else core.bound + cost - core.cost
-        stats.update(bound=bound, gap=_relative_gap(cost, bound))
+        stats.update(bound=bound, gap=relative_gap(cost, bound))
     elif optimal:
         stats.update(bound=cost, gap=0.0)
     peak = problem.peak_memory(choice)
@@ -155,69 +190,145 @@ def solve(
         # Every usage left is strategy-independent, so this peak is the least one.
         raise _memory_error(problem, peak, exact=True)
     log(f"cost {cost:.6g}, peak memory {peak:.6g}, feasible {feasible}, optimal {optimal and feasible}")
+    seconds = time.perf_counter() - start
+    stats.update(elapsed=seconds, time_limit=float(time_limit))
     return ShardingSolution(
         choice=choice,
         cost=cost,
         peak_memory=peak,
         feasible=feasible,
         optimal=bool(optimal and feasible),
-        seconds=time.perf_counter() - start,
+        seconds=seconds,
         stats=stats,
     )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class _CoreAnswer:
-    """The core search's answer: its choice, that choice's core cost, and a lower bound (or nan)."""
+class CoreAnswer:
+    """The core search's answer: its choice, that choice's core cost, and a lower bound (or nan).
+
+    ``infeasible`` is True when the core MILP proved that no choice exists (the
+    caller then says why, on the original problem).
+    """
 
     choice: np.ndarray
     cost: float
     optimal: bool
     bound: float = np.nan
+    infeasible: bool = False
 
 
-def _relative_gap(cost: float, bound: float) -> float:
+class NoSharing:
+    """A search in one process: there is no other search to share incumbents with."""
+
+    def post(self, state: CoreState) -> None:
+        """Offer a feasible incumbent to the other searches."""
+
+    def poll(self) -> np.ndarray | None:
+        """The newest incumbent choice another search found, or None."""
+        return None
+
+
+def relative_gap(cost: float, bound: float) -> float:
     """``(cost - bound) / |cost|``, at least 0; inf without a finite cost and bound."""
     if not (np.isfinite(cost) and np.isfinite(bound)):
         return np.inf
     return max(cost - bound, 0.0) / max(abs(cost), 1e-300)
 
 
-def _solve_core(
-    problem: ShardingProblem,
+def is_big(red: Reduction) -> bool:
+    """Whether the core is too large for one MILP over all of it (see ``_FULL_MILP_CELLS``)."""
+    return red.num_core > _FULL_MILP_NODES or _cells(red) > _FULL_MILP_CELLS
+
+
+def _cells(red: Reduction) -> int:
+    return sum(c.size for c in red.node_costs) + sum(m.size for m in red.edge_costs)
+
+
+def search_core(
     red: Reduction,
     rows: MemoryRows | None,
     deadline: float,
     seed: int,
     log,
     stats: dict,
-) -> _CoreAnswer:
-    """Search the reduced core; records in ``stats["stop"]`` why the search stopped."""
+    *,
+    variant: int | None = None,
+    share=None,
+) -> CoreAnswer:
+    """Search the reduced core until ``deadline`` or a proof of optimality.
+
+    Records in ``stats["stop"]`` why the search stopped ("optimal", "gap" or
+    "time_limit"). ``variant`` is None for the one search of a single process;
+    parallel workers pass their index and split the searches between them
+    (:mod:`autoshard.solver.parallel`), offering and taking incumbents through
+    ``share`` (see :class:`NoSharing`).
+    """
+    share = NoSharing() if share is None else share
     if red.num_core == 0:
         stats.update(stop="optimal")
-        return _CoreAnswer(np.zeros(0, dtype=np.int64), 0.0, True, 0.0)
-    now = start_time = time.perf_counter()
-    bound = np.nan  # a lower bound on the core's cost, once a MILP gives one
-    cells = sum(c.size for c in red.node_costs) + sum(m.size for m in red.edge_costs)
-    big = red.num_core > _FULL_MILP_NODES or cells > _FULL_MILP_CELLS
-    stats.update(core_cells=cells)
+        return CoreAnswer(np.zeros(0, dtype=np.int64), 0.0, True, 0.0)
+    start_time = time.perf_counter()
+    big = is_big(red)
+    stats.update(core_cells=_cells(red))
     if rows is None and big:
-        # No memory limit: many short forest descents (exact DP over random
-        # induced forests) from random starts beat MILP windows by far here.
-        # Belief propagation gives the first descent a far better start than the
-        # per-node argmins (contest A without its limit: 5.5e9 vs 7.8e10 after 40 s).
-        red = soften(red)
-        bp = MinSumBP(red)
-        bp_choice, bp_cost = bp.run(now + _BP_SHARE * max(deadline - now, 0.0), max_rounds=_BP_ROUNDS,
-                                    tol=_BP_TOL)
-        log(f"belief propagation: {bp.rounds} rounds, cost {bp_cost:.6g}")
-        found = forest_ils(CoreState(red, None, bp_choice), deadline - _MARGIN, seed, stall=_FOREST_STALL, log=log)
-        stats.update(bp_rounds=bp.rounds, forest_restarts=found.restarts,
-                     stop="stalled" if found.stalled else "time_limit")
-        return _CoreAnswer(found.state.choice, found.state.total_cost(), False)
+        answer = _memory_free_large(red, deadline, seed, log, stats)
+    else:
+        # a memory-constrained large core's bound comes from belief propagation, first (building
+        # it takes a while on big matrices; at the end that could overrun the deadline)
+        lb = np.nan
+        if big:
+            lb = _bp_bound(soften(red), start_time + min(_BOUND_SHARE * max(deadline - start_time, 0.0),
+                                                         _BOUND_SECONDS))
+        answer = _memory_core(red, rows, start_time, deadline, seed, log, stats, variant, share)
+        if np.isfinite(lb) and not answer.optimal and not answer.infeasible:
+            if not np.isfinite(answer.bound) or lb > answer.bound:
+                answer = dataclasses.replace(answer, bound=lb)
+    if not answer.optimal and not answer.infeasible and relative_gap(answer.cost, answer.bound) <= _GAP:
+        stats.update(stop="gap")
+        answer = dataclasses.replace(answer, optimal=True)
+    stats.setdefault("stop", "time_limit")
+    return answer
+
+
+def _bp_bound(red: Reduction, deadline: float) -> float:
+    """The best belief-propagation dual bound (memory ignored) reached by ``deadline``."""
+    bp = MinSumBP(red)
+    best = bp.lower_bound()
+    while time.perf_counter() < deadline and bp.rounds < _BOUND_ROUNDS:
+        for _ in range(3):
+            bp.step(bp.beliefs())
+        best = max(best, bp.lower_bound())
+    return best
+
+
+def _memory_free_large(red: Reduction, deadline: float, seed: int, log, stats: dict) -> CoreAnswer:
+    """No memory limit: many short forest descents (exact DP over random induced forests) from random starts.
+
+    They beat MILP windows by far here. Belief propagation gives the first descent
+    a far better start than the per-node argmins (contest A without its limit: 5.5e9
+    vs 7.8e10 after 40 s), and its messages give the lower bound.
+    """
+    now = time.perf_counter()
+    red = soften(red)
+    bp = MinSumBP(red)
+    bp_choice, bp_cost = bp.run(now + _BP_SHARE * max(deadline - now, 0.0), max_rounds=_BP_ROUNDS, tol=_BP_TOL)
+    bound = max(bp.lower_bound(), trivial_bound(red))
+    log(f"belief propagation: {bp.rounds} rounds, cost {bp_cost:.6g}, bound {bound:.6g}")
+    # restarts go on until the deadline: with no proof of optimality, stopping early leaves time unused
+    found = forest_ils(CoreState(red, None, bp_choice), deadline - _MARGIN, seed, log=log)
+    stats.update(bp_rounds=bp.rounds, forest_restarts=found.restarts)
+    return CoreAnswer(found.state.choice, found.state.total_cost(), False, bound)
+
+
+def _memory_core(red, rows, start_time, deadline, seed, log, stats, variant, share) -> CoreAnswer:
+    """Cores with memory rows, and cores small enough for one MILP."""
+    now = time.perf_counter()
+    big = is_big(red)
     large = rows is not None and big
+    hard = red  # the MILP takes forbidden pairs as missing variables, not as priced ones
     if large:
-        # Start memory-feasible and let the window search price out forbidden pairs.
+        # Start memory-feasible and let the searches price out forbidden pairs.
         red = soften(red)
         state = CoreState(red, rows, min_memory_choice(red))
     else:
@@ -225,107 +336,197 @@ def _solve_core(
     feasible = state.overflow() <= 0 and np.isfinite(state.total_cost())
     log(f"greedy: cost {state.total_cost():.6g}, feasible {feasible}")
     if large:
-        now = time.perf_counter()
-        # Window MILPs are what improve a large core; a small core with big edge
-        # matrices (a planner's) gains more from a finer penalty search.
-        rest = max(deadline - now, 0.0)
-        cand = None
-        if red.num_core > _FULL_MILP_NODES:
-            cand = _two_lagrangian_starts(red, rows, now, deadline, seed, log)
-        if cand is None or cand.total_cost() >= FORBIDDEN:
-            # nothing fits yet, or only with forbidden pairs: the uniform search
-            # goes on until something fits
-            now = time.perf_counter()
-            rest = max(deadline - now, 0.0)
-            share = 0.3 if red.num_core > _FULL_MILP_NODES else 1.0
-            found = penalty_search(red, rows, now + share * rest, seed, log, give_up=now + 0.8 * rest)
-            if found is not None and (cand is None or found.total_cost() < cand.total_cost()):
-                cand = found
-        if cand is not None and cand.total_cost() < state.total_cost():
-            state = cand
+        state = _large_start(red, rows, state, start_time, deadline, seed, log, variant)
         feasible = state.overflow() <= 0
-        if feasible and red.num_core > _FULL_MILP_NODES:
-            # Guarded forest descents gain far more than MILP windows on these
-            # cores; the windows get the last sixth (they clear forbidden pairs
-            # the descents leave around hot spots).
-            now = time.perf_counter()
-            state = guarded_descent(state, now + 0.85 * max(deadline - _MARGIN - now, 0.0), seed, log)
-            now = time.perf_counter()
-            rest = deadline - _MARGIN - now
-            if rest > 0.25 * (deadline - start_time):
-                # A second, different start: the cheapest fitting uniform
-                # multiplier plus guarded descents (better than the lagrangian
-                # path on contest S, 1.19x vs 1.33x, worse on M).
-                found = penalty_search(red, rows, now + 0.3 * rest, seed, log, give_up=now + 0.6 * rest)
-                if found is not None:
-                    now = time.perf_counter()
-                    found = guarded_descent(found, now + 0.85 * max(deadline - _MARGIN - now, 0.0), seed, log)
-                    if found.total_cost() < state.total_cost():
-                        state = found
-    if not big and deadline - time.perf_counter() > _MARGIN:
+    if feasible:
+        share.post(state)
+    bound = np.nan
+    mid = large and red.num_core <= _FULL_MILP_NODES
+    if mid and feasible:
+        # A mid-sized memory core (hundreds of nodes, big matrices): MILPs over the most
+        # promising few strategies per node, twice as many each time, the last one
+        # (when time allows) over all of them. Odd parallel workers skip to the windows.
+        if (variant or 0) % 2 == 0:
+            state = _restricted_milps(hard, red, rows, state, deadline, log, stats, share)
+            if stats.get("stop") == "optimal":
+                return CoreAnswer(state.choice, state.total_cost(), True, stats["milp_bound"])
+            bound = stats.get("milp_bound", np.nan)
+    elif not big and deadline - time.perf_counter() > _MARGIN:
         remaining = deadline - time.perf_counter() - _MARGIN
-        res = solve_milp(red, rows, time_limit=0.6 * remaining if feasible else remaining)
+        share_of_rest = 0.6 if feasible else 1.0
+        res = solve_milp(hard, rows, time_limit=share_of_rest * remaining)
         stats.update(milp_status=res.status, milp_bound=res.bound)
         log(f"milp: {res.status}, objective {res.objective:.6g}, bound {res.bound:.6g}")
         if res.status == "infeasible":
-            _raise_infeasible(problem, red, deadline)
+            return CoreAnswer(state.choice, np.inf, False, np.nan, infeasible=True)
         if np.isfinite(res.bound):
             bound = res.bound
         if res.choice is not None:
             cand = CoreState(red, rows, res.choice)
             if not feasible or cand.total_cost() <= state.total_cost():
                 state, feasible = cand, True
+                share.post(state)
             if res.status == "optimal":
                 stats.update(stop="optimal")
-                return _CoreAnswer(state.choice, state.total_cost(), True, bound)
-        if feasible and _relative_gap(state.total_cost(), bound) <= _GAP:
-            stats.update(stop="gap")
-            return _CoreAnswer(state.choice, state.total_cost(), True, bound)
-    windows_help = red.num_core > _FULL_MILP_NODES or not big
-    if feasible and windows_help and deadline - time.perf_counter() > _MARGIN:
-        search = WindowSearch(state, seed)
-        hot = None
-        if large:
-
-            def hot():
-                return np.unique(red.edges[violations(state)].ravel())
-
-        size, seconds = (_WINDOW_NODES_LARGE, _WINDOW_SECONDS_LARGE) if large else (_WINDOW_NODES, _WINDOW_SECONDS)
-        search.run(deadline - _MARGIN, window_size=size, window_time=seconds, log=log, hot=hot)
-        stats.update(lns_windows=search.windows, lns_improved=search.improved)
-        log(f"lns: {search.windows} windows, {search.improved} improved, cost {state.total_cost():.6g}"
-            f"{', stalled' if search.stalled else ''}")
-        if _relative_gap(state.total_cost(), bound) <= _GAP:
-            stats.update(stop="gap")
-            return _CoreAnswer(state.choice, state.total_cost(), True, bound)
-        if search.stalled:
-            stats.update(stop="stalled")
-    # otherwise the searches ended by their own rules (the penalty bisection), or time ran out
-    stats.setdefault("stop", "time_limit" if time.perf_counter() >= deadline - 2 * _MARGIN else "stalled")
-    return _CoreAnswer(state.choice, state.total_cost(), False, bound)
+                return CoreAnswer(state.choice, state.total_cost(), True, bound)
+        if feasible and relative_gap(state.total_cost(), bound) <= _GAP:
+            return CoreAnswer(state.choice, state.total_cost(), False, bound)
+    if feasible and deadline - time.perf_counter() > _MARGIN:
+        state = _windows(red, rows, state, deadline, seed, log, stats, share, large)
+        if stats.get("stop") == "optimal":
+            return CoreAnswer(state.choice, state.total_cost(), True, state.total_cost())
+    return CoreAnswer(state.choice, state.total_cost(), False, bound)
 
 
-def _two_lagrangian_starts(red, rows, now: float, deadline: float, seed: int, log) -> CoreState | None:
+def _restricted_milps(hard, red, rows, state, deadline, log, stats, share) -> CoreState:
+    """MILPs over the ``_RESTRICT_WIDTH``, then twice as many, ... most promising strategies per node.
+
+    Each gets ``_RESTRICT_SHARE`` of the time left before the windows' share;
+    a cheaper answer replaces ``state``. The ladder ends with the full core (its
+    bound is then the MILP's; ``stats["stop"]`` is "optimal" when it was solved)
+    or when the time is spent.
+    """
+    widest = max(c.size for c in hard.node_costs)
+    width = _RESTRICT_WIDTH
+    start = time.perf_counter()
+    until = start + (1.0 - _MID_WINDOW_SHARE) * max(deadline - _MARGIN - start, 0.0)
+    while time.perf_counter() + 0.2 < until:
+        full = width >= widest
+        rest = until - time.perf_counter()
+        if full:
+            sub, keep = hard, None
+        else:
+            local = [state.local_cost(k) for k in range(red.num_core)]
+            keep = promising(hard, state.choice, local, width)
+            sub = restrict(hard, keep)
+        res = solve_milp(sub, rows, time_limit=rest if full else _RESTRICT_SHARE * rest)
+        choice = res.choice if keep is None or res.choice is None else \
+            np.array([kp[c] for kp, c in zip(keep, res.choice, strict=True)], dtype=np.int64)
+        log(f"restricted milp ({'all' if full else width} strategies): {res.status}, "
+            f"objective {res.objective:.6g}")
+        if choice is not None:
+            cand = CoreState(red, rows, choice)
+            if cand.overflow() <= 0 and cand.total_cost() < state.total_cost():
+                state = cand
+                share.post(state)
+        if full:
+            stats.update(milp_status=res.status, milp_bound=res.bound)
+            if res.status == "optimal" and res.choice is not None:
+                stats.update(stop="optimal")
+            break
+        width *= 2
+    return state
+
+
+def _windows(red, rows, state, deadline, seed, log, stats, share, large) -> CoreState:
+    """MILP windows until the deadline, growing on a stall; adopts cheaper shared incumbents."""
+    search = WindowSearch(state, seed)
+    hot = None
+    if large:
+
+        def hot():
+            return np.unique(red.edges[violations(search.state)].ravel())
+
+    posted = [search.state.total_cost()]
+
+    def adopt(s: WindowSearch) -> None:
+        cost = s.state.total_cost()
+        if cost < posted[0]:
+            share.post(s.state)
+            posted[0] = cost
+        choice = share.poll()
+        if choice is None:
+            return
+        cand = CoreState(red, rows, choice)
+        if cand.overflow() <= 0 and cand.total_cost() < cost - 1e-12 * max(1.0, abs(cost)):
+            s.state = cand
+            s.settled[:] = False
+            posted[0] = cand.total_cost()
+            log(f"lns: took a shared incumbent, cost {cand.total_cost():.6g}")
+
+    size, seconds = (_WINDOW_NODES_LARGE, _WINDOW_SECONDS_LARGE) if large else (_WINDOW_NODES, _WINDOW_SECONDS)
+    if large and red.num_core <= _FULL_MILP_NODES:
+        size, seconds = _WINDOW_NODES_MID, _WINDOW_SECONDS_MID
+    search.run(deadline - _MARGIN, window_size=size, window_time=seconds, log=log, hot=hot, grow=True,
+               adopt=adopt)
+    stats.update(lns_windows=search.windows, lns_improved=search.improved)
+    log(f"lns: {search.windows} windows, {search.improved} improved, cost {search.state.total_cost():.6g}"
+        f"{', proven optimal' if search.proven else ''}")
+    if search.proven:
+        stats.update(stop="optimal")
+    return search.state
+
+
+def _large_start(red, rows, state, start_time, deadline, seed, log, variant) -> CoreState:
+    """A first fitting choice of a large memory-constrained core (``state`` when none is found)."""
+    now = time.perf_counter()
+    rest = max(deadline - now, 0.0)
+    cand = None
+    huge = red.num_core > _FULL_MILP_NODES
+    if huge:
+        cand = _two_lagrangian_starts(red, rows, now, deadline, seed, log, variant)
+    if cand is None or cand.total_cost() >= FORBIDDEN:
+        # nothing fits yet, or only with forbidden pairs: the uniform search
+        # goes on until something fits
+        now = time.perf_counter()
+        rest = max(deadline - now, 0.0)
+        found = penalty_search(red, rows, now + 0.3 * rest, seed, log, give_up=now + 0.8 * rest)
+        if found is not None and (cand is None or found.total_cost() < cand.total_cost()):
+            cand = found
+    if cand is not None and cand.total_cost() < state.total_cost():
+        state = cand
+    if state.overflow() > 0:
+        return state
+    now = time.perf_counter()
+    if not huge:
+        # Guarded forest descents (they stop themselves) before the MILP and windows.
+        return guarded_descent(state, now + _MID_DESCENT_SHARE * max(deadline - _MARGIN - now, 0.0), seed, log)
+    # Guarded forest descents gain far more than MILP windows on these
+    # cores; the windows get the last sixth (they clear forbidden pairs
+    # the descents leave around hot spots).
+    state = guarded_descent(state, now + 0.85 * max(deadline - _MARGIN - now, 0.0), seed, log)
+    now = time.perf_counter()
+    rest = deadline - _MARGIN - now
+    if rest > 0.25 * (deadline - start_time):
+        # A second, different start: the cheapest fitting uniform
+        # multiplier plus guarded descents (better than the lagrangian
+        # path on contest S, 1.19x vs 1.33x, worse on M).
+        found = penalty_search(red, rows, now + 0.3 * rest, seed, log, give_up=now + 0.6 * rest)
+        if found is not None:
+            now = time.perf_counter()
+            found = guarded_descent(found, now + 0.85 * max(deadline - _MARGIN - now, 0.0), seed, log)
+            if found.total_cost() < state.total_cost():
+                state = found
+    return state
+
+
+def _two_lagrangian_starts(red, rows, now: float, deadline: float, seed: int, log,
+                           variant: int | None = None) -> CoreState | None:
     """The cheaper fit of two memory-priced searches (the caller then descends from it).
 
     Both start from a small uniform multiplier (cheap, far over the limit) and let
     per-point multipliers follow the overflow. Forest rounds (:func:`lagrangian_descent`)
     win on contest M (1.045x vs 2x); belief propagation (:func:`lagrangian_bp`) on A
-    (1.15x vs 2.9x) and, after guarded descents, on S. Neither dominates, so both run:
-    belief propagation first (it stops a few rounds after its fits stop improving),
-    then the forest rounds with the time up to three quarters of ``rest``.
+    (1.15x vs 2.9x) and, after guarded descents, on S. Neither dominates, so in one
+    process both run: belief propagation first (it stops a few rounds after its fits
+    stop improving), then the forest rounds with the time up to three quarters of
+    ``rest``. Parallel workers split them: even ones run belief propagation, odd
+    ones the forest rounds, each with the same three quarters.
     """
     rest = max(deadline - now, 0.0)
     lam = plain_scale(red) * 2.0**_LAGRANGE_START
     cands = []
-    # belief propagation first: it stops itself soon after its first fit
-    found = lagrangian_bp(red, rows, plain_scale(red) * 2.0**_BP_START, now + 0.6 * rest, log=log)
-    if found is not None:
-        cands.append(guarded_descent(found, time.perf_counter() + 0.1 * rest, seed, log))
-    start = penalised_choice(red, rows, lam, deadline, seed, forest_seconds=max(0.05 * rest, 1.0))
-    found = lagrangian_descent(red, rows, start, lam, now + 0.75 * rest, seed, log)
-    if found is not None:
-        cands.append(found)
+    if variant is None or variant % 2 == 0:
+        # belief propagation first: it stops itself soon after its first fit
+        until = 0.6 if variant is None else 0.65
+        found = lagrangian_bp(red, rows, plain_scale(red) * 2.0**_BP_START, now + until * rest, log=log)
+        if found is not None:
+            cands.append(guarded_descent(found, time.perf_counter() + 0.1 * rest, seed, log))
+    if variant is None or variant % 2 == 1:
+        start = penalised_choice(red, rows, lam, deadline, seed, forest_seconds=max(0.05 * rest, 1.0))
+        found = lagrangian_descent(red, rows, start, lam, now + 0.75 * rest, seed, log)
+        if found is not None:
+            cands.append(found)
     if not cands:
         return None
     return min(cands, key=lambda st: st.total_cost())

@@ -1,0 +1,147 @@
+"""The solver uses its whole time limit unless it proves its answer optimal, and every answer has a bound.
+
+Mid-sized memory-constrained cores (hundreds of nodes, some with well over a hundred strategies,
+a binding memory limit) are too big for one MILP and small for the large-core searches; they once
+fell through every search and returned after 2 s of a 300 s limit. Time is checked by the
+solver's own clock (``stats["elapsed"]``, ``stats["stop"]``), never by the test's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from autoshard.solver import ShardingProblem, solve
+from autoshard.solver.iopddl import read_iopddl
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "iopddl"
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "solver"
+
+
+def _mid_memory_problem(seed: int, n: int = 240) -> ShardingProblem:
+    """Hundreds of nodes, a fifth of them with 100-180 strategies, dense random costs, a binding limit."""
+    rng = np.random.default_rng(seed)
+    sizes = np.where(rng.random(n) < 0.2, rng.integers(100, 180, n), rng.integers(3, 12, n))
+    costs = [rng.random(s) * 10 for s in sizes]
+    # cheap strategies use more memory, so the limit has something to trade
+    memory = [10.0 - c + rng.random(c.size) * 3 for c in costs]
+    edges = [(i, i + d) for d in (1, 3) for i in range(n - d)]
+    mats = [rng.random((sizes[u], sizes[v])) * 5 for u, v in edges]
+    starts = np.arange(n)
+    intervals = np.stack([starts, starts + rng.integers(5, 30, n)], axis=1)
+    free = ShardingProblem(node_costs=costs, edges=np.array(edges), edge_costs=mats, node_memory=memory,
+                           intervals=intervals)
+    low = free.peak_memory([int(np.argmin(m)) for m in memory])
+    high = free.peak_memory([int(np.argmin(c)) for c in costs])
+    return ShardingProblem(node_costs=costs, edges=np.array(edges), edge_costs=mats, node_memory=memory,
+                           intervals=intervals, memory_limit=low + 0.3 * (high - low))
+
+
+def _widen(problem: ShardingProblem, seed: int) -> ShardingProblem:
+    """The same problem with random extra strategies: perturbed copies of a node's own (a tenth get ~178).
+
+    The original strategies keep their costs, so the original optimum stays feasible at its cost.
+    """
+    rng = np.random.default_rng(seed)
+    picks = []
+    for c in problem.node_costs:
+        s = c.size
+        want = 178 if rng.random() < 0.1 else s + int(rng.integers(0, 40))
+        picks.append(np.concatenate([np.arange(s), rng.integers(0, s, size=max(want - s, 0))]) if s > 1
+                     else np.arange(1))
+
+    def perturbed(x, keep, lo, hi):
+        out = np.array(x, dtype=np.float64)
+        out[keep:] *= rng.uniform(lo, hi, size=out.size - keep)
+        return out
+
+    costs = [perturbed(c[p], c.size, 0.9, 1.6) for c, p in zip(problem.node_costs, picks, strict=True)]
+    memory = [perturbed(m[p], m.size, 0.6, 1.1) for m, p in zip(problem.node_memory, picks, strict=True)]
+    mats = []
+    for (u, v), m in zip(problem.edges, problem.edge_costs, strict=True):
+        noise = rng.uniform(0.9, 1.3, size=(picks[u].size, picks[v].size))
+        noise[: m.shape[0], : m.shape[1]] = 1.0
+        mats.append(m[np.ix_(picks[u], picks[v])] * noise)
+    return ShardingProblem(node_costs=costs, edges=problem.edges, edge_costs=mats, node_memory=memory,
+                           intervals=problem.intervals, memory_limit=problem.memory_limit)
+
+
+def _check_used_or_proven(sol, limit: float) -> None:
+    stats = sol.stats
+    assert sol.feasible
+    assert stats["elapsed"] <= limit + 0.5  # the solver's own deadline bookkeeping
+    if stats["stop"] in ("optimal", "gap"):
+        assert sol.optimal and stats["gap"] <= 1e-6
+    else:
+        assert stats["stop"] == "time_limit" and not sol.optimal
+        # no idle time: the limit was used, less the margins kept for handing the answer back
+        assert stats["elapsed"] >= limit - max(0.6, 0.05 * limit)
+    # every answer carries its lower bound and gap
+    assert stats["bound"] <= sol.cost + 1e-9 * abs(sol.cost)
+    assert stats["gap"] == pytest.approx(max(sol.cost - stats["bound"], 0.0) / abs(sol.cost))
+
+
+def test_mid_sized_memory_core_uses_the_whole_limit():
+    p = _mid_memory_problem(0)
+    limit = 3.0
+    sol = solve(p, time_limit=limit, workers=1)
+    assert sol.stats["core_cells"] > 400_000 and sol.stats["core_nodes"] <= 3000  # the mid-sized path
+    assert sol.peak_memory <= p.memory_limit
+    _check_used_or_proven(sol, limit)
+
+
+def test_two_workers_share_one_answer():
+    p = _mid_memory_problem(1)
+    limit = 4.0
+    sol = solve(p, time_limit=limit, workers=2)
+    assert sol.stats["workers"] == 2 and len(sol.stats["worker_costs"]) >= 1
+    assert sol.cost == pytest.approx(p.cost(sol.choice))
+    assert sol.cost <= min(sol.stats["worker_costs"]) * (1 + 1e-9) + 1e-9
+    _check_used_or_proven(sol, limit)
+
+
+@pytest.mark.parametrize("name", ["B", "G"])
+def test_widened_contest_cores_use_the_whole_limit(name):
+    path = SHARED / f"asplos-2025-iopddl-{name}.json.gz"
+    if not path.exists():
+        pytest.skip(f"{path} not present")
+    p = _widen(read_iopddl(path), seed=0)
+    limit = 4.0
+    sol = solve(p, time_limit=limit, workers=1)
+    assert sol.stats["core_cells"] > 400_000
+    _check_used_or_proven(sol, limit)
+
+
+@pytest.mark.parametrize("name, limit", [("B", 60), ("G", 120)])
+def test_small_contest_problems_are_proven_optimal(name, limit):
+    path = SHARED / f"asplos-2025-iopddl-{name}.json.gz"
+    if not path.exists():
+        pytest.skip(f"{path} not present")
+    sol = solve(read_iopddl(path), time_limit=limit, workers=1)
+    assert sol.optimal and sol.stats["stop"] == "optimal" and sol.stats["gap"] == 0.0
+    assert sol.stats["elapsed"] < limit / 2  # well inside the limit, by the solver's clock
+
+
+def _load_fixture(name: str) -> ShardingProblem:
+    z = np.load(FIXTURES / f"{name}.npz")
+    cuts = np.cumsum(z["sizes"])[:-1]
+    costs = np.split(z["node_costs"], cuts)
+    edges = z["edges"].reshape(-1, 2)
+    cells = np.array([z["sizes"][u] * z["sizes"][v] for u, v in edges], dtype=np.int64)
+    flat = np.split(z["edge_costs"], np.cumsum(cells)[:-1]) if len(edges) else []
+    mats = [f.reshape(z["sizes"][u], z["sizes"][v]) for f, (u, v) in zip(flat, edges, strict=True)]
+    memory = np.split(z["node_memory"], cuts) if "node_memory" in z else None
+    return ShardingProblem(node_costs=costs, edges=edges, edge_costs=mats, node_memory=memory,
+                           intervals=z["intervals"] if "intervals" in z else None,
+                           memory_limit=float(z["memory_limit"]) if "memory_limit" in z else None)
+
+
+def test_planner_problem_of_a_tiny_gpt_is_solved_exactly():
+    """The strategy problem the planner built for a tiny GPT on a (2, 4) mesh (a committed fixture)."""
+    p = _load_fixture("gpt_tiny_2x4")
+    sol = solve(p, time_limit=10, workers=1)
+    assert sol.optimal and sol.stats["stop"] == "optimal"
+    assert sol.cost == pytest.approx(p.cost(sol.choice))
+    assert sol.stats["bound"] == pytest.approx(sol.cost, rel=1e-9)

@@ -249,8 +249,8 @@ class Parallelized:
         from autoshard.remat import apply_remat
 
         program, groups = apply_remat(program, plan.remat, ties)
-        flat = make_flat_function(program, plan.value_specs, plan.operand_specs, plan.mesh, plan.out_specs, groups,
-                                  host_inputs=plan.host_inputs, host_outputs=plan.host_outputs)
+        flat = make_flat_function(program, plan.value_specs, plan.operand_specs, plan.mesh, plan.out_specs,
+                                  remat_groups=groups, host_inputs=plan.host_inputs, host_outputs=plan.host_outputs)
         in_sh = tuple(named_shardings(plan, plan.in_specs, plan.host_inputs))
         # Outputs reuse the inputs' sharding objects, so the next call finds its arguments placed by identity.
         same = {s: s for s in in_sh}

@@ -31,8 +31,8 @@ def compile_plan(program, plan, groups=(), donated=()):
     from autoshard.lower import make_flat_function
 
     host_in, host_out = frozenset(plan.host_inputs), frozenset(plan.host_outputs)
-    flat = make_flat_function(program, plan.value_specs, plan.operand_specs, plan.mesh, plan.out_specs, groups,
-                              host_inputs=host_in, host_outputs=host_out)
+    flat = make_flat_function(program, plan.value_specs, plan.operand_specs, plan.mesh, plan.out_specs,
+                              remat_groups=groups, host_inputs=host_in, host_outputs=host_out)
     in_sh = named_shardings(plan, plan.in_specs, host_in)
     out_sh = named_shardings(plan, plan.out_specs, host_out)
     args = [jax.ShapeDtypeStruct(program.avals[v].shape, program.avals[v].dtype, sharding=s)

@@ -66,6 +66,8 @@ class PlanRequest:
       remat: whether recomputation is a lever when the budget binds.
       progress: ``callback(stage, done, total)`` or None.
       timings: seconds of the passes before planning (capture), copied into each plan's stats.
+      profile: the :class:`~autoshard.backends.BackendProfile` of the backend that compiles the plan;
+        None: the platform of the mesh's devices (:func:`autoshard.backends.profile_for_mesh`).
     """
 
     program: CapturedProgram
@@ -80,6 +82,7 @@ class PlanRequest:
     remat: bool = False
     progress: Callable | None = None
     timings: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    profile: Any = None
 
     def meshes(self) -> list:
         """The candidate meshes: the request's, or every 2-D factorization of the devices."""
@@ -381,6 +384,7 @@ class _Solved:
 
 def _decoded_plan(request: PlanRequest, on: MeshTarget, solved: _Solved, *, stats: dict):
     """The :class:`~autoshard.Plan` of a solved problem: specs, collectives, predicted cost and memory."""
+    from autoshard.backends import resolve_profile
     from autoshard.memory import estimate_memory
     from autoshard.plan import Plan, PlanCost
     from autoshard.planner import decode
@@ -403,7 +407,8 @@ def _decoded_plan(request: PlanRequest, on: MeshTarget, solved: _Solved, *, stat
                         and any(c.kind == "all-reduce" for c in s.collectives) for v in node.outputs)
     ties = request.ties
     memory = estimate_memory(program, dec.value_specs, on.info, donated=request.donated, out_specs=out_specs,
-                             ties=ties, offloaded=offloaded, operand_specs=dec.operand_specs, reduced=reduced)
+                             ties=ties, offloaded=offloaded, operand_specs=dec.operand_specs, reduced=reduced,
+                             profile=resolve_profile(request.profile, on.mesh))
     comm_bytes = sum(c.bytes * k for c, k in dec.collectives)
     pcost = PlanCost(dec.compute_seconds, dec.comm_seconds, comm_bytes, memory.peak_bytes, float(sol.cost))
     if offloaded:

@@ -20,8 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from autoshard.backends import BackendProfile, resolve_profile
 from autoshard.capture import CapturedProgram, Const, OpGraph
 from autoshard.spec import MeshInfo, ShardingSpec
+from autoshard.strategies import is_scan, op_info
 
 
 def _constrainable(x) -> bool:
@@ -29,27 +31,26 @@ def _constrainable(x) -> bool:
     return dtype is not None and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended) and np.ndim(x) > 0
 
 
-_CONTRACTIONS = ("dot_general", "conv_general_dilated")
+class Evaluator:
+    """Evaluates a captured program (inside a trace) with every value pinned to its planned layout.
 
+    Args:
+      value_specs: value id -> the layout its producer writes.
+      operand_specs: (op index, operand position) -> the layout the op reads the operand in.
+      mesh: the ``jax.sharding.Mesh``; ``info`` its :class:`MeshInfo` (derived when None).
+      remat_groups: the :class:`~autoshard.remat.RematGroup` s of a rematerialised program.
+      profile: the backend profile (:mod:`autoshard.backends`); None: the mesh's platform's.
+    """
 
-def _contracted_dims(op) -> tuple[int, ...]:
-    """The dimensions of a contraction's left operand that it sums over."""
-    if op.name == "dot_general":
-        return tuple(op.params["dimension_numbers"][0][0])
-    if op.params["feature_group_count"] == 1 and op.params["batch_group_count"] == 1:
-        return (op.params["dimension_numbers"].lhs_spec[1],)
-    return ()
-
-
-class _Evaluator:
-    def __init__(self, program: CapturedProgram, value_specs, operand_specs, mesh, info: MeshInfo,
-                 remat_groups=()):
+    def __init__(self, program: CapturedProgram, value_specs, operand_specs, mesh, info: MeshInfo | None = None, *,
+                 remat_groups=(), profile: BackendProfile | None = None):
         self.program = program
         self.group_of = {i: g for g in remat_groups for i in g.fences}
         self.value_specs = value_specs
         self.operand_specs = operand_specs
         self.mesh = mesh
-        self.info = info
+        self.info = MeshInfo.from_mesh(mesh) if info is None else info
+        self.profile = resolve_profile(profile, mesh)
         self._shardings: dict[ShardingSpec, NamedSharding] = {}
 
     def sharding(self, spec: ShardingSpec) -> NamedSharding:
@@ -70,12 +71,8 @@ class _Evaluator:
         anchor = None if group.anchor is None else env[group.anchor]
         if anchor is not None and not jax.dtypes.issubdtype(anchor.dtype, jax.dtypes.extended):
             *vals, anchor = jax.lax.optimization_barrier((*vals, anchor))
-            # Some backends (XLA:CPU) expand the barrier before CSE. A select on a predicate that is
-            # always true but that XLA cannot prove so keeps the recompute distinct from the forward.
-            bits = jax.lax.bitcast_convert_type(jnp.ravel(anchor)[0].astype(jnp.float32), jnp.uint32)
-            keep = (bits | jnp.uint32(1)) != 0
-            vals = [x if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended) else
-                    jnp.where(keep, x, jnp.zeros_like(x)) for x in vals]
+            if self.profile.remat_select_fence:
+                vals = _select_fence(vals, anchor)
         else:
             vals = jax.lax.optimization_barrier(tuple(vals))
         for op, x in zip(ops, vals, strict=True):
@@ -93,7 +90,7 @@ class _Evaluator:
                 val = x.value if isinstance(x, Const) else env[x]
                 spec = self.operand_specs.get((op.index, i))
                 invals.append(self.constrain(val, spec) if spec is not None else val)
-            if op.body is not None and op.name == "scan":
+            if is_scan(op):
                 outs = self.run_scan(op, invals)
             elif op.name == "sharding_constraint":  # the user's pin: the plan's layout below replaces it
                 outs = (invals[0],)
@@ -102,7 +99,7 @@ class _Evaluator:
                     outs = op.primitive.bind(*invals, **op.primitive.get_bind_params(op.params))
                 if not op.primitive.multiple_results:
                     outs = (outs,)
-            if op.name in _CONTRACTIONS:
+            if op_info(op.name).contraction:
                 outs = (self.constrain(outs[0], self.summed_spec(op)),)
             for v, o in zip(op.outputs, outs, strict=True):
                 env[v] = self.constrain(o, self.value_specs.get(v))
@@ -121,7 +118,7 @@ class _Evaluator:
             lhs = self.value_specs.get(op.inputs[0])
         if out is None or lhs is None:
             return None
-        summed = {a for d in _contracted_dims(op) for a in lhs.dims[d]}
+        summed = {a for d in op_info(op.name).contracted_dims(op) for a in lhs.dims[d]}
         if not any(summed.intersection(d) and not summed.issuperset(d) for d in out.dims):
             return None
         return ShardingSpec(tuple(tuple(a for a in d if a not in summed) for d in out.dims))
@@ -157,8 +154,18 @@ class _Evaluator:
         return [*carry, *ys]
 
 
-def make_flat_function(program: CapturedProgram, value_specs, operand_specs, mesh, out_specs=None,
-                       remat_groups=(), *, host_inputs=(), host_outputs=()):
+def _select_fence(vals, anchor):
+    """Some backends (XLA:CPU, ``BackendProfile.remat_select_fence``) expand the barrier before CSE. A
+    select on a predicate that is always true but that XLA cannot prove so keeps the recompute
+    distinct from the forward."""
+    bits = jax.lax.bitcast_convert_type(jnp.ravel(anchor)[0].astype(jnp.float32), jnp.uint32)
+    keep = (bits | jnp.uint32(1)) != 0
+    return [x if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended) else
+            jnp.where(keep, x, jnp.zeros_like(x)) for x in vals]
+
+
+def make_flat_function(program: CapturedProgram, value_specs, operand_specs, mesh, out_specs=None, *,
+                       remat_groups=(), host_inputs=(), host_outputs=(), profile: BackendProfile | None = None):
     """The step as a function of flat arguments, with every layout pinned.
 
     ``out_specs`` (one per flat output, or None) reshards outputs whose planned
@@ -166,9 +173,9 @@ def make_flat_function(program: CapturedProgram, value_specs, operand_specs, mes
     ``remat_groups``: the :class:`~autoshard.remat.RematGroup`s of a rematerialised program.
     ``host_inputs`` / ``host_outputs``: flat indices of arguments and outputs that live in
     host memory (offloaded, see :mod:`autoshard.offload`): they are moved to device memory
-    on entry and back to host memory on exit."""
-    info = MeshInfo.from_mesh(mesh)
-    ev = _Evaluator(program, value_specs, operand_specs, mesh, info, remat_groups)
+    on entry and back to host memory on exit. ``profile``: the backend's (:mod:`autoshard.backends`);
+    None: the mesh's platform's."""
+    ev = Evaluator(program, value_specs, operand_specs, mesh, remat_groups=remat_groups, profile=profile)
     host_inputs, host_outputs = frozenset(host_inputs), frozenset(host_outputs)
 
     def flat_fun(*flat_args):

@@ -129,7 +129,8 @@ def plan_with_offload(solve_with, program, ties: dict[int, int], error: Infeasib
     if not candidates:
         raise error
     return fit_compiled(
-        lambda limit: _search(solve_with, program, candidates, error, limit, budget, num_devices),
+        lambda limit: _search(solve_with, program, candidates, error=error, limit=limit, budget=budget,
+                             num_devices=num_devices),
         check if check is not None else (lambda plan: None), budget, budget,
         lambda compiled: InfeasibleError(
             f"no plan fits memory_budget={budget:.4g} bytes per device with optimizer state in host memory: "
@@ -139,7 +140,8 @@ def plan_with_offload(solve_with, program, ties: dict[int, int], error: Infeasib
         rounds=check_rounds if check is not None else 0)
 
 
-def _search(solve_with, program, candidates, error, limit, budget, num_devices):
+def _search(solve_with, program, candidates, *, error, limit, budget, num_devices):
+    """Offload the largest ``candidates`` until the plan fits ``limit``; see :func:`plan_with_offload`."""
     shortfall = (error.smallest_memory or math.inf) - limit
     k, covered = 0, 0.0
     while k < len(candidates) and covered < shortfall:

@@ -27,7 +27,7 @@ from autoshard.cost import Collective, CostModel
 from autoshard.intent import indivisible_batch, respect_batch_axes, splitting_axes
 from autoshard.solver import ShardingProblem
 from autoshard.spec import ShardingSpec, candidate_specs, replicated
-from autoshard.strategies import RuleContext, Strategy, lookup_rule, replicated_strategy
+from autoshard.strategies import RuleContext, Strategy, is_scan, lookup_rule, op_info, replicated_strategy
 
 
 class AutoshardWarning(UserWarning):
@@ -124,61 +124,83 @@ def enumerate_strategies(program: CapturedProgram, cost: CostModel, *, pinned=No
       offloaded: flat input indices kept in host memory (see :mod:`autoshard.offload`): each step
         moves the device's shard in and its replacement out, priced at ``host_bandwidth``.
     """
-    mesh = cost.mesh
     pinned = pinned or {}
-    nodes: list[_Node] = []
-    edges: list[_Edge] = []
-    producer: dict[int, tuple[int, int]] = {}
-    unsupported: dict[str, str] = {}
-    cache: dict = {}
-    avals = program.avals
+    b = _GraphBuilder(program, cost)
+    input_nodes = b.add_inputs(pinned, set((tie_outputs or {}).values()), host_bandwidth, offloaded)
+    b.visit(program.graph.ops)
+    ties = b.tie_outputs(tie_outputs or {}, input_nodes)
+    nodes = b.nodes
+    # A batch axis carries the batch (autoshard/intent.py); pinned inputs keep their layout.
+    for n, restricted in respect_batch_axes(nodes, program, cost, tie_outputs=tie_outputs, pinned=pinned).items():
+        nodes[n].strategies = restricted
+    for i, n in enumerate(nodes):
+        if b.follows.get(i):
+            n.kind = "follower"
+    return StrategyGraph(tuple(nodes), tuple(b.edges), b.producer, tuple(input_nodes), ties,
+                         tuple(f"{k} (at {v})" for k, v in b.unsupported.items()))
 
-    def add_node(node: _Node) -> int:
-        nodes.append(node)
-        n = len(nodes) - 1
+
+class _GraphBuilder:
+    """The state of :func:`enumerate_strategies`: nodes, edges and who produces each value."""
+
+    def __init__(self, program: CapturedProgram, cost: CostModel):
+        self.program, self.cost, self.mesh, self.avals = program, cost, cost.mesh, program.avals
+        self.nodes: list[_Node] = []
+        self.edges: list[_Edge] = []
+        self.producer: dict[int, tuple[int, int]] = {}
+        self.unsupported: dict[str, str] = {}
+        self.follows: dict[int, bool] = {}
+        self.cache: dict = {}
+        self.terminal = _terminal_ops(program)
+        self.quiet = cost.without_latency()
+
+    def add_node(self, node: _Node) -> int:
+        self.nodes.append(node)
+        n = len(self.nodes) - 1
         for k, v in enumerate(node.outputs):
-            producer[v] = (n, k)
+            self.producer[v] = (n, k)
         return n
 
-    def spec_strategies(shape, specs=None):
-        specs = candidate_specs(shape, mesh) if specs is None else specs
+    def spec_strategies(self, shape, specs=None):
+        specs = candidate_specs(shape, self.mesh) if specs is None else specs
         return [Strategy(str(s), (), (s,)) for s in specs]
 
-    def use(value, dst, pos, scale):
-        if isinstance(value, Const) or value not in producer:
+    def use(self, value, dst, pos, scale):
+        if isinstance(value, Const) or value not in self.producer:
             return
-        src, k = producer[value]
-        edges.append(_Edge(src, k, dst, pos, value, scale))
+        src, k = self.producer[value]
+        self.edges.append(_Edge(src, k, dst, pos, value, scale))
 
-    input_nodes = []
-    carried = set((tie_outputs or {}).values())
-    for i, v in enumerate(program.graph.invars):
-        shape = _aval_shape(avals[v])
-        strategies = spec_strategies(shape, [pinned[i]] if i in pinned else None)
-        if i not in carried and host_bandwidth:
-            # Fresh inputs (the batch) are fed from the host every step: each device receives its shard.
-            itemsize = _itemsize(avals[v])
-            strategies = [dataclasses.replace(s, comm=_value_bytes_shape(shape, itemsize, s.out_specs[0], mesh)
-                                              / host_bandwidth) for s in strategies]
-        elif i in offloaded and host_bandwidth:
-            itemsize = _itemsize(avals[v])
-            strategies = [dataclasses.replace(s, comm=2 * _value_bytes_shape(shape, itemsize, s.out_specs[0], mesh)
-                                              / host_bandwidth) for s in strategies]
-        input_nodes.append(add_node(_Node("input", strategies, (v,), weak=True, label=program.in_paths[i])))
-    for v in program.consts:
-        add_node(_Node("input", spec_strategies(_aval_shape(avals[v])), (v,), weak=True, label="<const>"))
+    def add_inputs(self, pinned, carried, host_bandwidth, offloaded) -> list[int]:
+        """One node per graph input (fresh inputs pay their feed, offloaded ones their move) and const."""
+        program, avals, mesh = self.program, self.avals, self.mesh
+        input_nodes = []
+        for i, v in enumerate(program.graph.invars):
+            shape = _aval_shape(avals[v])
+            strategies = self.spec_strategies(shape, [pinned[i]] if i in pinned else None)
+            if i not in carried and host_bandwidth:
+                # Fresh inputs (the batch) are fed from the host every step: each device receives its shard.
+                itemsize = _itemsize(avals[v])
+                strategies = [dataclasses.replace(s, comm=_value_bytes_shape(shape, itemsize, s.out_specs[0], mesh)
+                                                  / host_bandwidth) for s in strategies]
+            elif i in offloaded and host_bandwidth:
+                itemsize = _itemsize(avals[v])
+                strategies = [dataclasses.replace(s, comm=2 * _value_bytes_shape(shape, itemsize, s.out_specs[0], mesh)
+                                                  / host_bandwidth) for s in strategies]
+            input_nodes.append(self.add_node(_Node("input", strategies, (v,), weak=True, label=program.in_paths[i])))
+        for v in program.consts:
+            self.add_node(_Node("input", self.spec_strategies(_aval_shape(avals[v])), (v,), weak=True, label="<const>"))
+        return input_nodes
 
-    terminal = _terminal_ops(program)
-    quiet = cost.without_latency()
-
-    def op_context(op: Op) -> RuleContext:
+    def op_context(self, op: Op) -> RuleContext:
+        avals = self.avals
         in_shapes = tuple(x.shape if isinstance(x, Const) else _aval_shape(avals[x]) for x in op.inputs)
         # a typed PRNG key constant has a dtype but no numpy form
         in_dtypes = tuple((x.value.dtype if hasattr(x.value, "dtype") else np.asarray(x.value).dtype)
                           if isinstance(x, Const) else getattr(avals[x], "dtype", None) for x in op.inputs)
         return RuleContext(
-            mesh=mesh,
-            cost=quiet if op.index in terminal else cost,
+            mesh=self.mesh,
+            cost=self.quiet if op.index in self.terminal else self.cost,
             in_shapes=in_shapes,
             in_dtypes=in_dtypes,
             out_shapes=tuple(_aval_shape(avals[v]) for v in op.outputs),
@@ -186,46 +208,44 @@ def enumerate_strategies(program: CapturedProgram, cost: CostModel, *, pinned=No
             const_inputs=tuple(isinstance(x, Const) for x in op.inputs),
         )
 
-    def op_strategies(op: Op, ctx: RuleContext):
+    def op_strategies(self, op: Op, ctx: RuleContext):
+        """The rule's strategies (cached by shapes and params) and whether the op is a follower."""
         entry = lookup_rule(op.name)
         if entry is None:
-            if unsupported.get(op.name, "<unknown>") == "<unknown>":  # the first op with a user line
-                unsupported[op.name] = op.source()
+            if self.unsupported.get(op.name, "<unknown>") == "<unknown>":  # the first op with a user line
+                self.unsupported[op.name] = op.source()
             flops = sum(math.prod(s) for s in ctx.out_shapes)
             return [replicated_strategy(ctx, flops)], False
         pkey = _params_key(op.params)
-        key = None if pkey is None else (op.index in terminal, op.name, ctx.in_shapes, ctx.out_shapes,
-                                          ctx.const_inputs,
-                                          ctx.in_dtypes, ctx.out_dtypes, pkey)
-        if key is not None and key in cache:
-            return cache[key], entry.follows
+        key = None if pkey is None else (op.index in self.terminal, op.name, ctx.in_shapes, ctx.out_shapes,
+                                          ctx.const_inputs, ctx.in_dtypes, ctx.out_dtypes, pkey)
+        if key is not None and key in self.cache:
+            return self.cache[key], entry.follows
         strategies = entry.rule(op, ctx)
         if not strategies:  # nothing divides evenly: fall back to replicated
             strategies = [replicated_strategy(ctx, sum(math.prod(s) for s in ctx.out_shapes))]
         if key is not None:
-            cache[key] = strategies
+            self.cache[key] = strategies
         return strategies, entry.follows
 
-    follows: dict[int, bool] = {}
-
-    def visit(graph_ops, outer_trips):
+    def visit(self, graph_ops):
         for op in graph_ops:
-            if op.body is not None and op.name == "scan":
-                visit_scan(op)
+            if is_scan(op):
+                self.visit_scan(op)
                 continue
-            ctx = op_context(op)
-            strategies, is_follower = op_strategies(op, ctx)
-            # Layout sources the readers should not follow: broadcasts, iotas, random bits (a dropout mask
-            # is as big as the activation it masks), and remat fences (see remat.py).
-            weak = op.name in ("broadcast_in_dim", "iota", "random_bits", "optimization_barrier")
-            n = add_node(_Node("op", strategies, op.outputs, trips=op.trips, op=op, weak=weak, label=op.name))
-            follows[n] = is_follower
+            ctx = self.op_context(op)
+            strategies, is_follower = self.op_strategies(op, ctx)
+            # Layout sources the readers should not follow (OpInfo.weak_layout: broadcasts, iotas, random
+            # bits, whose dropout mask is as big as the activation it masks, and remat fences).
+            weak = op_info(op.name).weak_layout
+            n = self.add_node(_Node("op", strategies, op.outputs, trips=op.trips, op=op, weak=weak, label=op.name))
+            self.follows[n] = is_follower
             for i, x in enumerate(op.inputs):
                 if strategies[0].in_specs[i] is not None:
-                    use(x, n, i, op.trips)
+                    self.use(x, n, i, op.trips)
 
-    def visit_scan(op: Op):
-        body = op.body
+    def visit_scan(self, op: Op):
+        body, avals, mesh = op.body, self.avals, self.mesh
         p = op.params
         n_consts, n_carry, length = p["num_consts"], p["num_carry"], int(p["length"])
         inner_trips = op.trips * length
@@ -233,55 +253,41 @@ def enumerate_strategies(program: CapturedProgram, cost: CostModel, *, pinned=No
         for j, (b, x) in enumerate(zip(body.invars, op.inputs, strict=True)):
             shape = _aval_shape(avals[b])
             if j < n_consts:
-                n = add_node(_Node("scan_const", [Strategy(str(s), (s,), (s,)) for s in candidate_specs(shape, mesh)],
-                                   (b,), trips=op.trips, label="scan const"))
-                use(x, n, 0, op.trips)
+                n = self.add_node(_Node("scan_const", [Strategy(str(s), (s,), (s,))
+                                                       for s in candidate_specs(shape, mesh)],
+                                        (b,), trips=op.trips, label="scan const"))
             elif j < n_consts + n_carry:
-                k = j - n_consts
-                outer_out = op.outputs[k]
-                n = add_node(_Node("scan_carry", [Strategy(str(s), (s, s), (s, s))
-                                                   for s in candidate_specs(shape, mesh)],
-                                   (b, outer_out), trips=op.trips, label="scan carry"))
-                use(x, n, 0, op.trips)
+                outer_out = op.outputs[j - n_consts]
+                n = self.add_node(_Node("scan_carry", [Strategy(str(s), (s, s), (s, s))
+                                                       for s in candidate_specs(shape, mesh)],
+                                        (b, outer_out), trips=op.trips, label="scan carry"))
                 carry_nodes.append(n)
             else:
-                outer = ShardingSpec
-                strategies = [Strategy(str(s), (outer(((),) + s.dims),), (s,)) for s in candidate_specs(shape, mesh)]
-                n = add_node(_Node("scan_x", strategies, (b,), trips=op.trips, label="scan xs"))
-                use(x, n, 0, op.trips)
-        visit(body.ops, inner_trips)
+                strategies = [Strategy(str(s), (ShardingSpec(((),) + s.dims),), (s,))
+                              for s in candidate_specs(shape, mesh)]
+                n = self.add_node(_Node("scan_x", strategies, (b,), trips=op.trips, label="scan xs"))
+            self.use(x, n, 0, op.trips)
+        self.visit(body.ops)
         for k, n in enumerate(carry_nodes):
-            use(body.outvars[k], n, 1, inner_trips)
+            self.use(body.outvars[k], n, 1, inner_trips)
         for j, y in enumerate(body.outvars[n_carry:]):
             outer_v = op.outputs[n_carry + j]
             shape = _aval_shape(avals[outer_v])[1:]
             strategies = [Strategy(str(s), (s,), (ShardingSpec(((),) + s.dims),)) for s in candidate_specs(shape, mesh)]
-            n = add_node(_Node("scan_y", strategies, (outer_v,), trips=op.trips, label="scan ys"))
-            use(y, n, 0, inner_trips)
+            n = self.add_node(_Node("scan_y", strategies, (outer_v,), trips=op.trips, label="scan ys"))
+            self.use(y, n, 0, inner_trips)
 
-    visit(program.graph.ops, 1)
-
-    ties = {}
-    for out_i, in_i in (tie_outputs or {}).items():
-        v = program.graph.outvars[out_i]
-        node = input_nodes[in_i]
-        ties[out_i] = node
-        if isinstance(v, int) and v in producer and producer[v][0] != node:
-            src, k = producer[v]
-            edges.append(_Edge(src, k, node, -1, v, 1))
-
-    # A batch axis carries the batch (autoshard/intent.py); pinned inputs keep their layout.
-    for n, restricted in respect_batch_axes(nodes, program, cost, tie_outputs=tie_outputs, pinned=pinned).items():
-        nodes[n].strategies = restricted
-    for i, n in enumerate(nodes):
-        n.weak = n.weak or False
-        if follows.get(i):
-            n.kind = "follower"
-    return StrategyGraph(tuple(nodes), tuple(edges), producer, tuple(input_nodes), ties,
-                         tuple(f"{k} (at {v})" for k, v in unsupported.items()))
-
-
-_CONTRACTIONS = frozenset({"dot_general", "conv_general_dilated"})
+    def tie_outputs(self, tie_outputs, input_nodes) -> dict:
+        """An edge from each carried output's producer to the input it replaces (the layout it keeps)."""
+        ties = {}
+        for out_i, in_i in tie_outputs.items():
+            v = self.program.graph.outvars[out_i]
+            node = input_nodes[in_i]
+            ties[out_i] = node
+            if isinstance(v, int) and v in self.producer and self.producer[v][0] != node:
+                src, k = self.producer[v]
+                self.edges.append(_Edge(src, k, node, -1, v, 1))
+        return ties
 
 
 def _terminal_ops(program: CapturedProgram) -> frozenset[int]:
@@ -295,7 +301,7 @@ def _terminal_ops(program: CapturedProgram) -> frozenset[int]:
         downstream = any(v in feeds_contraction for v in op.outputs)
         if not downstream and op.body is None:
             terminal.add(op.index)
-        if downstream or op.name in _CONTRACTIONS or op.body is not None:
+        if downstream or op_info(op.name).contraction or op.body is not None:
             feeds_contraction.update(x for x in op.inputs if isinstance(x, int))
     return frozenset(terminal)
 
@@ -610,8 +616,9 @@ def build_problem(merged: MergedGraph, program: CapturedProgram, cost: CostModel
     aliased_in = {program.graph.invars[i] for i in (carried or {}).values() if i in donated}
     aliased_out = {program.graph.outvars[o] for o, i in (carried or {}).items()
                    if i in donated and isinstance(program.graph.outvars[o], int)}
-    memory, intervals = _memory(merged, program, root_of, sizes, mesh, donated_inputs, table, aliased_in,
-                                aliased_out, offloaded, carried or {})
+    memory, intervals = _memory(merged, program, root_of, sizes, mesh=mesh, table=table,
+                                donated_inputs=donated_inputs, aliased_in=aliased_in, aliased_out=aliased_out,
+                                offloaded=offloaded, carried=carried or {})
     names = tuple(_label(graph.nodes[r]) for r in roots)
     problem = ShardingProblem(tuple(node_costs), edges, tuple(pair_costs.values()), memory, intervals,
                               memory_limit, names)
@@ -624,7 +631,7 @@ def _label(node: _Node) -> str:
     return f"{node.kind} {node.label}"
 
 
-def _memory(merged, program, root_of, sizes, mesh, donated_inputs, table: _SpecTable, aliased_in=(),
+def _memory(merged, program, root_of, sizes, *, mesh, table: _SpecTable, donated_inputs=(), aliased_in=(),
             aliased_out=(), offloaded=(), carried=None):
     """Per root: the peak, over its members' overlapping lifetimes, of their summed bytes.
 

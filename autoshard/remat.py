@@ -32,7 +32,8 @@ import math
 
 import numpy as np
 
-from autoshard.capture import CapturedProgram, Const, Op, OpGraph
+from autoshard.capture import CapturedProgram, Op, OpGraph
+from autoshard.strategies import op_flops, op_info
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -111,20 +112,6 @@ class RematChoice:
                 f"(+{self.extra_flops / 1e9:.3g} GFLOP recomputed per step)")
 
 
-_CONTRACTIONS = ("dot_general", "conv_general_dilated")
-_NOT_DUPLICATED = frozenset({"debug_callback", "io_callback", "while", "cond"})
-
-
-def _op_flops(op: Op, avals) -> float:
-    out = sum(math.prod(getattr(avals[v], "shape", ())) for v in op.outputs)
-    if op.name == "dot_general":
-        (lc, _), _ = op.params["dimension_numbers"]
-        a = op.inputs[0]
-        shape = a.shape if isinstance(a, Const) else tuple(avals[a].shape)
-        return 2.0 * out * math.prod(shape[d] for d in lc)
-    return float(out)
-
-
 def _forward_ops(program: CapturedProgram, ties) -> set[int]:
     """Top-level ops the step's metrics (outputs that are not the next state) depend on."""
     tied = set((ties or {}).keys())
@@ -180,64 +167,78 @@ def find_remat_units(program: CapturedProgram, ties=None, max_units: int = DEFAU
       program has no recognisable forward/backward split (no metrics, scans, ...).
     """
     ops = program.graph.ops
-    avals = program.avals
     forward = _forward_ops(program, ties)
     if not forward:
         return ()
     pos = {op.index: t for t, op in enumerate(ops)}
     turnaround = max(pos[i] for i in forward)
     # The forward region also holds the residual computations AD interleaves (``1 - tanh(x)**2``).
-    fwd_ops = list(ops[:turnaround + 1])
-    forward = {op.index for op in fwd_ops}
-    produced_by = {v: op.index for op in ops for v in op.outputs}
-    outputs = {x for x in program.graph.outvars if isinstance(x, int)}
-
-    # Values that depend on no argument (iota, broadcast literals) are free to keep: they never cut.
-    dynamic: set[int] = set(program.graph.invars)
-    for op in ops:
-        if op.body is not None or any(isinstance(x, int) and x in dynamic for x in op.inputs):
-            dynamic.update(op.outputs)
-
-    # Forward reads after position k, to find cuts: a cut before forward op k is crossed by the
-    # forward-made, argument-dependent values made before k and read by a forward op at or after k.
-    last_fwd_read: dict[int, int] = {}
-    for k, op in enumerate(fwd_ops):
-        for x in op.inputs:
-            if isinstance(x, int) and x in produced_by and x in dynamic:
-                last_fwd_read[x] = k
-    crossing: set[int] = set()
-    cuts = [0]
-    cut_value = {0: None}
-    for k, op in enumerate(fwd_ops):
-        crossing = {v for v in crossing if last_fwd_read.get(v, -1) >= k}
-        if k and len(crossing) == 1:
-            (v,) = crossing
-            if math.prod(getattr(avals[v], "shape", ())) > 1 and cuts[-1] < k:
-                cuts.append(k)
-                cut_value[k] = v
-        for v in op.outputs:
-            if v in dynamic and last_fwd_read.get(v, -1) > k:
-                crossing.add(v)
-    cuts.append(len(fwd_ops))
-    cuts = _balance(cuts, [_op_flops(op, avals) for op in fwd_ops], max_units)
-
-    # Backward reads (after the turnaround) of forward values.
-    late_reads: dict[int, list[int]] = {}
-    for t in range(turnaround + 1, len(ops)):
-        for x in ops[t].inputs:
-            if isinstance(x, int) and x in produced_by and produced_by[x] in forward:
-                late_reads.setdefault(x, []).append(t)
-
+    fwd = _Forward(program, tuple(ops[:turnaround + 1]), pos)
+    cuts, cut_value = fwd.cuts()
+    cuts = _balance(cuts, [op_flops(op, program.avals) for op in fwd.ops], max_units)
     units = []
     for a, b in zip(cuts[:-1], cuts[1:], strict=True):
-        seg = fwd_ops[a:b]
+        unit = fwd.unit(fwd.ops[a:b], cut_value.get(b))
+        if unit is not None:
+            units.append(unit)
+    return tuple(units)
+
+
+class _Forward:
+    """The forward region of a step (ops up to the turnaround) and what the backward reads of it."""
+
+    def __init__(self, program: CapturedProgram, fwd_ops: tuple, pos: dict):
+        self.program, self.ops, self.pos = program, fwd_ops, pos
+        self.index = {op.index for op in fwd_ops}
+        ops = program.graph.ops
+        self.produced_by = {v: op.index for op in ops for v in op.outputs}
+        self.outputs = {x for x in program.graph.outvars if isinstance(x, int)}
+        # Values that depend on no argument (iota, broadcast literals) are free to keep: they never cut.
+        self.dynamic: set[int] = set(program.graph.invars)
+        for op in ops:
+            if op.body is not None or any(isinstance(x, int) and x in self.dynamic for x in op.inputs):
+                self.dynamic.update(op.outputs)
+        # Backward reads (after the turnaround) of forward values.
+        self.late_reads: dict[int, list[int]] = {}
+        for t in range(len(fwd_ops), len(ops)):
+            for x in ops[t].inputs:
+                if isinstance(x, int) and x in self.produced_by and self.produced_by[x] in self.index:
+                    self.late_reads.setdefault(x, []).append(t)
+
+    def cuts(self) -> tuple[list[int], dict]:
+        """Positions where one activation crosses: a cut before forward op k is crossed by the
+        forward-made, argument-dependent values made before k and read by a forward op at or after k."""
+        avals, dynamic, produced_by = self.program.avals, self.dynamic, self.produced_by
+        last_fwd_read: dict[int, int] = {}
+        for k, op in enumerate(self.ops):
+            for x in op.inputs:
+                if isinstance(x, int) and x in produced_by and x in dynamic:
+                    last_fwd_read[x] = k
+        crossing: set[int] = set()
+        cuts = [0]
+        cut_value = {0: None}
+        for k, op in enumerate(self.ops):
+            crossing = {v for v in crossing if last_fwd_read.get(v, -1) >= k}
+            if k and len(crossing) == 1:
+                (v,) = crossing
+                if math.prod(getattr(avals[v], "shape", ())) > 1 and cuts[-1] < k:
+                    cuts.append(k)
+                    cut_value[k] = v
+            for v in op.outputs:
+                if v in dynamic and last_fwd_read.get(v, -1) > k:
+                    crossing.add(v)
+        cuts.append(len(self.ops))
+        return cuts, cut_value
+
+    def unit(self, seg, keep_out) -> RematUnit | None:
+        """The unit of one segment: the ops its residuals depend on, or None (no residuals, or a loop
+        or an effect among them). ``keep_out``: the value crossing into the next segment (kept)."""
+        program, produced_by, avals = self.program, self.produced_by, self.program.avals
         seg_ids = {op.index for op in seg}
-        keep_out = cut_value.get(b)  # the value crossing into the next segment is kept, not recomputed
         residuals = [v for op in seg for v in op.outputs
-                     if v in late_reads and v != keep_out and v not in outputs and v in dynamic]
+                     if v in self.late_reads and v != keep_out and v not in self.outputs and v in self.dynamic]
         if not residuals:
-            continue
-        # The recompute: the segment's ops the residuals depend on.
+            return None
         need: set[int] = set()
         stack = [produced_by[v] for v in residuals]
         while stack:
@@ -247,22 +248,21 @@ def find_remat_units(program: CapturedProgram, ties=None, max_units: int = DEFAU
             need.add(i)
             stack.extend(produced_by[x] for x in program.ops[i].inputs if isinstance(x, int) and x in produced_by)
         rec = [op for op in seg if op.index in need]
-        if any(op.body is not None or op.name in _NOT_DUPLICATED for op in rec):
-            continue  # loops and effects are not duplicated
+        if any(op.body is not None or not op_info(op.name).duplicable for op in rec):
+            return None  # loops and effects are not duplicated
         made = {v for op in rec for v in op.outputs}
         inputs = []
         for op in rec:
             for x in op.inputs:
                 if isinstance(x, int) and x not in made and x not in inputs:
                     inputs.append(x)
-        insert_at = min(t for v in residuals for t in late_reads[v])
-        anchor = _anchor(ops[insert_at], produced_by, forward, pos, insert_at)
-        flops = sum(_op_flops(op, avals) for op in rec)
-        matmul = sum(_op_flops(op, avals) for op in rec if op.name in _CONTRACTIONS)
+        insert_at = min(t for v in residuals for t in self.late_reads[v])
+        anchor = _anchor(program.graph.ops[insert_at], produced_by, self.index, self.pos, insert_at)
+        flops = sum(op_flops(op, avals) for op in rec)
+        matmul = sum(op_flops(op, avals) for op in rec if op_info(op.name).contraction)
         source = f"{rec[0].source()}..{rec[-1].source()}"
-        units.append(RematUnit(tuple(op.index for op in rec), tuple(residuals), tuple(inputs), insert_at, anchor,
-                               flops, matmul, source))
-    return tuple(units)
+        return RematUnit(tuple(op.index for op in rec), tuple(residuals), tuple(inputs), insert_at, anchor,
+                         flops, matmul, source)
 
 
 def _anchor(consumer: Op, produced_by, forward, pos, insert_at) -> int | None:
@@ -407,79 +407,99 @@ def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float,
     Returns:
       ``(plan, choice)``; ``choice`` is None when remat was not considered.
     """
-    from autoshard.errors import InfeasibleError
+    search = _RematSearch(plan_fn, program, budget, base)
+    first = search.attempt(0, budget, program)
+    if first is not None and not search.attempts[(0, budget)].budget_bound:
+        return first, None
+    search.units = find_remat_units(program, ties, max_units)
+    if not search.units:
+        if first is None:
+            raise search.errors[(0, budget)]
+        return first, None
+    chosen, compiled = search.run(flops_per_second, check, check_rounds if check is not None else 0)
+    return search.result(chosen, compiled, first, max_units)
 
-    attempts: dict[tuple, object] = {} if base is None else {(0, budget): base}
-    plans: dict[tuple, object] = {}
-    errors: dict[tuple, InfeasibleError] = {}
-    units: tuple[RematUnit, ...] = ()
 
-    def attempt(k: int, limit: float, prog=None):
+class _RematSearch:
+    """The state of :func:`choose_remat`: every (units, limit) planned, its plan and its error."""
+
+    def __init__(self, plan_fn, program: CapturedProgram, budget: float, base=None):
+        self.plan_fn, self.program, self.budget = plan_fn, program, budget
+        self.attempts: dict[tuple, object] = {} if base is None else {(0, budget): base}
+        self.plans: dict[tuple, object] = {}
+        self.errors: dict[tuple, object] = {}
+        self.units: tuple[RematUnit, ...] = ()
+
+    def attempt(self, k: int, limit: float, prog=None):
+        """The plan of the first ``k`` units recomputed, under ``limit`` (None when nothing fits)."""
         key = (k, limit)
-        if key not in attempts:
-            p = prog if prog is not None else rematerialize(program, units[:k])[0]
-            attempts[key] = plan_fn(p, limit)
-        got = attempts[key]
-        plans[key] = got.plan
+        if key not in self.attempts:
+            p = prog if prog is not None else rematerialize(self.program, self.units[:k])[0]
+            self.attempts[key] = self.plan_fn(p, limit)
+        got = self.attempts[key]
+        self.plans[key] = got.plan
         if got.error is not None:
-            errors[key] = got.error
+            self.errors[key] = got.error
         return got.plan
 
-    base = attempt(0, budget, program)
-    if base is not None and not attempts[(0, budget)].budget_bound:
-        return base, None
-    units = find_remat_units(program, ties, max_units)
-    if not units:
-        if base is None:
-            raise errors[(0, budget)]
-        return base, None
-    n = len(units)
-
-    def search(limit: float) -> int | None:
-        first = attempt(0, limit, program)
+    def search(self, limit: float, flops_per_second: float) -> int | None:
+        """The best ``k`` under ``limit``, or None when no candidate fits."""
+        plans = self.plans
+        first = self.attempt(0, limit, self.program)
         # The floor: no candidate beats the plan without remat and without a budget, plus its
         # recomputed matmuls at full speed on every device.
-        floor = attempts[(0, limit)].unconstrained_objective
+        floor = self.attempts[(0, limit)].unconstrained_objective
         best_k = 0 if first is not None else None
-        for k in range(1, n + 1):
-            bound = floor + sum(u.matmul_flops for u in units[:k]) / flops_per_second
+        for k in range(1, len(self.units) + 1):
+            bound = floor + sum(u.matmul_flops for u in self.units[:k]) / flops_per_second
             if best_k is not None and bound >= plans[(best_k, limit)].cost.objective:
                 break
-            p = attempt(k, limit)
+            p = self.attempt(k, limit)
             if p is not None and (best_k is None or p.cost.objective < plans[(best_k, limit)].cost.objective):
                 best_k = k
         return best_k
 
-    limit, compiled, chosen = budget, None, None
-    for _ in range(1 + (check_rounds if check is not None else 0)):
-        k = search(limit)
-        if k is None:
-            break
-        chosen = (k, limit)
-        if check is None:
-            break
-        compiled = check(plans[chosen], *rematerialize(program, units[:k]))
-        if compiled <= budget:
-            break
-        # XLA kept more alive than predicted (its schedule is not ours): plan against less.
-        limit *= budget / compiled * 0.97
-    if chosen is not None and compiled is not None and compiled > budget:
-        # Every round's choice compiled over the budget: report it, never hand back a plan that
-        # does not fit (the caller may still try host offload or gradient accumulation).
-        raise InfeasibleError(
-            f"no plan fits {budget:.4g} bytes per device: the best rematerialised plan ({chosen[0]} of {n} "
-            f"forward segments) compiles to a peak of {compiled:.4g} bytes (XLA's memory_analysis). Fix: raise "
-            f"memory_budget to at least {compiled:.4g}, or use more devices.", smallest_memory=compiled)
-    if chosen is None:
-        smallest = min(e.smallest_memory for e in errors.values() if e.smallest_memory is not None)
-        raise InfeasibleError(f"{errors[(0, budget)]} Rematerialising the first 1..{n} forward segments does not "
-                              f"fit either; the smallest peak the solver found is {smallest:.4g} bytes.",
-                              smallest_memory=smallest) from None
-    best_k = chosen[0]
-    peak_without = base.cost.peak_memory_bytes if base is not None else errors[(0, budget)].smallest_memory
-    choice = RematChoice(best_k, n, max_units, recompute_flops(units[:best_k]), peak_without,
-                         tuple((k, lim, None if p is None else p.cost.objective,
-                                None if p is None else p.cost.peak_memory_bytes)
-                               for (k, lim), p in sorted(plans.items())),
-                         tuple(u.source for u in units[:best_k]), chosen[1], compiled)
-    return plans[chosen], choice
+    def run(self, flops_per_second: float, check, rounds: int):
+        """Search, and while the compiled peak (``check``) is over the budget, search again under a
+        budget shrunk by the ratio, at most ``rounds`` times. Returns ``(chosen key or None, compiled peak)``."""
+        from autoshard.errors import InfeasibleError
+
+        budget, n = self.budget, len(self.units)
+        limit, compiled, chosen = budget, None, None
+        for _ in range(1 + rounds):
+            k = self.search(limit, flops_per_second)
+            if k is None:
+                break
+            chosen = (k, limit)
+            if check is None:
+                break
+            compiled = check(self.plans[chosen], *rematerialize(self.program, self.units[:k]))
+            if compiled <= budget:
+                break
+            # XLA kept more alive than predicted (its schedule is not ours): plan against less.
+            limit *= budget / compiled * 0.97
+        if chosen is not None and compiled is not None and compiled > budget:
+            # Every round's choice compiled over the budget: report it, never hand back a plan that
+            # does not fit (the caller may still try host offload or gradient accumulation).
+            raise InfeasibleError(
+                f"no plan fits {budget:.4g} bytes per device: the best rematerialised plan ({chosen[0]} of {n} "
+                f"forward segments) compiles to a peak of {compiled:.4g} bytes (XLA's memory_analysis). Fix: raise "
+                f"memory_budget to at least {compiled:.4g}, or use more devices.", smallest_memory=compiled)
+        if chosen is None:
+            errors = self.errors
+            smallest = min(e.smallest_memory for e in errors.values() if e.smallest_memory is not None)
+            raise InfeasibleError(f"{errors[(0, budget)]} Rematerialising the first 1..{n} forward segments does "
+                                  f"not fit either; the smallest peak the solver found is {smallest:.4g} bytes.",
+                                  smallest_memory=smallest) from None
+        return chosen, compiled
+
+    def result(self, chosen, compiled, base, max_units: int):
+        """``(plan, RematChoice)`` of the chosen candidate."""
+        best_k, units = chosen[0], self.units
+        peak_without = base.cost.peak_memory_bytes if base is not None else self.errors[(0, self.budget)].smallest_memory
+        choice = RematChoice(best_k, len(units), max_units, recompute_flops(units[:best_k]), peak_without,
+                             tuple((k, lim, None if p is None else p.cost.objective,
+                                    None if p is None else p.cost.peak_memory_bytes)
+                                   for (k, lim), p in sorted(self.plans.items())),
+                             tuple(u.source for u in units[:best_k]), chosen[1], compiled)
+        return self.plans[chosen], choice

@@ -121,7 +121,7 @@ def test_a_partial_sum_scattered_within_a_sharded_dimension(summed_first, monkey
     specs = {a_id: ShardingSpec(((1,), (), (0,), ())), w_id: ShardingSpec(((0,), (1,), (), ())),
              out: ShardingSpec(((1, 0), (), ()))}
     if not summed_first:
-        monkeypatch.setattr(lower._Evaluator, "summed_spec", lambda self, op: None)
+        monkeypatch.setattr(lower.Evaluator, "summed_spec", lambda self, op: None)
     flat = lower.make_flat_function(program, specs, {}, mesh)
     named = [NamedSharding(mesh, specs[v].to_partition_spec(info)) for v in (a_id, w_id, out)]
     jitted = jax.jit(flat, in_shardings=named[:2], out_shardings=named[2:])

@@ -61,7 +61,7 @@ def test_rewrite_recomputes_in_the_backward_and_lowers_xla_temp_memory():
     for k in (0, len(units)):
         prog, groups = rematerialize(program, units[:k])
         specs = {v: replicated(len(getattr(a, "shape", ()))) for v, a in enumerate(prog.avals)}
-        jitted = jax.jit(make_flat_function(prog, specs, {}, mesh, None, groups))
+        jitted = jax.jit(make_flat_function(prog, specs, {}, mesh, None, remat_groups=groups))
         temps.append(memory_stats(jitted.lower(*leaves).compile())["temp"])
         for got, want in zip(jitted(*leaves), ref, strict=True):
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)

@@ -20,6 +20,7 @@ import numpy as np
 
 from autoshard.capture import Op
 from autoshard.pipeline.boundary import BOUNDARY
+from autoshard.strategies import op_flops as op_flops  # the registry's flop count (OpInfo.flops)
 
 BALANCE_TOLERANCES = (0.02, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, math.inf)
 MAX_CANDIDATES = 400
@@ -27,23 +28,6 @@ MAX_CANDIDATES = 400
 
 def _size(aval) -> float:
     return float(math.prod(getattr(aval, "shape", ())))
-
-
-def op_flops(op: Op, avals) -> float:
-    """Flops of one op (a matmul: 2 · output · contraction; others: one per output element)."""
-    out = sum(_size(avals[v]) for v in op.outputs)
-    if op.name == "dot_general":
-        (lc, _), _ = op.params["dimension_numbers"]
-        lhs = avals[op.inputs[0]] if isinstance(op.inputs[0], int) else None
-        k = math.prod(lhs.shape[d] for d in lc) if lhs is not None else 1
-        return 2.0 * out * k
-    if op.name == "conv_general_dilated":
-        rhs = avals[op.inputs[1]] if isinstance(op.inputs[1], int) else None
-        return 2.0 * out * (math.prod(rhs.shape) / max(rhs.shape[0], 1) if rhs is not None else 1)
-    if op.body is not None:
-        inner = sum(op_flops(o, avals) for o in op.body.ops)
-        return inner * int(op.params.get("length", 1))
-    return out
 
 
 def _nbytes(aval) -> float:
@@ -105,7 +89,8 @@ def cluster_layers(ops: list[Op], avals, num_layers: int) -> list[int]:
     points = np.concatenate([[0], cand, [n]])
     target = max(prefix[-1] / L, _least_max(points, prefix, L))
     for tol in BALANCE_TOLERANCES:
-        cuts = _dp(points, prefix, traffic, L, target * (1 + tol) if math.isfinite(tol) else math.inf, target)
+        cuts = _dp(points, prefix, traffic, L, cap=target * (1 + tol) if math.isfinite(tol) else math.inf,
+                   target=target)
         if cuts is not None:
             return cuts
     return [round(i * n / L) for i in range(1, L)]
@@ -131,7 +116,9 @@ UNEVEN_PENALTY = 0.05
 """Weight of ``Σ (layer flops / target − 1)²`` in units of the median cut traffic: a tie-breaker."""
 
 
-def _dp(points, prefix, traffic, L, cap, target):
+def _dp(points, prefix, traffic, L, *, cap, target):
+    """The cut of ``points`` into ``L`` layers of at most ``cap`` flops with the least traffic (plus the
+    uneven penalty around ``target``), or None if none exists."""
     P = len(points)
     seg = prefix[points][None, :] - prefix[points][:, None]       # seg[i, j]: flops of points[i]..points[j]
     ok = (seg <= cap) & (np.arange(P)[None, :] > np.arange(P)[:, None])

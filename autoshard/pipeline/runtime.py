@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from autoshard.capture import OpGraph
-from autoshard.lower import _Evaluator
+from autoshard.lower import Evaluator
 from autoshard.pipeline.partition import Partition, Task
 from autoshard.pipeline.schedule import dispatch_order, stage_orders
 from autoshard.spec import MeshInfo
@@ -60,7 +60,7 @@ class PipelineExecutable:
             plan = self.plans[s]
             vs = {} if plan is None else plan.value_specs
             os_ = {} if plan is None else plan.operand_specs
-            self._evals.append(_Evaluator(analysis.micro, vs, os_, mesh, MeshInfo.from_mesh(mesh)))
+            self._evals.append(Evaluator(analysis.micro, vs, os_, mesh, MeshInfo.from_mesh(mesh)))
         full = analysis.full
         self.batch_values = {full.graph.invars[p]: p for p in analysis.batch_inputs}
         self.invar_pos = {v: i for i, v in enumerate(full.graph.invars)}

@@ -41,7 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from autoshard.capture import OpGraph
 from autoshard.errors import InputError, MeshError
-from autoshard.lower import _Evaluator
+from autoshard.lower import Evaluator
 from autoshard.pipeline.partition import Partition, partition
 from autoshard.pipeline.schedule import simulate, stage_orders
 from autoshard.spec import MeshInfo
@@ -154,8 +154,8 @@ class SpmdPipelineExecutable:
 
         self._plan_memory(frontier)
         self._plan_messages()
-        self._ev = _Evaluator(micro, {}, {}, self.mesh, MeshInfo.from_mesh(self.mesh))
-        self._full_ev = _Evaluator(full, {}, {}, self.mesh, MeshInfo.from_mesh(self.mesh))
+        self._ev = Evaluator(micro, {}, {}, self.mesh, MeshInfo.from_mesh(self.mesh))
+        self._full_ev = Evaluator(full, {}, {}, self.mesh, MeshInfo.from_mesh(self.mesh))
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self._jit = jax.jit(self._program, out_shardings=self.replicated)
         self._compiled: dict = {}

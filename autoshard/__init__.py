@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "parallelize": "autoshard.api",
     "Parallelized": "autoshard.api",
+    "Options": "autoshard.options",
     "Plan": "autoshard.plan",
     "PlanCost": "autoshard.plan",
     "PlanCheck": "autoshard.plan",

@@ -326,6 +326,11 @@ class StepWatchdog:
         self._count = 0
         self._lock = threading.Lock()
 
+    @classmethod
+    def for_step(cls, timeout: float | None, fun) -> StepWatchdog | None:
+        """The watchdog of ``parallelize(fun, step_timeout=timeout)``; None when ``timeout`` is None."""
+        return None if timeout is None else cls(timeout, name=f"{getattr(fun, '__name__', 'step')} call")
+
     def watch(self, outputs) -> None:
         """Start watching one step's ``outputs`` (any pytree of jax arrays); returns at once."""
         with self._lock:

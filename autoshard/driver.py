@@ -59,6 +59,8 @@ class PlanRequest:
       cluster: the :class:`~autoshard.ClusterSpec`; None: the platform's preset.
       memory_budget: bytes per device; None: the cluster's memory.
       hints: ``{path regex: PartitionSpec}`` pinning argument leaves.
+      pins: ``{flat argument index: ShardingSpec}``, typed pins on the request's mesh axes (a pipeline
+        stage's boundary values in the exchange layout); applied after the hints.
       donated: flat argument indices whose buffers the step may reuse.
       ties: flat output index -> the argument it is the next version of (the carried state).
       time_limit: seconds each solve may take.
@@ -75,6 +77,7 @@ class PlanRequest:
     cluster: Any = None
     memory_budget: float | None = None
     hints: Mapping = dataclasses.field(default_factory=dict)
+    pins: Mapping[int, ShardingSpec] = dataclasses.field(default_factory=dict)
     donated: frozenset = frozenset()
     ties: Mapping[int, int] = dataclasses.field(default_factory=dict)
     time_limit: float = 10.0
@@ -110,7 +113,8 @@ class MeshTarget:
         info = MeshInfo.from_mesh(mesh)
         cluster = default_cluster(mesh) if request.cluster is None else request.cluster
         budget = request.memory_budget if request.memory_budget is not None else getattr(cluster, "memory", None)
-        return cls(mesh, info, cluster, budget, pinned_from_hints(request.program, request.hints, info), report)
+        pinned = {**pinned_from_hints(request.program, request.hints, info), **request.pins}
+        return cls(mesh, info, cluster, budget, pinned, report)
 
     @property
     def shape(self) -> dict:

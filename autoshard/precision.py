@@ -49,6 +49,16 @@ def compute_dtype(precision):
     return PRECISIONS[precision]
 
 
+def with_precision(fun, precision, mesh=None):
+    """``fun`` as ``parallelize(precision=...)`` runs it on ``mesh``'s platform (None: the default
+    device's): :func:`cast_matmuls` for ``"bf16"``, ``fun`` itself otherwise."""
+    dtype = compute_dtype(precision)
+    if dtype is None:
+        return fun
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    return cast_matmuls(fun, dtype, widen=widen_operands(device.platform))
+
+
 def widen_operands(platform: str) -> bool:
     """Whether matmuls on this platform read bf16-rounded operands widened back to fp32 (see above)."""
     return platform == "cpu"

@@ -461,6 +461,21 @@ def _unit(n: float) -> tuple[str, float]:
 # progress
 
 
+def planning_progress(progress) -> Callable[[str, int, int], None] | None:
+    """``parallelize(progress=...)`` as a ``callback(stage, done, total)``, or None when silent.
+
+    ``"auto"`` draws a bar only in a terminal or a notebook; a callable is used as it is."""
+    if progress is None or progress is False or callable(progress):
+        return progress or None
+    if progress == "auto":
+        import sys
+
+        interactive = "ipykernel" in sys.modules or (hasattr(sys.stderr, "isatty") and sys.stderr.isatty())
+        if not interactive:
+            return None
+    return progress_callback(progress)
+
+
 def progress_callback(kind: str | None = "auto") -> Callable[[str, int, int], None] | None:
     """A ``callback(stage, done, total)`` that draws planning progress, or None when silenced.
 

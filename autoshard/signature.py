@@ -78,6 +78,12 @@ class StepSignature:
     positional_names: tuple = ()  # names of the positional parameters, where the signature is known
 
     @classmethod
+    def from_options(cls, fun, options) -> StepSignature:
+        """The signature of ``fun`` under an :class:`autoshard.Options`' argnums and argnames."""
+        return cls.create(fun, options.static_argnums, options.static_argnames, options.donate_argnums,
+                          options.donate_argnames)
+
+    @classmethod
     def create(cls, fun, static_argnums=(), static_argnames=(), donate_argnums=(), donate_argnames=()):
         params = _parameters(fun)
         snums, snames = _resolve(_as_tuple(static_argnums, int), _as_tuple(static_argnames, str), params, "static")
@@ -148,6 +154,20 @@ class BoundCall:
         """Each dynamic argument's position in the call; keyword arguments count as ``-1``."""
         return tuple(lab if isinstance(lab, int) else -1 for lab in self.labels)
 
+    def abstract(self):
+        """The dynamic arguments as ``ShapeDtypeStruct``s, every leaf checked to be an array."""
+        static_names = [k for k, _ in self.static]
+        for path, leaf in jax.tree_util.tree_flatten_with_path(self.dyn)[0]:
+            check_leaf(jax.tree_util.keystr(path[1:]), leaf, self.labels[path[0].idx], static_names)
+        return jax.tree_util.tree_map(abstract_leaf, self.dyn)
+
+    def leaves(self) -> list:
+        """The dynamic arguments' flat leaves, refusing abstract ones (a run needs arrays)."""
+        leaves = jax.tree_util.tree_leaves(self.dyn)
+        if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+            raise InputError("cannot run on jax.ShapeDtypeStruct arguments; use .plan() or .lower() instead")
+        return leaves
+
     def key(self, abstract) -> tuple:
         """The cache key: structure, shapes and dtypes, static values, labels, nnx graph definitions."""
         leaves, tree = jax.tree_util.tree_flatten(abstract)
@@ -196,6 +216,19 @@ class BoundCall:
             return lambda *dyn: call(dyn)
         return graph.wrap(call, getattr(fun, "__name__", "the step"))
 
+    def state_arguments(self, abstract, out_shape) -> frozenset:
+        """Positions of the dynamic arguments the step returns updated (the state; the rest is the batch):
+        those holding nnx objects, and those an output of the step is the next version of."""
+        outputs, held = (out_shape, frozenset()) if self.graph is None else (out_shape[0], self.graph.arguments())
+        tied = set(output_ties(abstract, outputs).values())
+        out, offset = set(held), 0
+        for i, a in enumerate(abstract):
+            n = len(jax.tree_util.tree_leaves(a))
+            if any(j in tied for j in range(offset, offset + n)):
+                out.add(i)
+            offset += n
+        return frozenset(out)
+
     def finish(self, outputs):
         """The step's outputs as the user sees them; nnx objects get their new state written back."""
         if self.graph is None:
@@ -203,6 +236,36 @@ class BoundCall:
         out, *new_dyn = outputs
         self.graph.update(tuple(new_dyn))
         return out
+
+
+class StepCache:
+    """The programs a step built, one per cache key (:meth:`BoundCall.key`).
+
+    ``lookup(args, kwargs)`` binds the call, and builds (``build(call, abstract)``) only on a miss. A
+    call whose leaves are all arrays is looked up without abstracting them (the common, hot path)."""
+
+    def __init__(self, signature: StepSignature, build: Callable):
+        self.signature = signature
+        self._build = build
+        self._entries: dict = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, args: tuple, kwargs: dict) -> tuple[Any, BoundCall]:
+        """``(entry, call)`` for one call: the built program and the bound call."""
+        call = self.signature.bind(args, kwargs)
+        leaves, tree = jax.tree_util.tree_flatten(call.dyn)
+        if all(isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) for x in leaves):
+            entry = self._entries.get(call.key_of(leaves, tree))
+            if entry is not None:
+                return entry, call
+        abstract = call.abstract()
+        key = call.key(abstract)
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = self._build(call, abstract)
+        return entry, call
 
 
 # ---- flax nnx graph nodes ------------------------------------------------------------------------
@@ -254,6 +317,16 @@ class _NodeGraph:
         objects = tuple(leaves[i] for i in positions)
         graphdef, state = nnx.split(objects)
         return cls(objects, tree, positions, graphdef, _placed(tree, leaves, positions, state))
+
+    def arguments(self) -> frozenset:
+        """Positions of the dynamic arguments that hold an nnx object."""
+        held, offset = set(), 0
+        for i, child in enumerate(self.tree.children()):
+            n = child.num_leaves
+            if any(offset <= p < offset + n for p in self.positions):
+                held.add(i)
+            offset += n
+        return frozenset(held)
 
     @property
     def static_key(self):

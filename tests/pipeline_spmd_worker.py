@@ -118,7 +118,7 @@ def main(process_id: int, port: int, out_dir: str, layout: str = "rows"):
     new_state, metrics2 = step(new_state, batch)   # the replicated outputs go straight back in
     print(f"worker {process_id}: start {t1 - t0:.1f} s, plan {t2 - t1:.1f} s, compile+run "
           f"{time.perf_counter() - t2:.1f} s", flush=True)
-    entry = step._get((state, batch))
+    entry = step.prepared(state, batch)
     exe = entry.executable
     assert isinstance(exe, SpmdPipelineExecutable), type(exe)
     stage_procs = [sorted({d.process_index for d in row}) for row in exe.mesh.devices]

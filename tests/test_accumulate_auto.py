@@ -54,7 +54,7 @@ def test_accumulates_when_no_full_batch_plan_fits():
     k = plan.num_microbatches
     assert k == plan.stats["num_microbatches"] and k in (2, 4)
     assert "gradient accumulation chosen by the planner" in plan.summary()
-    exe = step._get((params, batch)).step._get((params, batch)).executable
+    exe = step.prepared(params, batch).program.executable
     from autoshard.pipeline.auto import compiled_task_peaks
 
     peaks = compiled_task_peaks(exe)

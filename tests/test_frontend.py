@@ -116,7 +116,7 @@ def test_nnx_optimizer_step_updates_in_place_like_nnx_jit(mesh, on_mesh):
     if rng_count is not None:
         assert int(model.drop.rngs.count[...]) == rng_count + 2  # one dropout mask per step
     _leaves_close(nnx.state((model, opt)), nnx.state((ref_model, ref_opt)))
-    assert len(step._cache) == 1  # the second call reused the plan
+    assert len(step.cache) == 1  # the second call reused the plan
 
 
 def test_nnx_step_returning_a_module_is_refused(mesh):
@@ -129,11 +129,30 @@ def test_nnx_step_returning_a_module_is_refused(mesh):
         autoshard.parallelize(step, mesh=mesh)(model, _batch()["x"])
 
 
-def test_nnx_objects_in_a_microbatched_step_are_refused(mesh):
-    model, opt = _make_net()
-    step = autoshard.parallelize(_nnx_step, mesh=mesh, num_microbatches=2)
-    with pytest.raises(InputError, match="cannot take flax nnx objects"):
-        step(model, opt, _batch())
+class _Mlp(nnx.Module):
+    def __init__(self, rngs):
+        self.a = nnx.Linear(16, 32, rngs=rngs)
+        self.b = nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.b(jnp.tanh(self.a(x)))
+
+
+def _make_mlp():
+    model = _Mlp(nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+
+def test_nnx_objects_in_a_microbatched_step_update_in_place(mesh):
+    model, opt = _make_mlp()
+    ref_model, ref_opt = _make_mlp()
+    step = autoshard.parallelize(_nnx_step, mesh=mesh, num_microbatches=2, progress=None)
+    ref = nnx.jit(_nnx_step)
+    for _ in range(2):
+        np.testing.assert_allclose(step(model, opt, _batch()), ref(ref_model, ref_opt, _batch()), rtol=1e-5)
+    assert int(opt.step[...]) == 2 == int(ref_opt.step[...])
+    _leaves_close(nnx.state((model, opt)), nnx.state((ref_model, ref_opt)))
+    assert len(step.cache) == 1 and step.plan(model, opt, _batch()).num_microbatches == 2
 
 
 # ---- signature -------------------------------------------------------------------------------------
@@ -149,7 +168,7 @@ def test_static_argnames_and_keyword_arguments(mesh):
     ref = jax.jit(_scaled, static_argnames=("power",))
     np.testing.assert_allclose(step(w, x, scale=2.0, power=3), ref(w, x, scale=2.0, power=3), rtol=1e-5)
     np.testing.assert_allclose(step(w, x=x, scale=0.5), ref(w, x=x, scale=0.5), rtol=1e-5)
-    assert len(step._cache) == 2  # a different static value, and x by keyword, are other entries
+    assert len(step.cache) == 2  # a different static value, and x by keyword, are other entries
     plan = step.plan(w, x, scale=1.0, power=3)
     assert "scale" in plan.in_paths and any(p.startswith("[1]") for p in plan.in_paths)
 
@@ -325,3 +344,91 @@ def test_dropout_masks_shard_with_their_activations(mesh):
         _leaves_close(out, ref)
         stats[rate] = collective_stats(step.lower(params, x, key).compile())
     assert stats[0.25].bytes() == pytest.approx(stats[0.0].bytes(), rel=0.01), (stats[0.25], stats[0.0])
+
+
+# ---- one options object, every runtime ---------------------------------------------------------------
+
+
+def _sgd_step(params, batch, *, lr=0.1):
+    def loss_fn(p):
+        return jnp.mean((jnp.tanh(batch["x"] @ p["w1"]) @ p["w2"] - batch["y"]) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    return jax.tree_util.tree_map(lambda p, g: p - lr * g, params, grads), {"loss": loss}
+
+
+def _sgd_inputs():
+    k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
+    params = {"w1": jax.random.normal(k1, (16, 32)) / 4, "w2": jax.random.normal(k2, (32, 4)) / 6}
+    return params, {"x": jax.random.normal(k3, (8, 16)), "y": jnp.ones((8, 4))}
+
+
+def test_options_are_validated_at_once_naming_each_option():
+    with pytest.raises(InputError) as info:
+        autoshard.Options(num_microbatches=0, remat="sometimes", progress="loud", memory_budget="lots",
+                          static_argnums="x", solver_time_limit=-1)
+    text = str(info.value)
+    for name in ("num_microbatches=0", "remat='sometimes'", "progress='loud'", "memory_budget='lots'",
+                 "static_argnums='x'", "solver_time_limit=-1"):
+        assert name in text
+    assert text.count("Fix:") == 6
+    o = autoshard.Options(memory_budget="1 KiB", static_argnums=1, batch_argnums=2)
+    assert (o.memory_budget, o.static_argnums, o.batch_argnums, o.runtime) == (1024.0, (1,), (2,), "single")
+    assert o.replace(pipeline=autoshard.PipelineOptions()).runtime == "pipelined"
+
+
+def test_parallelize_takes_an_options_object(mesh):
+    params, batch = _sgd_inputs()
+    options = autoshard.Options(mesh=mesh, progress=None)
+    step = autoshard.parallelize(_sgd_step, options=options)
+    assert isinstance(step, autoshard.Parallelized) and step.options is options
+    piped = autoshard.parallelize(_sgd_step, options=options, num_microbatches=2)
+    assert piped.options.num_microbatches == 2 and piped.options.mesh is mesh
+    (ref, ref_m), (got, got_m) = jax.jit(_sgd_step)(params, batch), piped(params, batch)
+    np.testing.assert_allclose(float(got_m["loss"]), float(ref_m["loss"]), rtol=1e-5)
+    _leaves_close(got, ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("option", [{"hints": {"w1": P(None, "model")}}, {"remat": True},
+                                    {"state_roles": {"w1": "parameter"}}])
+def test_pipelined_runtime_refuses_what_it_cannot_honour(mesh, option):
+    name = next(iter(option))
+    with pytest.raises(InputError, match=rf"(?s)pipelined runtime cannot honour.*{name}=.*Fix:"):
+        autoshard.parallelize(_sgd_step, mesh=mesh, num_microbatches=2, **option)
+    autoshard.parallelize(_sgd_step, mesh=mesh, **option)  # the single program honours it
+
+
+def test_multi_process_pipelines_refuse_process_local_batches():
+    o = autoshard.Options(num_microbatches=2, batch_argnums=(1,))
+    assert o.unsupported("pipelined") == []
+    with pytest.raises(InputError, match=r"(?s)multi-process pipelined runtime.*batch_argnums=.*Fix:"):
+        o.check_runtime("multi-process pipelined")
+
+
+def test_pipelined_step_takes_keywords_static_names_progress_and_a_watchdog(mesh, monkeypatch):
+    from autoshard.distributed import StepWatchdog
+
+    watched, seen = [], []
+    monkeypatch.setattr(StepWatchdog, "watch", lambda self, outputs: watched.append(len(outputs)))
+    params, batch = _sgd_inputs()
+    step = autoshard.parallelize(_sgd_step, mesh=mesh, num_microbatches=2, static_argnames="lr", step_timeout=60,
+                                 batch_argnums=1, progress=lambda stage, done, total: seen.append((done, total)))
+    ref_params, ref_m = jax.jit(_sgd_step, static_argnames="lr")(params, batch, lr=0.05)
+    got_params, got_m = step(params, batch=batch, lr=0.05)
+    np.testing.assert_allclose(float(got_m["loss"]), float(ref_m["loss"]), rtol=1e-5)
+    _leaves_close(got_params, ref_params, atol=1e-6)
+    assert watched and seen and seen[-1][0] == seen[-1][1]  # the bar closed
+    assert step.plan(params, batch=batch, lr=0.05).num_microbatches == 2 and len(step.cache) == 1
+
+
+def test_pipelined_step_computes_in_bf16_like_the_single_program(mesh):
+    from autoshard.precision import with_precision
+
+    params, batch = _sgd_inputs()
+    ref = jax.jit(with_precision(_sgd_step, "bf16", mesh))(params, batch)
+    fp32 = jax.jit(_sgd_step)(params, batch)
+    got = autoshard.parallelize(_sgd_step, mesh=mesh, num_microbatches=2, precision="bf16", progress=None)(params,
+                                                                                                          batch)
+    np.testing.assert_allclose(float(got[1]["loss"]), float(ref[1]["loss"]), rtol=1e-5)
+    _leaves_close(got[0], ref[0], atol=1e-6)
+    assert abs(float(got[1]["loss"]) - float(fp32[1]["loss"])) > 1e-6  # the matmuls did read bf16

@@ -81,7 +81,7 @@ def test_manual_boundaries_cut_forward_and_backward():
     assert_trees_close(out_params, ref_params, rtol=1e-5, atol=1e-6)
     plan = step.plan(params, batch)
     assert plan.num_stages == 4 and plan.stats["manual_cut"]
-    exe = step._get((params, batch)).executable
+    exe = step.prepared(params, batch).executable
     # Stage s updates exactly its own weight (the update tasks write params[s] on stage s).
     for s in range(4):
         assert ("B", s) in exe.part.tasks and ("F", s) in exe.part.tasks

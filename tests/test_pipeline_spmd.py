@@ -65,7 +65,7 @@ def test_spmd_pipeline_matches_reference(family, schedule, batch_size, dp, stage
     assert targets and all(len(t.device_set) == 8 for t in targets)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(out["params"], ref["params"], rtol=1e-5, atol=5e-5, what="params")
-    entry = step._get((state, batch))
+    entry = step.prepared(state, batch)
     exe = entry.executable
     assert isinstance(exe, SpmdPipelineExecutable) and entry.plan.stats["runtime"] == "spmd"
     # Activations move inside the one program: collective-permutes over the stage axis, no device_put.
@@ -84,7 +84,7 @@ def test_1f1b_stashes_fewer_microbatches_than_gpipe():
     for schedule in ("1f1b", "gpipe"):
         step = autoshard.parallelize(train_step, mesh=mesh("2x4"), num_microbatches=4, pipeline=spmd_options(schedule))
         step.plan(state, batch)   # builds the executable; nothing is compiled until it runs
-        exe = step._get((state, batch)).executable
+        exe = step.prepared(state, batch).executable
         acc = exe.acc_len["float32"]
         mem[schedule] = exe.mem_len["float32"] - acc
     assert 0 < mem["1f1b"] < mem["gpipe"]

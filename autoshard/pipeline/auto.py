@@ -38,29 +38,23 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(2, n + 1) if n % d == 0]
 
 
-def choose_microbatches(make_step, build_args, budget_of, error: InfeasibleError):
+def choose_microbatches(make_step, args: tuple, budget_of, error: InfeasibleError):
     """The smallest ``k`` whose accumulated step fits; raises ``error`` (annotated) when none does.
 
     Args:
       make_step: ``k -> PipelinedStep`` with ``num_microbatches=k``.
-      build_args: ``(dyn, stat, dyn_index, n_args)`` for ``PipelinedStep._build``.
+      args: the step's (dynamic) arguments.
       budget_of: ``PipelinePlan -> bytes`` per device the tasks must fit.
       error: the full batch's :class:`InfeasibleError`.
 
     Returns:
-      ``(step, entry)``: the step and its built entry (``entry.plan.stats["num_microbatches"] == k``).
+      ``(step, program)``: the step and its :class:`~autoshard.pipeline.step.PipelinedProgram` for
+      ``args`` (``program.plan.stats["num_microbatches"] == k``).
     """
-    from autoshard.pipeline.accumulate import batch_leaf_positions
-    from autoshard.signature import abstract_leaf, output_ties
-
-    dyn, stat, dyn_index, n_args = build_args
     probe = make_step(1)
-    abstract = jax.tree_util.tree_map(abstract_leaf, dyn)
-    fun = probe._bound(stat, n_args, dyn_index)
-    in_paths = tuple(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(abstract)[0])
+    call = probe.bind(args)
     try:
-        ties = output_ties(abstract, jax.eval_shape(fun, *abstract))
-        _, batch_size = batch_leaf_positions(abstract, probe._batch_args(abstract, dyn_index, ties), 1, in_paths)
+        batch_size = probe.batch_size(call)
     except InputError as e:
         raise _annotated(error, f"it has no batch to split ({e})") from None
 
@@ -68,7 +62,7 @@ def choose_microbatches(make_step, build_args, budget_of, error: InfeasibleError
         """``(step, entry, peaks)`` when k microbatches fit, else why not."""
         step = make_step(k)
         try:
-            entry = step._build(*build_args)
+            entry = step.build(step.bind(args))
         except InfeasibleError as e:
             return f"k={k}: planner's smallest peak {e.smallest_memory or 0:.4g} bytes"
         except InputError as e:  # not accumulation-compatible at this k (see below)

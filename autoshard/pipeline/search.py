@@ -38,6 +38,7 @@ from autoshard.pipeline.submesh import (
     physical_grid,
     submesh_options,
 )
+from autoshard.spec import MeshInfo, ShardingSpec
 
 AXES = ("data", "model")
 
@@ -77,8 +78,34 @@ def stage_program(analysis: StepAnalysis, part: Partition, stage: int) -> Captur
                                       out_paths=tuple(f"<value {v}>" for v in dict.fromkeys(outvars)), consts={})
 
 
-BOUNDARY_LAYOUT = {"^<boundary": PartitionSpec("data")}
+BOUNDARY_LAYOUT = PartitionSpec("data")
 """Values crossing layers or stages: batch split over "data", replicated over "model" (Megatron + DP)."""
+
+
+def is_boundary(path: str) -> bool:
+    """Whether a stage program's argument path (see :func:`stage_program`) names a value from outside."""
+    return path.startswith("<boundary")
+
+
+def boundary_pins(program: CapturedProgram, mesh) -> dict[int, ShardingSpec]:
+    """The exchange layout (:data:`BOUNDARY_LAYOUT`) of every boundary argument, as typed pins.
+
+    Empty when some boundary value cannot take it (a scalar, or a leading axis that "data" does not
+    divide, e.g. a microbatch smaller than the data axis), or when there is none: the layer or stage
+    is then planned with its boundaries free."""
+    info = MeshInfo.from_mesh(mesh)
+    pins = {}
+    for i, path in enumerate(program.in_paths):
+        if not is_boundary(path):
+            continue
+        shape = tuple(program.avals[program.graph.invars[i]].shape)
+        if len(shape) < len(BOUNDARY_LAYOUT):
+            return {}
+        spec = ShardingSpec.from_partition_spec(BOUNDARY_LAYOUT, len(shape), info)
+        if any(n % info.axes_size(axes) for n, axes in zip(shape, spec.dims, strict=True)):
+            return {}
+        pins[i] = spec
+    return pins
 
 
 def boundary_ties(program: CapturedProgram, part: Partition) -> dict[int, int]:
@@ -86,7 +113,7 @@ def boundary_ties(program: CapturedProgram, part: Partition) -> dict[int, int]:
 
     A layer planned alone would otherwise hand its successor any layout for free; tying prices the
     conversion back to the boundary layout inside the layer, so per-layer costs add up honestly."""
-    free = [i for i, p in enumerate(program.in_paths) if p.startswith("<boundary")]
+    free = [i for i, p in enumerate(program.in_paths) if is_boundary(p)]
     ties = {}
     for j, v in enumerate(program.graph.outvars):
         if not isinstance(v, int) or v in part.frontier_values:
@@ -101,15 +128,15 @@ def boundary_ties(program: CapturedProgram, part: Partition) -> dict[int, int]:
     return ties
 
 
-def plan_boundaries(program: CapturedProgram, part: Partition, mesh, cluster, time_limit):
-    """The intra-op plan of a layer or stage with its boundary values in the exchange layout."""
+def plan_boundaries(program: CapturedProgram, part: Partition, mesh, cluster, time_limit, *, tie_layers="auto"):
+    """The intra-op plan of a layer or stage with its boundary values pinned to the exchange layout
+    (:func:`boundary_pins`) and its outputs tied to them; with neither when the layout does not fit."""
     from autoshard.driver import PlanRequest, plan
 
-    try:
-        return plan(PlanRequest(program, mesh=mesh, cluster=cluster, time_limit=time_limit,
-                                hints=BOUNDARY_LAYOUT, ties=boundary_ties(program, part)))
-    except MeshError:  # the exchange layout does not divide, e.g. a microbatch the data axis does not divide
-        return plan(PlanRequest(program, mesh=mesh, cluster=cluster, time_limit=time_limit))
+    pins = boundary_pins(program, mesh)
+    ties = boundary_ties(program, part) if pins else {}
+    return plan(PlanRequest(program, mesh=mesh, cluster=cluster, time_limit=time_limit, pins=pins, ties=ties,
+                            tie_layers=tie_layers))
 
 
 def residual_bytes(analysis: StepAnalysis, part: Partition, stage: int) -> float:
@@ -153,6 +180,31 @@ def cluster_for(cluster, option: SubmeshOption, grid_shape):
     return dataclasses.replace(c, bandwidth=(outer[0], inner[0]), latency=(outer[1], inner[1]), host_bandwidth=1e30)
 
 
+@dataclasses.dataclass(frozen=True)
+class StageSearch:
+    """What the inter-operator search needs besides the step: where, how, and under what budget.
+
+    Attributes:
+      mesh: the whole mesh; its devices are cut into stage sub-meshes.
+      cluster: its :class:`~autoshard.ClusterSpec`.
+      options: the :class:`PipelineOptions`.
+      memory_budget: bytes per device a stage may hold, or None.
+      tie_layers: ``parallelize(tie_layers=...)`` for every intra-op plan.
+      progress: ``callback(stage, done, total)`` or None.
+    """
+
+    mesh: object
+    cluster: object
+    options: PipelineOptions
+    memory_budget: float | None = None
+    tie_layers: object = "auto"
+    progress: object = None
+
+    def report(self, stage: str, done: int, total: int) -> None:
+        if self.progress is not None:
+            self.progress(stage, done, total)
+
+
 @dataclasses.dataclass
 class _LayerCost:
     time: float
@@ -163,9 +215,8 @@ class _LayerCost:
 class _CostTable:
     """Per-layer, per-option costs, planned once per distinct layer program."""
 
-    def __init__(self, analysis, part, cluster, grid_shape, options: PipelineOptions, memory_budget):
-        self.analysis, self.part, self.cluster = analysis, part, cluster
-        self.grid_shape, self.options, self.memory_budget = grid_shape, options, memory_budget
+    def __init__(self, analysis, part, search: StageSearch, grid_shape):
+        self.analysis, self.part, self.search, self.grid_shape = analysis, part, search, grid_shape
         self.cache: dict = {}
         self.programs: dict = {}
         self.fingerprints: dict = {}
@@ -178,28 +229,30 @@ class _CostTable:
             self.fingerprints[layer] = _fingerprint(prog)
         key = (self.fingerprints[layer], option)
         hit = self.cache.get(key)
-        if hit is not None:
-            return hit
+        if hit is None:
+            hit = self.cache[key] = self._cost(prog, layer, option)
+        return hit
+
+    def _cost(self, prog, layer: int, option: SubmeshOption) -> _LayerCost:
         n = option.size
         act = residual_bytes(self.analysis, self.part, layer) / n
-        sub_cluster = cluster_for(self.cluster, option, self.grid_shape)
-        if self.options.stage_cost == "estimate" or not prog.graph.ops:
+        sub_cluster = cluster_for(self.search.cluster, option, self.grid_shape)
+        options = self.search.options
+        if options.stage_cost == "estimate" or not prog.graph.ops:
             flops = sum(op_flops(op, self.analysis.avals) for op in prog.graph.ops)
             params = sum(_nbytes(self.analysis.avals[v]) for v in prog.graph.invars
                          if v in set(self.analysis.full.graph.invars) and v not in self.analysis.dependent)
             d = option.logical[0]
             allreduce = 0.0 if d == 1 else 2 * (d - 1) / d * params / min(sub_cluster.bandwidth)
-            hit = _LayerCost(flops / (n * sub_cluster.flops) + allreduce, params * 4 / n + act, act)
-        else:
-            mesh = make_mesh(option.logical, AXES)
-            try:
-                plan = plan_boundaries(prog, self.part, mesh, sub_cluster, self.options.solver_time_limit)
-                self.plans_made += 1
-                hit = _LayerCost(plan.cost.total_seconds, plan.cost.peak_memory_bytes, act)
-            except (InfeasibleError, MeshError):  # no plan of this layer fits this option (bugs propagate)
-                hit = _LayerCost(math.inf, math.inf, act)
-        self.cache[key] = hit
-        return hit
+            return _LayerCost(flops / (n * sub_cluster.flops) + allreduce, params * 4 / n + act, act)
+        mesh = make_mesh(option.logical, AXES)
+        try:
+            plan = plan_boundaries(prog, self.part, mesh, sub_cluster, options.solver_time_limit,
+                                   tie_layers=self.search.tie_layers)
+        except (InfeasibleError, MeshError):  # no plan of this layer fits this option (bugs propagate)
+            return _LayerCost(math.inf, math.inf, act)
+        self.plans_made += 1
+        return _LayerCost(plan.cost.total_seconds, plan.cost.peak_memory_bytes, act)
 
 
 def _layer_bounds(analysis, options: PipelineOptions, num_devices: int):
@@ -237,9 +290,99 @@ def _layer_bounds(analysis, options: PipelineOptions, num_devices: int):
     return layer_of, flops, manual is not None
 
 
-def plan_stages(analysis: StepAnalysis, mesh, cluster, options: PipelineOptions, memory_budget=None):
-    """Search the pipeline; returns ``(partition, meshes, plans, PipelinePlan)``."""
+@dataclasses.dataclass(frozen=True)
+class _Stages:
+    """The chosen stages: ``(first layer, end layer, option)`` each, their options and device sets."""
+
+    bounds: tuple
+    chosen: tuple
+    devices: tuple
+
+
+def _fixed_submesh_stages(table: _CostTable, grid, num_layers: int, manual: bool) -> _Stages:
+    """With ``PipelineOptions.submeshes`` fixed: the layer cut of least latency (a scan over the cuts)."""
+    L, k, submeshes = num_layers, table.analysis.num_microbatches, table.search.options.submeshes
+    opts = [SubmeshOption((1, math.prod(s)) if math.prod(s) <= grid.shape[1] else
+                          (math.prod(s) // grid.shape[1], grid.shape[1]), tuple(s)) for s in submeshes]
+    S = len(opts)
+    if S > L:
+        raise InputError(f"{S} submeshes (stages) but only {L} layers; every stage needs at least one layer")
+    if S == L:  # nothing to choose: skip planning the layers
+        costs = [[_LayerCost(0.0, 0.0, 0.0)] * S for _ in range(L)]
+    else:
+        costs = [[table.cost(layer, o) for o in opts] for layer in range(L)]
+    best = None
+    cut_choices = [tuple(range(1, L))] if manual and S == L else itertools.combinations(range(1, L), S - 1)
+    for cuts in cut_choices:
+        b = (0, *cuts, L)
+        ts = [sum(costs[layer][s].time for layer in range(b[s], b[s + 1])) for s in range(S)]
+        t = sum(ts) + (k - 1) * max(ts)
+        if best is None or t < best[0]:
+            best = (t, b)
+    bounds = best[1]
+    flat, devices, off = grid.reshape(-1), [], 0
+    for o in opts:
+        devices.append(flat[off:off + o.size])
+        off += o.size
+    return _Stages(tuple((bounds[s], bounds[s + 1], s) for s in range(S)), tuple(opts), tuple(devices))
+
+
+def _dp_stages(table: _CostTable, grid, num_layers: int, fixed_count: int | None) -> _Stages:
+    """Alpa's stage-mesh DP (:func:`assign_stages`) over every sub-mesh option and layer range."""
+    L, N, k, memory_budget = num_layers, grid.size, table.analysis.num_microbatches, table.search.memory_budget
+    opts = [o for o in submesh_options(grid.shape) if o.size <= N]
+    M = len(opts)
+    T = np.full((L, L + 1, M), np.inf)
+    W = np.zeros((L, L + 1, M))
+    A = np.zeros((L, L + 1, M))
+    per = [[table.cost(layer, o) for o in opts] for layer in range(L)]
+    for i in range(L):
+        for m in range(M):
+            tt = ww = aa = 0.0
+            for j in range(i + 1, L + 1):
+                c = per[j - 1][m]
+                tt, ww, aa = tt + c.time, ww + c.memory - c.activation, aa + c.activation
+                T[i, j, m], W[i, j, m], A[i, j, m] = tt, ww, aa
+    limit = math.inf if memory_budget is None else float(memory_budget)
+    sol = assign_stages(StageProblem(T, tuple(o.size for o in opts), N, k, W, A, limit, fixed_count))
+    if sol is None:
+        raise MeshError(f"no pipeline of {L} layers fits the {N}-device mesh"
+                        + (f" within memory_budget={memory_budget:.4g} bytes" if memory_budget else ""))
+    chosen = tuple(opts[m] for _, _, m in sol.stages)
+    devices = tuple(d.reshape(-1) for d in allocate(grid, [o.physical for o in chosen]))
+    return _Stages(tuple(sol.stages), chosen, devices)
+
+
+def _plan_each_stage(analysis, part, stages: _Stages, search: StageSearch, grid_shape):
+    """Each stage's intra-op plan on its sub-mesh: ``(meshes, plans, StagePlans)``."""
+    options, S = search.options, len(stages.bounds)
+    orders = stage_orders(S, analysis.num_microbatches, options.schedule)
+    meshes, plans, stage_plans = [], [], []
+    for s, o in enumerate(stages.chosen):
+        mesh = make_mesh(o.logical, AXES, devices=list(stages.devices[s]))
+        prog = stage_program(analysis, part, s)
+        plan = plan_boundaries(prog, part, mesh, cluster_for(search.cluster, o, grid_shape), options.solver_time_limit,
+                               tie_layers=search.tie_layers) if prog.graph.ops else None
+        search.report(f"stage {s} planned", 2 + s + 1, 2 + S)
+        act = residual_bytes(analysis, part, s) / o.size
+        live = max_in_flight(orders[s])
+        t = plan.cost.total_seconds if plan is not None else 0.0
+        mem = (plan.cost.peak_memory_bytes if plan is not None else 0.0) + max(0, live - 1) * act
+        meshes.append(mesh)
+        plans.append(plan)
+        stage_plans.append(StagePlan(s, tuple(int(d.id) for d in stages.devices[s]), o.logical,
+                                     stages.bounds[s][:2], plan, t, mem, act, live))
+    return meshes, plans, stage_plans
+
+
+def plan_stages(analysis: StepAnalysis, mesh, cluster, options: PipelineOptions, memory_budget=None, *,
+                tie_layers="auto", progress=None):
+    """Search the pipeline; returns ``(partition, meshes, plans, PipelinePlan)``.
+
+    ``progress``: ``callback(stage, done, total)`` after the layer costs, the stage search and each
+    stage's plan."""
     t0 = time.perf_counter()
+    search = StageSearch(mesh, cluster, options, memory_budget, tie_layers, progress)
     k = analysis.num_microbatches
     grid = physical_grid(mesh)
     N = grid.size
@@ -249,83 +392,24 @@ def plan_stages(analysis: StepAnalysis, mesh, cluster, options: PipelineOptions,
         check_submeshes(grid.shape, options.submeshes)
     layer_of, layer_flops, manual = _layer_bounds(analysis, options, N)
     L = len(layer_flops)
-    part_layers = partition(analysis, lambda p: layer_of[p], L)
-    table = _CostTable(analysis, part_layers, cluster, grid.shape, options, memory_budget)
-    limit = math.inf if memory_budget is None else float(memory_budget)
-    S_fixed = (L if manual else (options.num_stages if isinstance(options.num_stages, int) else None))
+    table = _CostTable(analysis, partition(analysis, lambda p: layer_of[p], L), search, grid.shape)
+    search.report("layers cut", 1, 3)
     if options.submeshes is not None:
-        opts = [SubmeshOption((1, math.prod(s)) if math.prod(s) <= grid.shape[1] else
-                              (math.prod(s) // grid.shape[1], grid.shape[1]), tuple(s)) for s in options.submeshes]
-        S = len(opts)
-        if S > L:
-            raise InputError(f"{S} submeshes (stages) but only {L} layers; every stage needs at least one layer")
-        if S == L:  # nothing to choose: skip planning the layers
-            costs = [[_LayerCost(0.0, 0.0, 0.0)] * S for _ in range(L)]
-        else:
-            costs = [[table.cost(layer, o) for o in opts] for layer in range(L)]
-        best = None
-        cut_choices = [tuple(range(1, L))] if manual and S == L else itertools.combinations(range(1, L), S - 1)
-        for cuts in cut_choices:
-            b = (0, *cuts, L)
-            ts = [sum(costs[layer][s].time for layer in range(b[s], b[s + 1])) for s in range(S)]
-            t = sum(ts) + (k - 1) * max(ts)
-            if best is None or t < best[0]:
-                best = (t, b)
-        bounds = best[1]
-        stages = [(bounds[s], bounds[s + 1], s) for s in range(S)]
-        chosen = opts
-        devices = []
-        flat = grid.reshape(-1)
-        off = 0
-        for o in opts:
-            devices.append(flat[off:off + o.size])
-            off += o.size
+        stages = _fixed_submesh_stages(table, grid, L, manual)
     else:
-        opts = [o for o in submesh_options(grid.shape) if o.size <= N]
-        M = len(opts)
-        T = np.full((L, L + 1, M), np.inf)
-        W = np.zeros((L, L + 1, M))
-        A = np.zeros((L, L + 1, M))
-        per = [[table.cost(layer, o) for o in opts] for layer in range(L)]
-        for i in range(L):
-            for m in range(M):
-                tt = ww = aa = 0.0
-                for j in range(i + 1, L + 1):
-                    c = per[j - 1][m]
-                    tt, ww, aa = tt + c.time, ww + c.memory - c.activation, aa + c.activation
-                    T[i, j, m], W[i, j, m], A[i, j, m] = tt, ww, aa
-        problem = StageProblem(T, tuple(o.size for o in opts), N, k, W, A, limit, S_fixed)
-        sol = assign_stages(problem)
-        if sol is None:
-            raise MeshError(f"no pipeline of {L} layers fits the {N}-device mesh"
-                            + (f" within memory_budget={memory_budget:.4g} bytes" if memory_budget else ""))
-        stages = list(sol.stages)
-        chosen = [opts[m] for _, _, m in stages]
-        devices = [d.reshape(-1) for d in allocate(grid, [o.physical for o in chosen])]
+        fixed = L if manual else (options.num_stages if isinstance(options.num_stages, int) else None)
+        stages = _dp_stages(table, grid, L, fixed)
     search_s = time.perf_counter() - t0
-    S = len(stages)
-    stage_of_layer = {layer: s for s, (i, j, _) in enumerate(stages) for layer in range(i, j)}
+    S = len(stages.bounds)
+    search.report(f"{S} stages chosen", 2, 2 + S)
+    stage_of_layer = {layer: s for s, (i, j, _) in enumerate(stages.bounds) for layer in range(i, j)}
     part = partition(analysis, lambda p: stage_of_layer[layer_of[p]], S)
-    meshes, plans, stage_plans = [], [], []
-    orders = stage_orders(S, k, options.schedule)
-    for s in range(S):
-        o = chosen[s]
-        m_ = make_mesh(o.logical, AXES, devices=list(devices[s]))
-        prog = stage_program(analysis, part, s)
-        plan = plan_boundaries(prog, part, m_, cluster_for(cluster, o, grid.shape),
-                               options.solver_time_limit) if prog.graph.ops else None
-        act = residual_bytes(analysis, part, s) / o.size
-        live = max_in_flight(orders[s])
-        t = plan.cost.total_seconds if plan is not None else 0.0
-        mem = (plan.cost.peak_memory_bytes if plan is not None else 0.0) + max(0, live - 1) * act
-        meshes.append(m_)
-        plans.append(plan)
-        stage_plans.append(StagePlan(s, tuple(int(d.id) for d in devices[s]), o.logical, stages[s][:2], plan, t,
-                                     mem, act, live))
+    meshes, plans, stage_plans = _plan_each_stage(analysis, part, stages, search, grid.shape)
     times = [sp.time_s for sp in stage_plans]
     first = {}
     for p_ in sorted(layer_of):
         first.setdefault(stage_of_layer[layer_of[p_]], analysis.full.graph.ops[p_].source())
+    orders = stage_orders(S, k, options.schedule)
     sim = simulate(orders, [t / 3 for t in times], [2 * t / 3 for t in times], chain_deps(S))
     pplan = PipelinePlan(
         stages=tuple(stage_plans), schedule=options.schedule, num_microbatches=k, layer_flops=layer_flops,

@@ -1,4 +1,11 @@
-"""``PipelinedStep``: what ``parallelize(..., num_microbatches=k, pipeline=...)`` returns."""
+"""``PipelinedStep``: what ``parallelize(..., num_microbatches=k, pipeline=...)`` returns.
+
+It takes the same :class:`~autoshard.Options` and the same calls as :class:`autoshard.Parallelized`
+(static and donated arguments by position or name, keyword arguments, flax nnx objects updated in
+place): the shared :class:`~autoshard.signature.StepSignature` binds each call, and the step runs as
+the bound call's pure function. Options that these runtimes cannot honour are refused
+(``Options.check_runtime("pipelined")``).
+"""
 
 from __future__ import annotations
 
@@ -8,20 +15,20 @@ import time
 from typing import Any
 
 import jax
-import numpy as np
 
-from autoshard.cluster import parse_bytes
+from autoshard.distributed import StepWatchdog
 from autoshard.driver import PlanRequest, default_cluster
 from autoshard.driver import plan as plan_request
 from autoshard.errors import InputError
+from autoshard.options import Options
 from autoshard.pipeline.accumulate import StepAnalysis, analyze_step, batch_leaf_positions
-from autoshard.pipeline.options import PipelineOptions
 from autoshard.pipeline.partition import partition
 from autoshard.pipeline.plan import PipelinePlan, StagePlan
 from autoshard.pipeline.runtime import PipelineExecutable
 from autoshard.pipeline.search import plan_stages, residual_bytes, stage_program
 from autoshard.pipeline.spmd import SpmdPipelineExecutable, spans_processes
-from autoshard.signature import abstract_leaf, check_leaf, output_ties
+from autoshard.report import planning_progress
+from autoshard.signature import BoundCall, StepCache, StepSignature, output_ties
 
 
 def _resolve_runtime(runtime: str, mesh) -> str:
@@ -39,170 +46,140 @@ def _resolve_runtime(runtime: str, mesh) -> str:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class _Entry:
+class PipelinedProgram:
+    """What one argument signature of a pipelined step runs.
+
+    Attributes:
+      analysis: the :class:`~autoshard.pipeline.accumulate.StepAnalysis` of the step.
+      executable: a :class:`~autoshard.pipeline.runtime.PipelineExecutable` (``runtime="device_put"``)
+        or a :class:`~autoshard.pipeline.spmd.SpmdPipelineExecutable`.
+      plan: the :class:`~autoshard.pipeline.PipelinePlan`.
+      out_tree: the pure step's output treedef.
+    """
+
     analysis: StepAnalysis
-    executable: PipelineExecutable
+    executable: Any
     plan: PipelinePlan
     out_tree: Any
+
+    def run(self, leaves):
+        """One step on the flat argument leaves; the outputs in the step's structure."""
+        return jax.tree_util.tree_unflatten(self.out_tree, self.executable.run(leaves))
 
 
 class PipelinedStep:
     """A step run with gradient accumulation and, optionally, as a pipeline over sub-meshes.
 
-    Same call interface as :class:`autoshard.Parallelized`; ``plan(...)`` returns a
+    Same call interface and options as :class:`autoshard.Parallelized`; ``plan(...)`` returns a
     :class:`~autoshard.pipeline.PipelinePlan` and ``timeline(...)`` measures a step.
     """
 
-
-    def __init__(self, fun, *, mesh=None, cluster=None, memory_budget=None, static_argnums=(), donate_argnums=(),
-                 plan=None, hints=None, solver_time_limit=10.0, tie_layers="auto", num_microbatches=1,
-                 pipeline=None):
-        if not isinstance(num_microbatches, int) or num_microbatches < 1:
-            raise InputError(f"num_microbatches={num_microbatches!r}; expected a positive int")
-        if pipeline is not None and not isinstance(pipeline, PipelineOptions):
-            raise InputError(f"pipeline={pipeline!r}; expected autoshard.PipelineOptions(...) or None")
-        if plan is not None:
-            raise InputError("plan= (a saved Plan) cannot be applied to a microbatched or pipelined step")
+    def __init__(self, fun, options: Options | None = None, **kwargs):
+        options = Options(**kwargs) if options is None else options.replace(**kwargs) if kwargs else options
+        options.check_runtime("pipelined")
+        wanted = options.pipeline.batch_argnums if options.pipeline is not None else None
+        if wanted is not None and options.batch_argnums is not None and wanted != options.batch_argnums:
+            raise InputError(f"batch_argnums={options.batch_argnums} and PipelineOptions(batch_argnums={wanted}) "
+                             "name different batch arguments. Fix: give one of them.")
         self.fun = fun
-        self.mesh = mesh
-        self.cluster = cluster
-        self.memory_budget = parse_bytes(memory_budget)
-        self.static_argnums = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
-        self.donate_argnums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
-        self.hints = dict(hints or {})
-        self.solver_time_limit = solver_time_limit
-        self.tie_layers = tie_layers
-        self.num_microbatches = num_microbatches
-        self.pipeline = pipeline
-        self._cache: dict = {}
+        self.options = options
+        self.num_microbatches = options.num_microbatches
+        self.pipeline = options.pipeline
+        self.signature = StepSignature.from_options(fun, options)
+        self.cache = StepCache(self.signature, self.build)
+        self._watchdog = StepWatchdog.for_step(options.step_timeout, fun)
         functools.update_wrapper(self, fun)
 
-    # ---- argument handling -------------------------------------------------------------------------
-    def _split(self, args):
-        n = len(args)
-        for i in self.static_argnums:
-            if not -n <= i < n:
-                raise InputError(
-                    f"static_argnums={self.static_argnums} names argument {i}, but {self.fun.__name__} was "
-                    f"called with {n} positional arguments. Fix: pass static_argnums within range(0, {n})."
-                )
-        static = {i % n for i in self.static_argnums}
-        dyn = tuple(a for i, a in enumerate(args) if i not in static)
-        stat = tuple((i, args[i]) for i in sorted(static))
-        dyn_index = [i for i in range(n) if i not in static]
-        for i in self.donate_argnums:
-            if i % n in static:
-                raise InputError(f"argument {i} is both static and donated; donate only array arguments")
-        return dyn, stat, dyn_index
-
-    def _key(self, dyn, stat, dyn_index):
-        leaves, tree = jax.tree_util.tree_flatten(dyn)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(dyn)[0]:
-            # path[0] indexes the dynamic arguments; name the caller's positional argument.
-            argnum = dyn_index[path[0].idx]
-            check_leaf(jax.tree_util.keystr(path[1:]), leaf, argnum, tuple(i for i, _ in stat))
-        try:
-            hash(stat)
-        except TypeError as e:
-            raise InputError(f"static arguments must be hashable: {e}") from None
-        return (tree, tuple((np.shape(x), str(abstract_leaf(x).dtype)) for x in leaves), stat)
-
-    def _bound(self, stat, n_args, dyn_index):
-        def bound(*dyn):
-            args = [None] * n_args
-            for i, v in stat:
-                args[i] = v
-            for i, v in zip(dyn_index, dyn, strict=True):
-                args[i] = v
-            return self.fun(*args)
-
-        return bound
-
     # ---- planning ----------------------------------------------------------------------------------
-    def _get(self, args) -> _Entry:
-        from autoshard.signature import has_graph_nodes
+    def bind(self, args: tuple, kwargs: dict | None = None) -> BoundCall:
+        """One call's arguments, bound by the step's signature."""
+        return self.signature.bind(tuple(args), dict(kwargs or {}))
 
-        if has_graph_nodes(args):
-            raise InputError(
-                "a microbatched or pipelined step cannot take flax nnx objects (Module, Optimizer, Rngs) yet: "
-                "their in-place update is not carried through the microbatches. Fix: pass their state, "
-                "`graphdef, state = nnx.split(model)`, and return the new state (nnx.merge inside the step), "
-                "or run without num_microbatches/pipeline.")
-        dyn, stat, dyn_index = self._split(args)
-        key = self._key(dyn, stat, dyn_index)
-        entry = self._cache.get(key)
-        if entry is None:
-            entry = self._cache[key] = self._build(dyn, stat, dyn_index, len(args))
-        return entry
+    def batch_size(self, call: BoundCall) -> int:
+        """The batch size of ``call`` (the leading axis of its batch arguments).
 
-    def _build(self, dyn, stat, dyn_index, n_args) -> _Entry:
-        t0 = time.perf_counter()
-        mesh = self.mesh
-        if self.pipeline is not None and mesh is None:
-            from autoshard.cluster import make_mesh
+        Raises:
+          InputError: the call has no batch to split, or its batch leaves disagree.
+        """
+        abstract = call.abstract()
+        out_shape = jax.eval_shape(call.pure_function(), *abstract)
+        batch = self._batch_args(call, abstract, out_shape)
+        return batch_leaf_positions(abstract, batch, 1, call.in_paths(abstract))[1]
 
-            mesh = make_mesh((len(jax.devices()),), ("devices",))
+    def build(self, call: BoundCall, abstract=None) -> PipelinedProgram:
+        """Analyse, partition, plan and compile the step for ``call``'s argument shapes (not cached)."""
+        from autoshard.precision import with_precision
+
+        o, t0 = self.options, time.perf_counter()
+        mesh = self._mesh()
         runtime = "device_put" if self.pipeline is None else _resolve_runtime(self.pipeline.runtime, mesh)
-        abstract = jax.tree_util.tree_map(abstract_leaf, dyn)
-        fun = self._bound(stat, n_args, dyn_index)
+        if jax.process_count() > 1:
+            o.check_runtime("multi-process pipelined")
+        abstract = call.abstract() if abstract is None else abstract
+        fun = with_precision(call.pure_function(), o.precision, mesh)
         out_shape = jax.eval_shape(fun, *abstract)
         ties = output_ties(abstract, out_shape)
-        in_paths = tuple(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(abstract)[0])
-        batch_dyn = self._batch_args(abstract, dyn_index, ties)
-        positions, batch_size = batch_leaf_positions(abstract, batch_dyn, self.num_microbatches, in_paths)
+        in_paths = call.in_paths(abstract)
+        batch = self._batch_args(call, abstract, out_shape)
+        positions, batch_size = batch_leaf_positions(abstract, batch, self.num_microbatches, in_paths)
         n_out = len(jax.tree_util.tree_leaves(out_shape))
-        analysis = analyze_step(fun, abstract, batch_positions=positions, batch_size=batch_size,
-                                num_microbatches=self.num_microbatches,
-                                metric_outputs=[j for j in range(n_out) if j not in ties], in_paths=in_paths)
+        analyze = functools.partial(analyze_step, fun, abstract, batch_positions=positions, batch_size=batch_size,
+                                    metric_outputs=[j for j in range(n_out) if j not in ties], in_paths=in_paths)
+        analysis = analyze(num_microbatches=self.num_microbatches)
         capture_s = time.perf_counter() - t0
+        progress = planning_progress(o.progress)
         if self.pipeline is None:
-            part, meshes, plans, pplan = self._single_stage(analysis)
+            part, meshes, plans, pplan = self._single_stage(analysis, progress)
         else:
-            cluster = default_cluster(mesh) if self.cluster is None else self.cluster
+            cluster = default_cluster(mesh) if o.cluster is None else o.cluster
             # The spmd runtime replicates inside a stage: intra-op plans cannot price its cut.
             opts = self.pipeline if runtime != "spmd" else dataclasses.replace(self.pipeline, stage_cost="estimate")
-            part, meshes, plans, pplan = plan_stages(analysis, mesh, cluster, opts, self.memory_budget)
+            part, meshes, plans, pplan = plan_stages(analysis, mesh, cluster, opts, o.memory_budget,
+                                                     progress=progress, tie_layers=o.tie_layers)
         pplan = dataclasses.replace(pplan, stats={**pplan.stats, "capture_s": capture_s,
                                                   "plan_s": time.perf_counter() - t0, "runtime": runtime})
         schedule = "gpipe" if self.pipeline is None else self.pipeline.schedule
         if runtime == "spmd":
             # Data parallelism inside a stage captures the step again at microbatch / devices-per-stage.
-            reanalyze = functools.partial(analyze_step, fun, abstract, batch_positions=positions,
-                                          batch_size=batch_size, metric_outputs=analysis.metric_outputs,
-                                          in_paths=in_paths)
-            exe = SpmdPipelineExecutable(analysis, part, meshes, schedule, reanalyze=reanalyze)
+            exe = SpmdPipelineExecutable(analysis, part, meshes, schedule, reanalyze=analyze)
         else:
             exe = PipelineExecutable(analysis, part, meshes, plans, schedule, ties)
-        return _Entry(analysis, exe, pplan, analysis.full.out_tree)
+        return PipelinedProgram(analysis, exe, pplan, analysis.full.out_tree)
 
-    def _batch_args(self, abstract, dyn_index, ties) -> tuple[int, ...]:
-        """Dynamic-argument positions holding the batch."""
-        opts = self.pipeline
-        if opts is not None and opts.batch_argnums is not None:
-            wanted = set(opts.batch_argnums)
-            return tuple(i for i, orig in enumerate(dyn_index) if orig in wanted)
-        tied = set(ties.values())
-        out, offset = [], 0
-        for i, a in enumerate(abstract):
-            n = len(jax.tree_util.tree_leaves(a))
-            if n and not any(j in tied for j in range(offset, offset + n)):
-                out.append(i)
-            offset += n
-        return tuple(out)
+    def _mesh(self):
+        from autoshard.cluster import make_mesh, resolve_mesh
 
-    def _single_stage(self, analysis: StepAnalysis):
+        mesh = self.options.mesh if self.options.mesh is None else resolve_mesh(self.options.mesh)
+        if self.pipeline is not None and mesh is None:
+            mesh = make_mesh((len(jax.devices()),), ("devices",))
+        return mesh
+
+    def _batch_args(self, call: BoundCall, abstract, out_shape) -> tuple[int, ...]:
+        """Dynamic-argument positions holding the batch: the ones named (``batch_argnums`` here or in
+        :class:`PipelineOptions`), else every argument with leaves that the step does not return updated."""
+        wanted = self.pipeline.batch_argnums if self.pipeline is not None else None
+        wanted = self.options.batch_argnums if wanted is None else wanted
+        if wanted is not None:  # by position, or by name when passed by keyword (as jax.jit's argnums)
+            names = self.signature.positional_names
+            wanted = {*wanted, *(names[i] for i in wanted if 0 <= i < len(names))}
+            return tuple(i for i, label in enumerate(call.labels) if label in wanted)
+        state = call.state_arguments(abstract, out_shape)
+        return tuple(i for i, a in enumerate(abstract) if i not in state and jax.tree_util.tree_leaves(a))
+
+    def _single_stage(self, analysis: StepAnalysis, progress):
+        o = self.options
         part = partition(analysis, lambda p: 0, 1)
         prog = stage_program(analysis, part, 0)
         t0 = time.perf_counter()
         if prog.graph.ops:
-            plan = plan_request(PlanRequest(prog, mesh=self.mesh, cluster=self.cluster,
-                                            memory_budget=self.memory_budget, time_limit=self.solver_time_limit,
-                                            tie_layers=self.tie_layers))
+            plan = plan_request(PlanRequest(prog, mesh=self._mesh(), cluster=o.cluster,
+                                            memory_budget=o.memory_budget, time_limit=o.solver_time_limit,
+                                            tie_layers=o.tie_layers, progress=progress))
             mesh = plan.mesh
         else:
             from autoshard.cluster import make_mesh
 
-            plan, mesh = None, self.mesh or make_mesh((len(jax.devices()),), ("devices",))
+            plan, mesh = None, self._mesh() or make_mesh((len(jax.devices()),), ("devices",))
         k = analysis.num_microbatches
         t = plan.cost.total_seconds if plan is not None else 0.0
         mem = plan.cost.peak_memory_bytes if plan is not None else 0.0
@@ -212,24 +189,27 @@ class PipelinedStep:
         return part, [mesh], [plan], pplan
 
     # ---- public --------------------------------------------------------------------------------------
-    def plan(self, *args) -> PipelinePlan:
+    def prepared(self, *args, **kwargs) -> PipelinedProgram:
+        """What a call with these arguments runs (built once per argument signature, cached)."""
+        return self.cache.lookup(args, kwargs)[0]
+
+    def plan(self, *args, **kwargs) -> PipelinePlan:
         """Plan without running (arguments may be ``jax.ShapeDtypeStruct``s): the pipeline plan."""
-        return self._get(args).plan
+        return self.prepared(*args, **kwargs).plan
 
-    def _flat(self, args):
-        dyn, _, _ = self._split(args)
-        leaves = jax.tree_util.tree_leaves(dyn)
-        for x in leaves:
-            if isinstance(x, jax.ShapeDtypeStruct):
-                raise InputError("cannot run on jax.ShapeDtypeStruct arguments; use .plan() instead")
-        return leaves
+    def lower(self, *args, **kwargs):
+        """Refused: a microbatched or pipelined step is several programs, not one to lower."""
+        raise InputError("a microbatched or pipelined step runs several programs (one per task), not one to lower. "
+                         "Fix: inspect step.plan(...), or step.timeline(...) to measure the tasks.")
 
-    def __call__(self, *args):
-        entry = self._get(args)
-        outs = entry.executable.run(self._flat(args))
-        return jax.tree_util.tree_unflatten(entry.out_tree, outs)
+    def __call__(self, *args, **kwargs):
+        entry, call = self.cache.lookup(args, kwargs)
+        outs = entry.run(call.leaves())
+        if self._watchdog is not None:
+            self._watchdog.watch(jax.tree_util.tree_leaves(outs))
+        return call.finish(outs)
 
-    def timeline(self, *args, warmup: int = 1):
+    def timeline(self, *args, warmup: int = 1, **kwargs):
         """Run the step ``warmup`` times, then once more recording when each stage ran each microbatch.
 
         Returns:
@@ -237,25 +217,25 @@ class PipelinedStep:
         """
         from autoshard.pipeline.timeline import measure
 
-        entry = self._get(args)
-        self._need_device_put(entry, "timeline")
-        flat = self._flat(args)
+        entry, call = self.cache.lookup(args, kwargs)
+        _need_device_put(entry, "timeline")
+        flat = call.leaves()
         for _ in range(warmup):
             jax.block_until_ready(entry.executable.run(flat))
         return measure(entry.executable, flat)
 
-    def stage_memory(self, *args) -> list[dict]:
+    def stage_memory(self, *args, **kwargs) -> list[dict]:
         """Per stage: compiled per-device bytes of one microbatch's forward task, its residual outputs, and
         the schedule's in-flight count (activation memory = residual bytes × in-flight)."""
         from autoshard.pipeline.timeline import stage_memory
 
-        entry = self._get(args)
-        self._need_device_put(entry, "stage_memory")
-        return stage_memory(entry.executable, self._flat(args))
+        entry, call = self.cache.lookup(args, kwargs)
+        _need_device_put(entry, "stage_memory")
+        return stage_memory(entry.executable, call.leaves())
 
-    @staticmethod
-    def _need_device_put(entry: _Entry, what: str):
-        if not isinstance(entry.executable, PipelineExecutable):
-            raise InputError(f"step.{what}(...) measures the runtime='device_put' tasks one by one; this step runs "
-                             "as one SPMD program (runtime='spmd'). Fix: PipelineOptions(runtime='device_put') "
-                             "on one host.")
+
+def _need_device_put(entry: PipelinedProgram, what: str):
+    if not isinstance(entry.executable, PipelineExecutable):
+        raise InputError(f"step.{what}(...) measures the runtime='device_put' tasks one by one; this step runs "
+                         "as one SPMD program (runtime='spmd'). Fix: PipelineOptions(runtime='device_put') "
+                         "on one host.")

@@ -64,3 +64,50 @@ def test_replicated_reasons_are_specific(classified):
     assert classified["pure_callback"].startswith("replicated: a host callback")
     assert classified["psum"].startswith("replicated: a collective over manual mesh axes")
     assert classified["while"].startswith("replicated: ")
+
+
+def test_op_info_holds_what_each_pass_asks_of_a_primitive():
+    from autoshard.strategies import op_info
+
+    dot, conv = op_info("dot_general"), op_info("conv_general_dilated")
+    assert dot.contraction and conv.contraction and dot.rule is not None and not dot.follows
+    assert op_info("exp").follows and op_info("exp").expensive and op_info("exp").fusible
+    assert op_info("broadcast_in_dim").fused_source and op_info("broadcast_in_dim").weak_layout
+    assert op_info("reduce_sum").reduction and op_info("reshape").bitcast and op_info("reduce_window_max").windowed
+    assert op_info("scan").structure == "scan" and op_info("pjit").structure == "inlined"
+    assert not op_info("while").duplicable and not op_info("io_callback").duplicable
+    assert op_info("no_such_primitive").rule is None  # the default entry: no rule, nothing special
+
+
+def test_register_op_sets_properties_and_rejects_unknown_ones():
+    from autoshard.strategies import op_info, register_op
+
+    register_op("autoshard_test_prim", expensive=True)
+    register_op("autoshard_test_prim", bitcast=True)  # properties accumulate
+    info = op_info("autoshard_test_prim")
+    assert info.expensive and info.bitcast and info.rule is None
+    with pytest.raises(TypeError, match="not OpInfo properties.*Fix:"):
+        register_op("autoshard_test_prim", fusable=True)
+    with pytest.raises(ValueError, match="structure='loop'.*Fix:"):
+        register_op("autoshard_test_prim", structure="loop")
+    assert "autoshard_test_prim" not in coverage()  # properties alone are no rule
+
+
+def test_convolution_flops_count_the_kernel_window_once():
+    """2 * output elements * (input features per group * window), whatever the kernel layout (HWIO here)."""
+    import jax
+    import jax.numpy as jnp
+
+    from autoshard.capture import capture_graph
+    from autoshard.strategies import op_flops
+
+    x = jax.ShapeDtypeStruct((2, 8, 8, 6), jnp.float32)  # NHWC
+    w = jax.ShapeDtypeStruct((3, 3, 3, 4), jnp.float32)  # HWIO, two feature groups of 3 inputs
+
+    def conv(x, w):
+        return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                            feature_group_count=2)
+
+    program = capture_graph(conv, (x, w))
+    (op,) = program.graph.ops
+    assert op_flops(op, program.avals) == 2.0 * (2 * 8 * 8 * 4) * (3 * 3 * 3)

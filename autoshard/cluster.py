@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from autoshard.collectives import ALL_TO_ALL_PENALTY, CollectiveKind, Link, collective_seconds
 from autoshard.errors import InputError, MeshError
 
 __all__ = [
@@ -46,27 +47,9 @@ __all__ = [
     "cluster_preset",
     "ensure_auto_mesh",
     "make_mesh",
+    "mesh_shape",
     "profile_cluster",
 ]
-
-# An all-to-all sends n−1 small messages per device instead of streaming one
-# large ring, and on NVSwitch and InfiniBand it reaches roughly two thirds of
-# the bus bandwidth of a ring all-reduce of the same size (NCCL's own
-# benchmarks). Alpa uses a factor n/2 with a differently defined B; a constant
-# keeps the formula's (n−1)/n² volume term honest for every n.
-ALL_TO_ALL_PENALTY = 1.5
-
-_KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-
-
-def _normalize_kind(kind: str) -> str:
-    k = kind.replace("_", "-").lower().removesuffix("-start")
-    if k == "permute" or k == "ppermute":
-        k = "collective-permute"
-    if k not in _KINDS:
-        raise ValueError(f"unknown collective kind {kind!r}; expected one of {', '.join(_KINDS)}")
-    return k
-
 
 def _as_positive(field: str, value: Any) -> float | tuple[float, ...]:
     """Checks that ``value`` is a positive number or a non-empty tuple of them."""
@@ -87,7 +70,8 @@ def _as_positive(field: str, value: Any) -> float | tuple[float, ...]:
     return v
 
 
-def _mesh_shape(mesh_or_shape: Any) -> tuple[int, ...]:
+def mesh_shape(mesh_or_shape: Any) -> tuple[int, ...]:
+    """The axis sizes of a ``Mesh``, an ``AbstractMesh``, a shape tuple or a device count."""
     if hasattr(mesh_or_shape, "axis_sizes"):
         return tuple(int(s) for s in mesh_or_shape.axis_sizes)
     if hasattr(mesh_or_shape, "devices") and hasattr(mesh_or_shape.devices, "shape"):
@@ -159,7 +143,7 @@ class ClusterSpec:
         Raises:
           MeshError: a per-axis tuple has a different length than the mesh.
         """
-        shape = _mesh_shape(mesh_or_shape)
+        shape = mesh_shape(mesh_or_shape)
         nd = len(shape)
         out = {}
         for field in ("bandwidth", "latency"):
@@ -194,88 +178,57 @@ class ClusterSpec:
 
     # -- alpha-beta costs on one axis (Alpa §4.1) -----------------------------------
 
+    def link(self, axis: int, n: int) -> Link:
+        """The :class:`~autoshard.collectives.Link` of ``n`` devices along mesh axis ``axis``."""
+        return Link(int(n), self.axis_latency(axis), 1.0 / self.axis_bandwidth(axis))
+
     def all_gather_cost(self, nbytes: float, axis: int, n: int) -> float:
         """α + β·(n−1)/n·B seconds; ``nbytes`` is the gathered buffer."""
-        if n <= 1:
-            return 0.0
-        return self.axis_latency(axis) + (n - 1) / n * nbytes / self.axis_bandwidth(axis)
+        return collective_seconds(CollectiveKind.ALL_GATHER, nbytes, [self.link(axis, n)])
 
     def reduce_scatter_cost(self, nbytes: float, axis: int, n: int) -> float:
         """α + β·(n−1)/n·B seconds; ``nbytes`` is the buffer before scattering."""
-        return self.all_gather_cost(nbytes, axis, n)
+        return collective_seconds(CollectiveKind.REDUCE_SCATTER, nbytes, [self.link(axis, n)])
 
     def all_reduce_cost(self, nbytes: float, axis: int, n: int) -> float:
         """α + 2β·(n−1)/n·B seconds; ``nbytes`` is the reduced buffer."""
-        if n <= 1:
-            return 0.0
-        return self.axis_latency(axis) + 2 * (n - 1) / n * nbytes / self.axis_bandwidth(axis)
+        return collective_seconds(CollectiveKind.ALL_REDUCE, nbytes, [self.link(axis, n)])
 
     def all_to_all_cost(self, nbytes: float, axis: int, n: int) -> float:
-        """α + β·(n−1)/n²·B·ALL_TO_ALL_PENALTY; ``nbytes`` is n × the per-device buffer."""
-        if n <= 1:
-            return 0.0
-        return self.axis_latency(axis) + (
-            (n - 1) / n**2 * nbytes * ALL_TO_ALL_PENALTY / self.axis_bandwidth(axis)
-        )
+        """α + β·(n−1)/n·B·ALL_TO_ALL_PENALTY seconds; ``nbytes`` is the per-device buffer."""
+        return collective_seconds(CollectiveKind.ALL_TO_ALL, nbytes, [self.link(axis, n)])
 
     def permute_cost(self, nbytes: float, axis: int, n: int = 2) -> float:
         """α + β·B seconds: every device sends and receives its ``nbytes`` buffer once."""
-        if n <= 1:
-            return 0.0
-        return self.axis_latency(axis) + nbytes / self.axis_bandwidth(axis)
+        return collective_seconds(CollectiveKind.COLLECTIVE_PERMUTE, nbytes, [self.link(axis, n)])
 
     def collective_cost(
         self, kind: str, nbytes: float, axes: int | Sequence[int], sizes: int | Sequence[int]
     ) -> float:
         """Seconds for one collective over one or several mesh axes at once.
 
-        Over several axes, all-gather, reduce-scatter and all-reduce are priced
-        hierarchically, the way NCCL and XLA run them across nodes: the axes are
-        taken fastest first, and axis ``k`` moves ``B_k = B / (n_0···n_{k−1})``
-        bytes, so slow links carry the least data. An all-reduce is a
-        reduce-scatter and an all-gather on every axis but the last, which
-        all-reduces (``2α_k`` on inner axes, ``α`` on the last). All-to-all and
-        permute are priced as one group of ``n_0···n_m`` devices on the slowest
-        axis, with its latency.
+        Priced by :func:`autoshard.collectives.collective_seconds`: all-gather, reduce-scatter
+        and all-reduce run hierarchically, fastest axis first, so slow links carry the least
+        data; all-to-all and permute are one group of ``n_0···n_m`` devices on the slowest axis,
+        with its latency.
 
         Args:
-          kind: ``"all-gather"``, ``"all-reduce"``, ``"reduce-scatter"``,
-            ``"all-to-all"`` or ``"collective-permute"`` (``_`` also accepted).
-          nbytes: ``B`` as defined in the module docstring, for the whole group.
+          kind: a :class:`~autoshard.collectives.CollectiveKind` or its name (``"all-gather"``,
+            ``"all_reduce"``, ``"collective-permute"``, ...).
+          nbytes: the per-device buffer ``B`` as the module docstring defines it for ``kind``.
           axes: mesh-axis indices.
           sizes: the number of devices along each of ``axes``.
+
+        Raises:
+          ValueError: an unknown kind, or ``axes`` and ``sizes`` of different lengths.
         """
-        kind = _normalize_kind(kind)
+        kind = CollectiveKind.parse(kind)
         axes = (axes,) if isinstance(axes, (int, np.integer)) else tuple(axes)
         sizes = (sizes,) if isinstance(sizes, (int, np.integer)) else tuple(sizes)
         if len(axes) != len(sizes):
             raise ValueError(f"{len(axes)} axes {axes} but {len(sizes)} sizes {sizes}")
-        pairs = [(a, int(s)) for a, s in zip(axes, sizes, strict=True) if s > 1]
-        if not pairs:
-            return 0.0
-        if kind in ("all-to-all", "collective-permute") or len(pairs) == 1:
-            n = math.prod(s for _, s in pairs)
-            slow = min(pairs, key=lambda p: self.axis_bandwidth(p[0]))[0]
-            alpha = max(self.axis_latency(a) for a, _ in pairs)
-            one = {
-                "all-gather": self.all_gather_cost,
-                "reduce-scatter": self.reduce_scatter_cost,
-                "all-reduce": self.all_reduce_cost,
-                "all-to-all": self.all_to_all_cost,
-                "collective-permute": self.permute_cost,
-            }[kind]
-            return one(nbytes, slow, n) - self.axis_latency(slow) + alpha
-        pairs.sort(key=lambda p: -self.axis_bandwidth(p[0]))
-        total, chunk = 0.0, float(nbytes)
-        for k, (a, n) in enumerate(pairs):
-            last = k == len(pairs) - 1
-            if kind == "all-reduce":
-                alpha = self.axis_latency(a) * (1 if last else 2)
-                total += alpha + 2 * (n - 1) / n * chunk / self.axis_bandwidth(a)
-            else:
-                total += self.all_gather_cost(chunk, a, n)
-            chunk /= n
-        return total
+        links = [self.link(a, s) for a, s in sorted(zip(axes, sizes, strict=True))]
+        return collective_seconds(kind, nbytes, links)
 
     # -- serialization ---------------------------------------------------------------
 
@@ -462,7 +415,7 @@ def ensure_auto_mesh(mesh):
     names = tuple(mesh.axis_names)
     bad = [(n, t) for n, t in zip(names, types, strict=False) if t != jax.sharding.AxisType.Auto]
     if bad:
-        shape = _mesh_shape(mesh)
+        shape = mesh_shape(mesh)
         listing = ", ".join(f"{n!r}: {getattr(t, 'name', t)}" for n, t in bad)
         raise MeshError(
             f"autoshard needs a mesh whose axes are all AxisType.Auto; this mesh has {listing}. "
@@ -591,55 +544,18 @@ def profile_cluster(
     """
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     if len(set(sizes)) < 2:
         raise ValueError(f"profile_cluster needs at least two distinct sizes to fit α and β, got {sizes}")
     device = mesh.devices.flat[0]
 
-    # Compute.
     k = int(matmul_size)
     x = jax.device_put(jnp.ones((k, k), jnp.float32), device)
-    matmul = jax.jit(lambda a: a @ a)
-    flops = 2.0 * k**3 / _best_time(matmul, (x,), repeats)
+    flops = 2.0 * k**3 / _best_time(jax.jit(lambda a: a @ a), (x,), repeats)
 
-    # Links, one axis at a time.
-    shape = _mesh_shape(mesh)
-    names = tuple(mesh.axis_names)
-    fitted: dict[int, tuple[float, float]] = {}
-    for i, (axis, n) in enumerate(zip(names, shape, strict=True)):
-        if n == 1:
-            continue
-        volumes, times = [], []
-        for nbytes in sorted(set(int(s) for s in sizes)):
-            elems = max(1, nbytes // 4)
-            # Every device holds `elems` floats; the leading dimension carries the
-            # shards along `axis`, so each device's block is the B-byte buffer.
-            buf = jax.device_put(
-                jnp.ones((n * elems,), jnp.float32), NamedSharding(mesh, P(axis))
-            )
-            b = 4.0 * elems
-            reduce = jax.jit(
-                jax.shard_map(
-                    lambda v, axis=axis: jax.lax.psum(v, axis), mesh=mesh, in_specs=P(axis), out_specs=P(axis)
-                )
-            )
-            gather = jax.jit(
-                jax.shard_map(
-                    lambda v, axis=axis: jax.lax.all_gather(v, axis, tiled=True),
-                    mesh=mesh,
-                    in_specs=P(axis),
-                    out_specs=P(),
-                    check_vma=False,
-                )
-            )
-            volumes.append(2 * (n - 1) / n * b)
-            times.append(_best_time(reduce, (buf,), repeats))
-            volumes.append((n - 1) / n * (n * b))  # all-gather's B is the gathered buffer
-            times.append(_best_time(gather, (buf,), repeats))
-        fitted[i] = _fit_alpha_beta(volumes, times)
-
+    shape = mesh_shape(mesh)
+    fitted = {i: _fit_axis(mesh, axis, n, sizes, repeats)
+              for i, (axis, n) in enumerate(zip(mesh.axis_names, shape, strict=True)) if n > 1}
     if fitted:
         best = min(fitted.values(), key=lambda ab: ab[1])
     else:
@@ -647,19 +563,35 @@ def profile_cluster(
     alphas = tuple(fitted.get(i, best)[0] for i in range(len(shape)))
     bandwidths = tuple(1.0 / fitted.get(i, best)[1] for i in range(len(shape)))
 
-    # Host link.
     host = np.ones((max(sizes) // 4,), np.float32)
     t_put = _best_time(lambda h: jax.device_put(h, device), (host,), repeats)
-    host_bandwidth = host.nbytes / max(t_put, 1e-9)
+    return ClusterSpec(flops=flops, bandwidth=bandwidths, latency=alphas, memory=_device_memory(device),
+                       host_bandwidth=host.nbytes / max(t_put, 1e-9), name=name)
 
-    return ClusterSpec(
-        flops=flops,
-        bandwidth=bandwidths,
-        latency=alphas,
-        memory=_device_memory(device),
-        host_bandwidth=host_bandwidth,
-        name=name,
-    )
+
+def _fit_axis(mesh, axis: str, n: int, sizes: Sequence[int], repeats: int) -> tuple[float, float]:
+    """(α, β) of mesh axis ``axis`` (``n`` devices), fitted to timed all-reduces and all-gathers."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    reduce = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, axis), mesh=mesh, in_specs=P(axis),
+                                   out_specs=P(axis)))
+    gather = jax.jit(jax.shard_map(lambda v: jax.lax.all_gather(v, axis, tiled=True), mesh=mesh,
+                                   in_specs=P(axis), out_specs=P(), check_vma=False))
+    volumes, times = [], []
+    for nbytes in sorted(set(int(s) for s in sizes)):
+        elems = max(1, nbytes // 4)
+        # Every device holds `elems` floats; the leading dimension carries the shards along
+        # `axis`, so each device's block is the B-byte buffer.
+        buf = jax.device_put(jnp.ones((n * elems,), jnp.float32), NamedSharding(mesh, P(axis)))
+        b = 4.0 * elems
+        volumes.append(2 * (n - 1) / n * b)
+        times.append(_best_time(reduce, (buf,), repeats))
+        volumes.append((n - 1) / n * (n * b))  # all-gather's B is the gathered buffer
+        times.append(_best_time(gather, (buf,), repeats))
+    return _fit_alpha_beta(volumes, times)
 
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,

@@ -1,17 +1,9 @@
 """The alpha-beta cost model: collectives, resharding, compute.
 
-Costs are seconds on one device. Collective formulas follow Alpa (OSDI'22, §4.1):
-on one mesh axis with ``n`` devices, ``B`` bytes and link cost ``α + β·bytes``,
-
-- all-gather     = α + β·(n−1)/n·B      (B: the gathered buffer per device)
-- all-reduce     = α + 2β·(n−1)/n·B     (B: the buffer per device)
-- reduce-scatter = α + β·(n−1)/n·B      (B: the buffer before scattering)
-- all-to-all     = α + β·(n−1)/n·B·p    (B: the buffer per device; p the penalty)
-- permute        = α + β·B              (B: the buffer per device)
-
-A collective over several axes runs hierarchically, fastest axis first (see
-``CostModel.collective_time``); an all-to-all over several axes is one ring at the
-slowest axis's bandwidth and the summed latency.
+Costs are seconds on one device. A collective is priced by
+:func:`autoshard.collectives.collective_seconds` (Alpa, OSDI'22, §4.1), the same formula
+:func:`autoshard.hlo.estimate_step_time` scores compiled programs with; see
+:mod:`autoshard.collectives` for the formulas and what ``B`` is for each kind.
 """
 
 from __future__ import annotations
@@ -21,21 +13,12 @@ import math
 
 import numpy as np
 
+from autoshard.collectives import Collective, CollectiveKind, Link, collective_seconds
 from autoshard.spec import MeshInfo, ShardingSpec
 
-ALL_TO_ALL_PENALTY = 1.5
-"""All-to-all moves less data than an all-gather but is harder on the network (Alpa uses a penalty too)."""
+__all__ = ["Collective", "CostModel"]
 
 ELEMENTWISE_FLOPS_PER_ELEMENT = 1.0
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Collective:
-    """One collective a strategy or a reshard performs: for reports and fidelity checks."""
-
-    kind: str  # "all-reduce" | "all-gather" | "reduce-scatter" | "all-to-all" | "collective-permute"
-    axes: tuple[int, ...]
-    bytes: float  # per-device bytes as the formulas above define B
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -68,45 +51,16 @@ class CostModel:
                 self, alpha=(0.0,) * len(self.alpha), _memo={})
         return hit
 
-    def _ring(self, axes) -> tuple[int, float, float]:
-        axes = tuple(a for a in axes if self.mesh.shape[a] > 1)
-        if not axes:
-            return 1, 0.0, 0.0
-        n = self.mesh.axes_size(axes)
-        return n, sum(self.alpha[a] for a in axes), max(self.beta[a] for a in axes)
+    def links(self, axes) -> list[Link]:
+        """One :class:`~autoshard.collectives.Link` per mesh axis in ``axes``, in mesh-axis order."""
+        return [Link(self.mesh.shape[a], self.alpha[a], self.beta[a]) for a in sorted(axes)]
 
     def collective_time(self, c: Collective) -> float:
-        """Alpha-beta seconds of one collective.
-
-        Over several mesh axes, all-gather, reduce-scatter and all-reduce run
-        hierarchically, fastest axis first: axis ``k`` moves ``B / (n_0···n_{k−1})``
-        bytes, so slow links carry the least (as NCCL and XLA do across nodes, and as
-        :meth:`autoshard.ClusterSpec.collective_cost` scores them). An all-reduce pays
-        ``2α`` on every axis but the last. All-to-all is one ring on the slowest axis."""
-        axes = [a for a in c.axes if self.mesh.shape[a] > 1]
-        if not axes:
-            return 0.0
+        """Alpha-beta seconds of one collective (:func:`~autoshard.collectives.collective_seconds`)."""
         kind = c.kind
-        if kind == "reduce-scatter" and self.reduce_scatter_as_all_reduce:
-            kind = "all-reduce"
-        if kind == "all-to-all":
-            n, alpha, beta = self._ring(axes)
-            return alpha + beta * (n - 1) / n * c.bytes * ALL_TO_ALL_PENALTY
-        if kind == "collective-permute":
-            _, alpha, beta = self._ring(axes)
-            return max(self.alpha[a] for a in axes) + beta * c.bytes
-        if kind not in ("all-reduce", "all-gather", "reduce-scatter"):
-            raise ValueError(f"unknown collective kind {c.kind!r}")
-        axes.sort(key=lambda a: (self.beta[a], a))
-        total, chunk = 0.0, float(c.bytes)
-        for k, a in enumerate(axes):
-            n = self.mesh.shape[a]
-            if kind == "all-reduce":
-                total += self.alpha[a] * (1 if k == len(axes) - 1 else 2) + 2 * self.beta[a] * (n - 1) / n * chunk
-            else:
-                total += self.alpha[a] + self.beta[a] * (n - 1) / n * chunk
-            chunk /= n
-        return total
+        if kind is CollectiveKind.REDUCE_SCATTER and self.reduce_scatter_as_all_reduce:
+            kind = CollectiveKind.ALL_REDUCE
+        return collective_seconds(kind, c.bytes, self.links(c.axes))
 
     def compute_time(self, flops: float) -> float:
         return flops / self.flops

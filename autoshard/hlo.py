@@ -35,11 +35,12 @@ from typing import Any
 
 import numpy as np
 
-from autoshard.cluster import ClusterSpec, _mesh_shape
+from autoshard.cluster import ClusterSpec, mesh_shape
+from autoshard.collectives import CollectiveKind
 
 __all__ = [
     "COLLECTIVE_KINDS",
-    "Collective",
+    "CompiledCollective",
     "CollectiveStats",
     "collective_stats",
     "estimate_step_time",
@@ -47,15 +48,9 @@ __all__ = [
     "memory_stats",
 ]
 
-COLLECTIVE_KINDS = (
-    "all-reduce",
-    "all-gather",
-    "reduce-scatter",
-    "all-to-all",
-    "collective-permute",
-    "collective-broadcast",
-    "ragged-all-to-all",
-)
+COLLECTIVE_KINDS = (*(k.value for k in CollectiveKind), "collective-broadcast", "ragged-all-to-all")
+"""The collective opcodes of HLO (without ``-start``): every :class:`CollectiveKind`, and two that
+are priced as one of them (:meth:`CollectiveKind.parse`)."""
 
 _DTYPE_BYTES = {
     "pred": 1, "s2": 0.25, "u2": 0.25, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1,
@@ -73,7 +68,7 @@ def _dtype_bytes(dtype: str) -> float:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Collective:
+class CompiledCollective:
     """One collective instruction of a compiled HLO module.
 
     Attributes:
@@ -140,12 +135,12 @@ class CollectiveStats:
         ``cost_analysis()`` counts it.
     """
 
-    collectives: tuple[Collective, ...]
+    collectives: tuple[CompiledCollective, ...]
     num_devices: int | None = None
     dot_flops: float = 0.0
     dot_flops_once: float = 0.0
 
-    def _select(self, kind: str | None) -> list[Collective]:
+    def _select(self, kind: str | None) -> list[CompiledCollective]:
         k = _kind_filter(kind)
         return [c for c in self.collectives if k is None or c.kind == k]
 
@@ -550,7 +545,27 @@ def collective_stats(compiled_or_text: Any) -> CollectiveStats:
     if header:
         num_devices = header.get("num_partitions", 1) * header.get("replica_count", 1)
 
-    # Multiplicity of every computation, from the call graph.
+    multiplicity = _multiplicities(comps, entry)
+    records = []
+    dot_flops = dot_once = 0.0
+    for cname, instrs in comps.items():
+        shapes = {i.name: i.shape for i in instrs}
+        mult, unknown = multiplicity(cname)
+        for instr in instrs:
+            if instr.opcode == "dot":
+                f = _dot_flops(instr, shapes)
+                dot_flops += f * mult
+                dot_once += f
+                continue
+            kind = _collective_kind(instr.opcode)
+            if kind is not None:
+                records.append(_record(instr, kind, cname, shapes, num_devices=num_devices, times=(mult, unknown)))
+    return CollectiveStats(tuple(records), num_devices, dot_flops, dot_once)
+
+
+def _multiplicities(comps: dict, entry: str):
+    """``multiplicity(computation) -> (executions per step, inside a loop of unknown trip count)``,
+    from the call graph (a ``while`` body counts its trip count)."""
     calls: dict[str, list[tuple[str, int, bool]]] = {c: [] for c in comps}
     for cname, instrs in comps.items():
         for instr in instrs:
@@ -583,41 +598,29 @@ def collective_stats(compiled_or_text: Any) -> CollectiveStats:
         memo[c] = result
         return result
 
-    records = []
-    dot_flops = dot_once = 0.0
-    for cname, instrs in comps.items():
-        shapes = {i.name: i.shape for i in instrs}
-        mult, unknown = multiplicity(cname)
-        for instr in instrs:
-            if instr.opcode == "dot":
-                f = _dot_flops(instr, shapes)
-                dot_flops += f * mult
-                dot_once += f
-                continue
-            kind = _collective_kind(instr.opcode)
-            if kind is None:
-                continue
-            result = _result_shape(instr)
-            leaves = [leaf for leaf in _leaves(result) if leaf[0] != "token"]
-            op_shapes = [shapes.get(o) for o in instr.operands]
-            operand_bytes = None if any(s is None for s in op_shapes) else sum(map(_shape_bytes, op_shapes))
-            groups = _parse_groups(instr.attrs, num_devices)
-            records.append(
-                Collective(
-                    kind=kind,
-                    name=instr.name,
-                    computation=cname,
-                    opcode=instr.opcode,
-                    shapes=tuple(_leaf_str(leaf) for leaf in leaves),
-                    dtypes=tuple(leaf[0] for leaf in leaves),
-                    bytes=_shape_bytes(result),
-                    operand_bytes=operand_bytes,
-                    groups=None if groups is None else tuple(tuple(int(d) for d in g) for g in groups),
-                    multiplicity=mult,
-                    in_unknown_loop=unknown,
-                )
-            )
-    return CollectiveStats(tuple(records), num_devices, dot_flops, dot_once)
+    return multiplicity
+
+
+def _record(instr, kind: str, computation: str, shapes: dict, *, num_devices, times: tuple[int, bool]):
+    """The :class:`CompiledCollective` of one collective instruction."""
+    result = _result_shape(instr)
+    leaves = [leaf for leaf in _leaves(result) if leaf[0] != "token"]
+    op_shapes = [shapes.get(o) for o in instr.operands]
+    operand_bytes = None if any(s is None for s in op_shapes) else sum(map(_shape_bytes, op_shapes))
+    groups = _parse_groups(instr.attrs, num_devices)
+    return CompiledCollective(
+        kind=kind,
+        name=instr.name,
+        computation=computation,
+        opcode=instr.opcode,
+        shapes=tuple(_leaf_str(leaf) for leaf in leaves),
+        dtypes=tuple(leaf[0] for leaf in leaves),
+        bytes=_shape_bytes(result),
+        operand_bytes=operand_bytes,
+        groups=None if groups is None else tuple(tuple(int(d) for d in g) for g in groups),
+        multiplicity=times[0],
+        in_unknown_loop=times[1],
+    )
 
 
 # ---------------------------------------------------------------------------------
@@ -723,7 +726,7 @@ def _mesh_axes_of(groups: Sequence[Sequence[int]] | None, shape: tuple[int, ...]
     return tuple(sorted(varying))
 
 
-def _collective_time(c: Collective, cluster: ClusterSpec, shape: tuple[int, ...]) -> tuple[float, float]:
+def _collective_time(c: CompiledCollective, cluster: ClusterSpec, shape: tuple[int, ...]) -> tuple[float, float]:
     """(alpha-beta seconds, bytes/bandwidth seconds) of one execution of ``c``."""
     n = c.group_size or 1
     if n <= 1:
@@ -733,19 +736,10 @@ def _collective_time(c: Collective, cluster: ClusterSpec, shape: tuple[int, ...]
         axes = (min(range(len(shape)), key=cluster.axis_bandwidth),)
     slowest = min(cluster.axis_bandwidth(a) for a in axes)
     simple = c.bytes / slowest
-    kind = c.kind
-    if kind in ("ragged-all-to-all",):
-        kind = "all-to-all"
-    if kind == "collective-broadcast":
-        kind = "all-gather"
-    # Alpa's B for each kind (see autoshard.cluster); c.bytes is the per-device result.
-    nbytes = {
-        "all-gather": c.bytes,
-        "all-reduce": c.bytes,
-        "reduce-scatter": c.bytes * n,
-        "all-to-all": c.bytes * n,
-        "collective-permute": c.bytes,
-    }[kind]
+    kind = CollectiveKind.parse(c.kind)
+    # The per-device B of autoshard.collectives: c.bytes is the per-device result, and a
+    # reduce-scatter's B is its input, n times that.
+    nbytes = c.bytes * n if kind is CollectiveKind.REDUCE_SCATTER else c.bytes
     sizes = [shape[a] for a in axes]
     if math.prod(sizes) == n:
         return cluster.collective_cost(kind, nbytes, axes, sizes), simple
@@ -769,7 +763,8 @@ def estimate_step_time(compiled: Any, cluster: ClusterSpec, mesh: Any) -> dict[s
       groups span (several axes are priced hierarchically). A group that is not
       a whole set of mesh axes is priced as ``n`` devices on the slowest axis it
       spans. ``B`` is the per-device result bytes, times ``n`` for
-      reduce-scatter (its input) and all-to-all.
+      reduce-scatter (its input): :func:`autoshard.collectives.collective_seconds`,
+      the formula the planner optimises.
 
     The simpler score ``simple_s = compute_s + Σ_c m_c · bytes_c / bw_c`` uses
     the bandwidth ``bw_c`` of the slowest axis ``c`` spans and no latency.
@@ -785,7 +780,7 @@ def estimate_step_time(compiled: Any, cluster: ClusterSpec, mesh: Any) -> dict[s
       ``flops``, ``collective_bytes`` and ``per_kind`` (kind -> count, bytes,
       seconds).
     """
-    shape = _mesh_shape(mesh)
+    shape = mesh_shape(mesh)
     cluster = cluster.for_mesh(shape)
     stats = collective_stats(compiled)
     total_flops = flops(compiled) + max(0.0, stats.dot_flops - stats.dot_flops_once)

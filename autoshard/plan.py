@@ -9,6 +9,7 @@ from typing import Any
 
 from autoshard.cost import Collective
 from autoshard.errors import PlanError
+from autoshard.report import Report, format_bytes
 from autoshard.spec import MeshInfo, ShardingSpec, dtype_itemsize
 
 _KIND_ORDER = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
@@ -63,14 +64,14 @@ class PlanCheck:
         kinds = sorted(set(self.predicted) | set(self.compiled))
         lines = [f"{'collective':<16}{'predicted':>14}{'compiled':>14}"]
         for k in kinds:
-            lines.append(f"{k:<16}{_fmt_bytes(self.predicted.get(k, 0)):>14}{_fmt_bytes(self.compiled.get(k, 0)):>14}")
-        lines.append(f"{'total':<16}{_fmt_bytes(self.predicted_bytes):>14}{_fmt_bytes(self.compiled_bytes):>14}"
+            lines.append(f"{k:<16}{format_bytes(self.predicted.get(k, 0)):>14}{format_bytes(self.compiled.get(k, 0)):>14}")
+        lines.append(f"{'total':<16}{format_bytes(self.predicted_bytes):>14}{format_bytes(self.compiled_bytes):>14}"
                      f"   ratio {self.ratio:.3f}")
         return "\n".join(lines)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Plan:
+class Plan(Report):
     """A sharding plan for one step function and one set of argument shapes.
 
     Attributes:
@@ -161,17 +162,15 @@ class Plan:
         cost model prices them so; the predicted reduce-scatters are then listed as
         the all-reduces they compile to.
         """
-        from autoshard.hlo import collective_stats
+        return self.check_against(compiled_bytes_by_kind(compiled))
 
-        stats = collective_stats(compiled)
-        got: dict[str, float] = {}
-        for c in stats.collectives:
-            nbytes = c.operand_bytes if c.kind == "reduce-scatter" and c.operand_bytes else c.bytes
-            got[c.kind] = got.get(c.kind, 0.0) + nbytes * c.multiplicity
+    def check_against(self, compiled: dict[str, float]) -> PlanCheck:
+        """:meth:`verify` from compiled bytes per collective kind (summed over one or more programs)."""
         predicted = self.predicted_bytes_by_kind()
-        if "reduce-scatter" in predicted and "reduce-scatter" not in got and self.mesh.devices.flat[0].platform == "cpu":
+        if ("reduce-scatter" in predicted and "reduce-scatter" not in compiled
+                and self.mesh.devices.flat[0].platform == "cpu"):
             predicted["all-reduce"] = predicted.get("all-reduce", 0.0) + predicted.pop("reduce-scatter")
-        return PlanCheck(predicted, got)
+        return PlanCheck(predicted, dict(compiled))
 
     def parameter_table(self) -> list[tuple[str, tuple[int, ...], str, str, int]]:
         """(path, shape, dtype, PartitionSpec, bytes per device) for every argument leaf."""
@@ -203,14 +202,14 @@ class Plan:
         lines = [
             f"autoshard plan on mesh {dict(zip(info.names, info.shape, strict=True))}",
             f"  predicted step: compute {c.compute_seconds * 1e3:.3f} ms + communication "
-            f"{c.communication_seconds * 1e3:.3f} ms ({_fmt_bytes(c.communication_bytes)}/device)",
-            f"  predicted peak memory: {_fmt_bytes(c.peak_memory_bytes)}/device",
+            f"{c.communication_seconds * 1e3:.3f} ms ({format_bytes(c.communication_bytes)}/device)",
+            f"  predicted peak memory: {format_bytes(c.peak_memory_bytes)}/device",
         ]
         if self.memory is not None:
-            parts = ", ".join(f"{k.replace('_', ' ')} {_fmt_bytes(v)}" for k, v in self.memory.breakdown.items() if v)
+            parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in self.memory.breakdown.items() if v)
             lines[-1] += f" ({parts})"
         if self.host_inputs:
-            host = f" ({_fmt_bytes(self.memory.host_bytes)}/device)" if self.memory is not None else ""
+            host = f" ({format_bytes(self.memory.host_bytes)}/device)" if self.memory is not None else ""
             seconds = self.stats.get("host_transfer_seconds")
             moved = f" ({seconds * 1e3:.3f} ms over the host link)" if seconds is not None else ""
             lines.append(f"  offloaded to host memory: {len(self.host_inputs)} optimizer-state leaves{host}, "
@@ -224,7 +223,7 @@ class Plan:
         lines.append(f"\n  {'argument':<50} {'shape':<18} {'spec':<28} {'bytes/dev':>10}")
         for path, shape, _, spec, nbytes in rows[:max_rows]:
             shown = path if len(path) <= 50 else "…" + path[-49:]
-            lines.append(f"  {shown:<50} {str(shape):<18} {spec:<28} {_fmt_bytes(nbytes):>10}")
+            lines.append(f"  {shown:<50} {str(shape):<18} {spec:<28} {format_bytes(nbytes):>10}")
         if len(rows) > max_rows:
             lines.append(f"  ... and {len(rows) - max_rows} more")
         agg: dict[tuple[str, tuple[str, ...]], list[float]] = {}
@@ -236,7 +235,7 @@ class Plan:
         if agg:
             lines.append(f"\n  {'collective':<16} {'axes':<16} {'count':>6} {'bytes/dev':>12}")
             for (kind, axes), (n, b) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:10]:
-                lines.append(f"  {kind:<16} {','.join(axes):<16} {n:>6} {_fmt_bytes(b):>12}")
+                lines.append(f"  {kind:<16} {','.join(axes):<16} {n:>6} {format_bytes(b):>12}")
         if self.warnings:
             lines.append("\n  replicated for lack of a rule: " + ", ".join(self.warnings))
         return "\n".join(lines)
@@ -274,16 +273,22 @@ class Plan:
 
         return explain(self, path, layouts=layouts)
 
-    def _repr_html_(self) -> str:
-        """Jupyter's view: leaf table, predicted time per collective kind, memory per device."""
+    def html(self) -> str:
+        """The HTML report (Jupyter's view): leaf table, predicted time per collective kind, memory per device."""
         from autoshard.report import plan_html
 
         return plan_html(self)
 
+    def figure(self, *, budget: float | None = None):
+        """The plan drawn with matplotlib (:func:`autoshard.report.plan_figure`)."""
+        from autoshard.report import plan_figure
+
+        return plan_figure(self, budget=budget)
+
     def __repr__(self) -> str:
         info = self.mesh_info
         return (f"Plan(mesh={dict(zip(info.names, info.shape, strict=True))}, args={len(self.in_specs)}, "
-                f"step≈{self.cost.total_seconds * 1e3:.3f}ms, peak≈{_fmt_bytes(self.cost.peak_memory_bytes)})")
+                f"step≈{self.cost.total_seconds * 1e3:.3f}ms, peak≈{format_bytes(self.cost.peak_memory_bytes)})")
 
     def to_json(self) -> str:
         """Serialise everything needed to apply the plan again without solving."""
@@ -350,6 +355,18 @@ class Plan:
             raise PlanError(f"saved plan is missing field {e.args[0]!r}") from None
 
 
+def compiled_bytes_by_kind(compiled) -> dict[str, float]:
+    """Bytes per device per collective kind in a compiled program, by Alpa's convention (see
+    :meth:`Plan.verify`)."""
+    from autoshard.hlo import collective_stats
+
+    got: dict[str, float] = {}
+    for c in collective_stats(compiled).collectives:
+        nbytes = c.operand_bytes if c.kind == "reduce-scatter" and c.operand_bytes else c.bytes
+        got[c.kind] = got.get(c.kind, 0.0) + nbytes * c.multiplicity
+    return got
+
+
 def _remat_from(r):
     if r is None:
         return None
@@ -364,11 +381,3 @@ def _spec_json(s: ShardingSpec):
 
 def _spec_from(d) -> ShardingSpec:
     return ShardingSpec(tuple(tuple(x) for x in d))
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"

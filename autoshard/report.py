@@ -54,6 +54,40 @@ PART_COLORS = {
 ROLES = ("parameter", "optimizer state", "model state", "rng key", "input", "other")
 
 
+class Report:
+    """The report surface of every plan a user can get back (:class:`~autoshard.Plan`,
+    :class:`~autoshard.pipeline.PipelinePlan`): ``summary()``, ``_repr_html_`` (Jupyter),
+    ``visualize(path)``, ``to_json``/``from_json`` and ``verify``.
+
+    A plan type defines ``summary``, ``html``, ``figure``, ``to_json``, ``from_json`` and ``verify``;
+    the notebook view and the PNG come from here, the same for all of them."""
+
+    __slots__ = ()
+
+    def summary(self) -> str:  # pragma: no cover - every plan type defines it
+        raise NotImplementedError
+
+    def html(self) -> str:  # pragma: no cover
+        raise NotImplementedError
+
+    def figure(self, *, budget: float | None = None):  # pragma: no cover
+        raise NotImplementedError
+
+    def to_json(self) -> str:  # pragma: no cover
+        raise NotImplementedError
+
+    def _repr_html_(self) -> str:
+        """Jupyter's view: :meth:`html`."""
+        return self.html()
+
+    def visualize(self, path=None, *, budget: float | None = None, dpi: int = 100):
+        """Draw the plan (:meth:`figure`, a ``matplotlib.figure.Figure``) and, with ``path``, save it as a PNG."""
+        fig = self.figure(budget=budget)
+        if path is not None:
+            fig.savefig(path, dpi=dpi, format="png", facecolor="white")
+        return fig
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class LeafRow:
     """One argument leaf of a plan."""
@@ -154,8 +188,8 @@ def plan_html(plan, *, budget: float | None = None, max_rows: int | None = None)
     parts = [
         '<div class="autoshard-plan" style="font-family: sans-serif; font-size: 13px; max-width: 60em">',
         f"<div><b>autoshard plan</b> on mesh {mesh} ({info.size} devices)</div>",
-        f"<div>predicted step {_ms(cost.total_seconds)} = compute {_ms(cost.compute_seconds)} + communication "
-        f"{_ms(cost.communication_seconds)} ({_fmt_bytes(cost.communication_bytes)}/device); peak memory "
+        f"<div>predicted step {format_ms(cost.total_seconds)} = compute {format_ms(cost.compute_seconds)} + communication "
+        f"{format_ms(cost.communication_seconds)} ({_fmt_bytes(cost.communication_bytes)}/device); peak memory "
         f"{_fmt_bytes(cost.peak_memory_bytes)}/device</div>",
         _html_time(plan),
         _html_memory(memory_breakdown(plan, budget)),
@@ -168,7 +202,8 @@ def plan_html(plan, *, budget: float | None = None, max_rows: int | None = None)
     return "\n".join(parts)
 
 
-def _bar(fraction: float, color: str, label: str) -> str:
+def bar_html(fraction: float, color: str, label: str) -> str:
+    """An inline HTML bar, ``fraction`` of 24em filled with ``color``."""
     width = max(0.0, min(1.0, fraction)) * 100
     return (f'<div style="background: #eee; width: 24em; height: 1em; display: inline-block; vertical-align: middle">'
             f'<div style="background: {color}; width: {width:.2f}%; height: 100%" title="{html.escape(label)}">'
@@ -179,8 +214,8 @@ def _html_time(plan) -> str:
     parts = time_breakdown(plan)
     total = sum(parts.values()) or 1.0
     rows = "".join(
-        f"<tr><td>{html.escape(k)}</td><td style='text-align: right'>{_ms(v)}</td>"
-        f"<td>{_bar(v / total, COLORS.get(k, '#999'), k)}</td></tr>"
+        f"<tr><td>{html.escape(k)}</td><td style='text-align: right'>{format_ms(v)}</td>"
+        f"<td>{bar_html(v / total, COLORS.get(k, '#999'), k)}</td></tr>"
         for k, v in parts.items())
     return ("<h4 style='margin: 0.8em 0 0.2em'>Predicted time per step</h4>"
             f"<table>{rows}</table>"
@@ -194,10 +229,10 @@ def _html_memory(mem: dict) -> str:
     rows = [f"<tr><td>predicted peak</td><td style='text-align: right'>{_fmt_bytes(peak)}</td>"
             f"<td>{_stacked(mem['parts'], scale)}</td></tr>"]
     rows += [f"<tr><td style='padding-left: 1.5em'>{html.escape(k)}</td><td style='text-align: right'>"
-             f"{_fmt_bytes(v)}</td><td>{_bar(v / scale, _part_color(k), k)}</td></tr>" for k, v in mem["parts"].items()]
+             f"{_fmt_bytes(v)}</td><td>{bar_html(v / scale, _part_color(k), k)}</td></tr>" for k, v in mem["parts"].items()]
     if budget is not None:
         rows.append(f"<tr><td>budget</td><td style='text-align: right'>{_fmt_bytes(budget)}</td>"
-                    f"<td>{_bar(budget / scale, COLORS['budget'], 'budget')}</td></tr>")
+                    f"<td>{bar_html(budget / scale, COLORS['budget'], 'budget')}</td></tr>")
     if mem.get("host"):
         rows.append(f"<tr><td>host memory (offloaded)</td><td style='text-align: right'>{_fmt_bytes(mem['host'])}"
                     "</td><td></td></tr>")
@@ -269,8 +304,8 @@ def rich_renderables(plan, *, max_rows: int = 40, budget: float | None = None) -
     cost = plan.cost
     header = Text.assemble(
         ("autoshard plan", "bold"), f" on mesh {dict(zip(info.names, info.shape, strict=True))}\n",
-        f"predicted step {_ms(cost.total_seconds)} = compute {_ms(cost.compute_seconds)} + communication "
-        f"{_ms(cost.communication_seconds)} ({_fmt_bytes(cost.communication_bytes)}/device)")
+        f"predicted step {format_ms(cost.total_seconds)} = compute {format_ms(cost.compute_seconds)} + communication "
+        f"{format_ms(cost.communication_seconds)} ({_fmt_bytes(cost.communication_bytes)}/device)")
     out: list = [header]
     if plan.stats.get("timings"):
         out.append(Text("planning: " + ", ".join(f"{k} {v:.2f}s" for k, v in plan.stats["timings"].items()),
@@ -284,7 +319,7 @@ def rich_renderables(plan, *, max_rows: int = 40, budget: float | None = None) -
     t.add_column("time", justify="right")
     t.add_column("share")
     for k, v in parts.items():
-        t.add_row(k, _ms(v), Text("█" * max(1, round(30 * v / total)) if v else "", style=COLORS.get(k)))
+        t.add_row(k, format_ms(v), Text("█" * max(1, round(30 * v / total)) if v else "", style=COLORS.get(k)))
     out.append(t)
 
     mem = memory_breakdown(plan, budget)
@@ -333,7 +368,7 @@ def plan_figure(plan, *, budget: float | None = None, top: int = 12):
     Made without pyplot, so it touches no global matplotlib state; it still shows itself in a
     notebook (as a PNG).
     """
-    fig = _figure_class()(figsize=(17, 4.2), layout="constrained")
+    fig = figure_class()(figsize=(17, 4.2), layout="constrained")
     ax_time, ax_mem, ax_role, ax_leaf = fig.subplots(1, 4, width_ratios=(1.1, 0.7, 1.0, 1.6))
     rows = leaf_rows(plan)
     _plot_time(ax_time, plan)
@@ -343,15 +378,16 @@ def plan_figure(plan, *, budget: float | None = None, top: int = 12):
     _plot_leaves(ax_leaf, params or rows, top, "parameters" if params else "argument leaves")
     info = plan.mesh_info
     fig.suptitle(f"autoshard plan on mesh {dict(zip(info.names, info.shape, strict=True))}: "
-                 f"{_ms(plan.cost.total_seconds)} per step, peak {_fmt_bytes(plan.cost.peak_memory_bytes)}/device")
+                 f"{format_ms(plan.cost.total_seconds)} per step, peak {_fmt_bytes(plan.cost.peak_memory_bytes)}/device")
     return fig
 
 
 def visualize(plan, path=None, *, budget: float | None = None, dpi: int = 100):
-    """Draw the plan (see :func:`plan_figure`) and, with ``path``, save it as a PNG.
+    """Draw the plan (its ``figure()``: :func:`plan_figure`, :func:`pipeline_figure`) and, with ``path``,
+    save it as a PNG.
 
     Args:
-      plan: an :class:`autoshard.Plan`.
+      plan: an :class:`autoshard.Plan` or a :class:`~autoshard.pipeline.PipelinePlan`.
       path: a file name (``"plan.png"``); None: only return the figure.
       budget: memory budget per device in bytes, drawn as a line (default: what planning recorded).
       dpi: resolution of the PNG.
@@ -362,14 +398,12 @@ def visualize(plan, path=None, *, budget: float | None = None, dpi: int = 100):
     Example:
       >>> fig = autoshard.visualize(plan, "plan.png")    # doctest: +SKIP
     """
-    fig = plan_figure(plan, budget=budget)
-    if path is not None:
-        fig.savefig(path, dpi=dpi, format="png", facecolor="white")
-    return fig
+    return plan.visualize(path, budget=budget, dpi=dpi)
 
 
 @functools.cache
-def _figure_class():
+def figure_class():
+    """A ``matplotlib.figure.Figure`` subclass that shows itself as a PNG in a notebook (no pyplot)."""
     from matplotlib.figure import Figure
 
     class PlanFigure(Figure):
@@ -509,6 +543,11 @@ class _TqdmProgress:
         self._tqdm = tqdm
         self._bar = None
 
+    @property
+    def is_open(self) -> bool:
+        """Whether a bar is drawn (between the first call and ``done == total``)."""
+        return self._bar is not None
+
     def __call__(self, stage: str, done: int, total: int) -> None:
         if self._bar is None:
             self._bar = self._tqdm(total=total, desc="autoshard", leave=False)
@@ -546,11 +585,18 @@ def _kind_rank(kind: str) -> int:
     return KIND_ORDER.index(kind) if kind in KIND_ORDER else len(KIND_ORDER)
 
 
-def _ms(seconds: float) -> str:
+def format_ms(seconds: float) -> str:
+    """Seconds as milliseconds, ``"1.234 ms"``."""
     return f"{seconds * 1e3:.3f} ms"
 
 
-def _fmt_bytes(n: float) -> str:
-    from autoshard.plan import _fmt_bytes as fmt
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``"1.50 KiB"``: bytes in binary units, as every report prints them."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
 
-    return fmt(n)
+
+_fmt_bytes = format_bytes

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import jax
 import numpy as np
+import pytest
 
 import autoshard
 
@@ -50,3 +53,24 @@ def check_against_reference(spec, mesh_, *, cluster=None, steps=2, loss_rtol=1e-
     # Adam divides by sqrt(v): reduction-order noise in tiny gradients moves a weight by up to ~lr * 1e-2.
     assert_trees_close(out_state["params"], ref_state["params"], rtol=1e-5, atol=param_atol, what="params")
     return step
+
+
+def check_report_surface(plan, executable, tmp_path):
+    """``summary``, the notebook view, ``visualize``, a JSON round trip and ``verify`` against XLA."""
+    from autoshard.hlo import collective_stats
+
+    html = plan._repr_html_()
+    assert html.startswith('<div class="autoshard-plan"') and plan.summary().splitlines()[0].split(":")[0] in html
+    back = type(plan).from_json(plan.to_json())
+    assert back.summary() == plan.summary() and back.to_json() == plan.to_json()
+    check = plan.verify(executable)
+    compiled = {}
+    for stage in plan.stages:  # what verify compiled: each stage's forward and backward task
+        keys = [k for k in (("F", stage.index), ("B", stage.index)) if k in executable.part.tasks]
+        for program in executable.compiled_tasks(keys).values():
+            for c in collective_stats(program).collectives:
+                compiled[c.kind] = compiled.get(c.kind, 0.0) + c.bytes * c.multiplicity
+    assert check.compiled == compiled and check.ratio == pytest.approx(1.0, rel=0.05)
+    if importlib.util.find_spec("matplotlib") is not None:
+        fig = plan.visualize(tmp_path / "pipeline.png", dpi=40)
+        assert (tmp_path / "pipeline.png").read_bytes().startswith(b"\x89PNG") and fig.axes

@@ -13,7 +13,7 @@ import autoshard
 from autoshard.errors import InfeasibleError, InputError
 from autoshard.hlo import memory_stats
 from autoshard.pipeline import PipelinePlan
-from tests.helpers import assert_trees_close, mesh
+from tests.helpers import assert_trees_close, check_report_surface, mesh
 
 BATCH, DIM, HIDDEN = 512, 16, 512
 
@@ -36,7 +36,7 @@ def _inputs():
     return params, batch
 
 
-def test_accumulates_when_no_full_batch_plan_fits():
+def test_accumulates_when_no_full_batch_plan_fits(tmp_path):
     t0 = time.perf_counter()
     params, batch = _inputs()
     budget = 2e5
@@ -59,6 +59,7 @@ def test_accumulates_when_no_full_batch_plan_fits():
 
     peaks = compiled_task_peaks(exe)
     assert peaks and max(peaks.values()) <= budget, peaks
+    check_report_surface(plan, exe, tmp_path)  # the notebook view, JSON and verify, like a Plan's
     ref = jax.jit(_step)
     ref_params, out_params = params, params
     for _ in range(2):

@@ -11,6 +11,7 @@ import pytest
 
 import autoshard
 from autoshard import report
+from tests import helpers
 from tests.helpers import mesh as make_test_mesh
 
 
@@ -143,7 +144,7 @@ def test_progress_callback_kinds(capsys):
     cb = report.progress_callback("tqdm")
     for i, stage in enumerate(["capture", "strategies", "solve"], 1):
         cb(stage, i, 3)
-    assert cb._bar is None  # closed at done == total
+    assert not cb.is_open  # closed at done == total
 
 
 # ---- python -m autoshard explain ---------------------------------------------------------------------
@@ -219,3 +220,26 @@ def test_explain_cli_says_what_is_missing(tmp_path, capsys):
     src.write_text(_STEP_FILE)
     assert main(["explain", f"{src}:pinned_step", "--mesh", "2,4"]) == 2
     assert "already parallelized" in capsys.readouterr().err
+
+
+# ---- every plan type has the same report surface ------------------------------------------------------
+
+
+def _sgd_step(params, batch):
+    def loss_fn(p):
+        return jnp.mean((jnp.tanh(batch["x"] @ p["w1"]) @ p["w2"] - batch["y"]) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), {"loss": loss}
+
+
+def test_pipeline_plans_have_the_report_surface_of_a_plan(tmp_path):
+    k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
+    params = {"w1": jax.random.normal(k1, (16, 32)) / 4, "w2": jax.random.normal(k2, (32, 4)) / 6}
+    batch = {"x": jax.random.normal(k3, (16, 16)), "y": jnp.ones((16, 4))}
+    step = autoshard.parallelize(_sgd_step, mesh=make_test_mesh("2x4"), num_microbatches=2, progress=None,
+                                 pipeline=autoshard.PipelineOptions(num_stages=2, solver_time_limit=0.5))
+    plan = step.plan(params, batch)
+    assert isinstance(plan, report.Report) and plan.num_stages == 2
+    assert plan._repr_html_().count("intra-op plan") == 2
+    helpers.check_report_surface(plan, step.prepared(params, batch).executable, tmp_path)

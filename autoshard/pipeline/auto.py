@@ -15,23 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-
 from autoshard.errors import InfeasibleError, InputError
 from autoshard.hlo import memory_stats
 
 
 def compiled_task_peaks(executable) -> dict[tuple, float]:
     """XLA's per-device peak (``memory_stats(...)["peak"]``) of every task of a single-stage executable."""
-    peaks = {}
-    avals = executable.analysis.avals
-    for key, task in executable.part.tasks.items():
-        vs = list(task.invars) + list(task.frontier)
-        specs = [jax.ShapeDtypeStruct(avals[v].shape, avals[v].dtype, sharding=executable.sharding(v, task.stage))
-                 for v in vs]
-        compiled = executable.jitted(key, bool(task.frontier)).lower(*specs).compile()
-        peaks[key] = memory_stats(compiled)["peak"]
-    return peaks
+    return {key: memory_stats(compiled)["peak"] for key, compiled in executable.compiled_tasks().items()}
 
 
 def _divisors(n: int) -> list[int]:

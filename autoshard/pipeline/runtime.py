@@ -106,6 +106,19 @@ class PipelineExecutable:
             hit = self._jits[(key, accumulate)] = self._task_fn(self.part.tasks[key], accumulate)
         return hit
 
+    def compiled_tasks(self, keys=None) -> dict:
+        """XLA's executable of each task (``keys``; None: all), as one step runs it: a task that makes
+        frontier values in the variant that adds them to the running sums."""
+        out = {}
+        for key in self.part.tasks if keys is None else keys:
+            task = self.part.tasks[key]
+            vs = list(task.invars) + list(task.frontier)
+            avals = self.analysis.avals
+            specs = [jax.ShapeDtypeStruct(avals[v].shape, avals[v].dtype, sharding=self.sharding(v, task.stage))
+                     for v in vs]
+            out[key] = self.jitted(key, bool(task.frontier)).lower(*specs).compile()
+        return out
+
     def _zeros(self, key):
         hit = self._jits.get((key, "zeros"))
         if hit is None:

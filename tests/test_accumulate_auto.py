@@ -13,6 +13,7 @@ import autoshard
 from autoshard.errors import InfeasibleError, InputError
 from autoshard.hlo import memory_stats
 from autoshard.pipeline import PipelinePlan
+from autoshard.testing import pipeline_executable
 from tests.helpers import assert_trees_close, check_report_surface, mesh
 
 BATCH, DIM, HIDDEN = 512, 16, 512
@@ -54,7 +55,7 @@ def test_accumulates_when_no_full_batch_plan_fits(tmp_path):
     k = plan.num_microbatches
     assert k == plan.stats["num_microbatches"] and k in (2, 4)
     assert "gradient accumulation chosen by the planner" in plan.summary()
-    exe = step.prepared(params, batch).program.executable
+    exe = pipeline_executable(step, params, batch)
     from autoshard.pipeline.auto import compiled_task_peaks
 
     peaks = compiled_task_peaks(exe)

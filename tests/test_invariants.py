@@ -1,7 +1,10 @@
 """Invariants over random shapes and meshes (hypothesis): candidate specs, resharding costs, rule strategies."""
 
+import ast
+import functools
 import itertools
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -282,3 +285,139 @@ def test_strategy_check_catches_a_bad_spec():
         _check_spec(ShardingSpec(((0,),)), (8,), _mesh_info((1, 8)))
     with pytest.raises(AssertionError, match="rank"):
         _check_spec(ShardingSpec(((0,),)), (8, 8), info)
+
+
+# ---- the package's own hygiene: public names only, no import cycle ---------------------------------------
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "autoshard"
+
+
+def _private(name: str) -> bool:
+    """``_x`` but not ``__x__`` nor a protocol name like IPython's ``_repr_html_``."""
+    return name.startswith("_") and not name.endswith("_")
+
+
+def _defined_private(tree: ast.AST) -> set[str]:
+    """Private names a module defines: functions, classes, variables, attributes set on any object."""
+    out = set()
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(n.name)
+        elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+            out.add(n.id)
+        elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+            out.add(n.attr)
+        elif isinstance(n, ast.arg):
+            out.add(n.arg)
+        elif isinstance(n, ast.Call) and len(n.args) > 1 and isinstance(n.args[1], ast.Constant):
+            if getattr(n.func, "id", getattr(n.func, "attr", None)) in ("setattr", "__setattr__"):
+                out.add(str(n.args[1].value))
+    return {name for name in out if _private(name)}
+
+
+@functools.cache
+def _package_trees() -> dict:
+    return {p: ast.parse(p.read_text()) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def private_uses(path: pathlib.Path) -> list[str]:
+    """Where ``path`` imports another autoshard module's private name, or reads a private attribute
+    that only another autoshard module defines (on an object other than ``self``/``cls``)."""
+    trees = _package_trees()
+    tree = trees.get(path) or ast.parse(path.read_text())
+    own = _defined_private(tree)
+    others = set().union(*(_defined_private(t) for p, t in trees.items() if p != path)) - own
+    found = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("autoshard"):
+            found += [f"{path.name}:{n.lineno} imports {n.module}.{a.name}" for a in n.names if _private(a.name)]
+        elif isinstance(n, ast.Attribute) and _private(n.attr) and n.attr in others:
+            if not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls")):
+                found.append(f"{path.name}:{n.lineno} reads {ast.unparse(n)}")
+    return found
+
+
+def import_cycles() -> list[list[str]]:
+    """Strongly connected components (more than one module) of the package's import graph, counting
+    imports inside functions too: a lazy import is still a dependency."""
+    names = {}
+    for p in _package_trees():
+        parts = p.relative_to(ROOT).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+
+    def resolve(name):
+        while name and name not in names:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph = {}
+    for module, p in names.items():
+        edges = set()
+        for n in ast.walk(_package_trees()[p]):
+            targets = [a.name for a in n.names] if isinstance(n, ast.Import) else []
+            if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module:
+                targets = [n.module] + [f"{n.module}.{a.name}" for a in n.names]
+            edges |= {resolve(t) for t in targets if t.startswith("autoshard.")} - {module, ""}
+        graph[module] = edges
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while not comp or comp[-1] != v:
+                comp.append(stack.pop())
+                on_stack.discard(comp[-1])
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def _cases(paths, known: dict):
+    return [pytest.param(p, id=str(p.relative_to(ROOT)),
+                         marks=[pytest.mark.xfail(reason=known[p.name], strict=False)] if p.name in known else [])
+            for p in paths]
+
+
+# Left to the helpers who own these files (issue 15); each is a private name a test reaches for.
+KNOWN_PRIVATE_IN_TESTS = {
+    "test_memory.py": "tests/test_memory.py imports memory._combine_all_reduces (memory.py's owner)",
+    "test_solver_penalty.py": "tests/test_solver_penalty.py imports solver.penalty._range_max, _MAX_EXPONENT and "
+                              "_bracket_and_bisect (the solver's owner)",
+}
+
+
+@pytest.mark.parametrize("path", _cases(sorted(PACKAGE.rglob("*.py")), {}))
+def test_no_module_uses_another_modules_private_names(path):
+    assert private_uses(path) == []
+
+
+@pytest.mark.parametrize("path", _cases(sorted((ROOT / "tests").rglob("*.py")), KNOWN_PRIVATE_IN_TESTS))
+def test_tests_use_only_public_names(path):
+    assert private_uses(path) == []
+
+
+def test_the_private_name_scan_sees_what_it_should(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from autoshard.report import _fmt_bytes\n\ndef f(step):\n    return step._build, self._x\n")
+    found = private_uses(bad)
+    assert len(found) == 2 and "_fmt_bytes" in found[0] and "step._build" in found[1]
+
+
+@pytest.mark.xfail(reason="autoshard/compile.py and autoshard/offload.py import each other (lazily); theirs to split",
+                   strict=False)
+def test_no_import_cycle_in_the_package():
+    assert import_cycles() == []

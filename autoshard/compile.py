@@ -49,7 +49,7 @@ def compiled_peak(program, plan, groups=(), donated=()) -> float:
     return memory_stats(compile_plan(program, plan, groups, donated))["peak"]
 
 
-def fit_compiled(search, check, budget: float, limit, refuse, rounds: int = 2):
+def fit_compiled(search, check, budget: float, *, limit=None, refuse, rounds: int = 2):
     """Re-plan until XLA's compiled peak fits: the loop the memory levers share.
 
     ``search(limit) -> plan`` plans under ``limit`` (None: the default budget ``budget``) and

@@ -225,7 +225,8 @@ def plan_on_mesh(request: PlanRequest, on: MeshTarget):
             f"{smallest:.4g}, or use more devices.", smallest_memory=smallest)
 
     # limit None: the cluster's memory, named so in errors
-    return fit_compiled(lambda limit: run_levers(request, on, limit), check, budget, request.memory_budget, refuse)
+    return fit_compiled(lambda limit: run_levers(request, on, limit), check, budget, limit=request.memory_budget,
+                        refuse=refuse)
 
 
 def run_levers(request: PlanRequest, on: MeshTarget, limit: float | None):
@@ -308,39 +309,59 @@ def attempt_sharding(request: PlanRequest, on: MeshTarget, limit, *, program=Non
       InfeasibleError: the constraints (pins, forbidden strategies) admit no plan at all.
     """
     from autoshard.cost import CostModel
-    from autoshard.planner import build_problem, enumerate_strategies, merge_followers, tie_repeated_layers
+    from autoshard.planner import build_problem, enumerate_strategies, merge_followers
 
     program = request.program if program is None else program
-    timings = dict(request.timings)
-    cost = CostModel.create(on.info, on.cluster, platform=on.mesh.devices.flat[0].platform)
-    t = time.perf_counter()
-    sgraph = enumerate_strategies(program, cost, pinned=on.pinned, donated=request.donated, tie_outputs=request.ties,
-                                  host_bandwidth=getattr(on.cluster, "host_bandwidth", None), offloaded=offloaded)
-    timings["strategies"] = time.perf_counter() - t
-    on.report(f"strategies {on.info.shape}")
-    t = time.perf_counter()
-    merged = merge_followers(sgraph, cost, program.avals, shrink=MERGE_SHRINK if remat_split else None)
-    tie = request.tie_layers
-    if tie == "auto":
-        tie = len(merged.roots) > (TIE_LAYERS_ABOVE_UNDER_BUDGET if remat_split else TIE_LAYERS_ABOVE)
     budget = limit if limit is not None else on.budget
-    built = build_problem(merged, program, cost, memory_limit=budget, donated_inputs=request.donated,
-                          ties=tie_repeated_layers(merged, program.avals) if tie else None, carried=request.ties,
-                          offloaded=offloaded)
-    timings["problem"] = time.perf_counter() - t
-    on.report(f"problem {on.info.shape}: {built.problem.num_nodes} nodes")
-    t = time.perf_counter()
-    sol, free_objective, budget_bound, error = _solve(request, on, built, budget, limit)
+    cost = CostModel.create(on.info, on.cluster, platform=on.mesh.devices.flat[0].platform)
+    run = _Passes(dict(request.timings), on)
+    sgraph = run("strategies", enumerate_strategies, program, cost, pinned=on.pinned, donated=request.donated,
+                 tie_outputs=request.ties, host_bandwidth=getattr(on.cluster, "host_bandwidth", None),
+                 offloaded=offloaded)
+    merged = run("merge", merge_followers, sgraph, cost, program.avals, shrink=MERGE_SHRINK if remat_split else None)
+    ties = run("tie", _layer_ties, merged, program, request.tie_layers, remat_split)
+    built = run("problem", build_problem, merged, program, cost, memory_limit=budget, ties=ties,
+                donated_inputs=request.donated, carried=request.ties, offloaded=offloaded)
+    sol, free_objective, budget_bound, error = run("solve", _solve, request, on, built, budget, limit)
     if error is not None:
         return Attempt(error=error, budget_bound=True, unconstrained_objective=free_objective)
-    timings["solve"] = time.perf_counter() - t
-    on.report(f"solved {on.info.shape}")
-    plan_ = _decoded_plan(request, on, _Solved(program, sgraph, built, cost, sol, tuple(offloaded)), stats={
-        "timings": dict(timings), "nodes": built.problem.num_nodes, "edges": built.problem.num_edges,
-        "graph_nodes": len(sgraph.nodes), "eqns": program.num_eqns, "solver": dict(sol.stats),
-        "optimal": sol.optimal, "memory_budget": budget, "budget_bound": budget_bound,
-        "unconstrained_objective": free_objective, "solver_peak": float(sol.peak_memory)})
+    plan_ = run("decode", _decoded_plan, request, on, _Solved(program, sgraph, built, cost, sol, tuple(offloaded)),
+                stats={"timings": run.timings, "nodes": built.problem.num_nodes, "edges": built.problem.num_edges,
+                       "graph_nodes": len(sgraph.nodes), "eqns": program.num_eqns, "solver": dict(sol.stats),
+                       "optimal": sol.optimal, "memory_budget": budget, "budget_bound": budget_bound,
+                       "unconstrained_objective": free_objective, "solver_peak": float(sol.peak_memory)})
     return Attempt(plan_, None, budget_bound, free_objective)
+
+
+class _Passes:
+    """Runs the passes of :func:`attempt_sharding` one per line: times each (``plan.stats["timings"]``)
+    and reports the ones the progress callback counts."""
+
+    REPORTS = {
+        "strategies": lambda shape, out: f"strategies {shape}",
+        "problem": lambda shape, out: f"problem {shape}: {out.problem.num_nodes} nodes",
+        "solve": lambda shape, out: f"solved {shape}",
+    }
+
+    def __init__(self, timings: dict, on: MeshTarget):
+        self.timings, self.on = timings, on
+
+    def __call__(self, name: str, fn: Callable, *args, **kwargs):
+        t = time.perf_counter()
+        out = fn(*args, **kwargs)
+        self.timings[name] = time.perf_counter() - t
+        if name in self.REPORTS and not (name == "solve" and out[3] is not None):
+            self.on.report(self.REPORTS[name](self.on.info.shape, out))
+        return out
+
+
+def _layer_ties(merged, program: CapturedProgram, tie_layers, remat_split: bool):
+    """The repeated-layer groups to solve as one (``tie_layers``: True, False or ``"auto"``), or None."""
+    from autoshard.planner import tie_repeated_layers
+
+    if tie_layers == "auto":
+        tie_layers = len(merged.roots) > (TIE_LAYERS_ABOVE_UNDER_BUDGET if remat_split else TIE_LAYERS_ABOVE)
+    return tie_repeated_layers(merged, program.avals) if tie_layers else None
 
 
 def _solve(request: PlanRequest, on: MeshTarget, built, budget, limit):

@@ -131,8 +131,8 @@ def plan_with_offload(solve_with, program, ties: dict[int, int], error: Infeasib
     return fit_compiled(
         lambda limit: _search(solve_with, program, candidates, error=error, limit=limit, budget=budget,
                              num_devices=num_devices),
-        check if check is not None else (lambda plan: None), budget, budget,
-        lambda compiled: InfeasibleError(
+        check if check is not None else (lambda plan: None), budget, limit=budget,
+        refuse=lambda compiled: InfeasibleError(
             f"no plan fits memory_budget={budget:.4g} bytes per device with optimizer state in host memory: "
             f"the best offload plan found compiles to a device peak of {compiled:.4g} bytes (XLA keeps more "
             f"alive than the planner's memory row). Fix: raise memory_budget (a plan at {compiled:.4g} "

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import math
 
+HOST_MEMORY_KIND = "pinned_host"
+"""The memory kind offloaded leaves live in (CPU, GPU and TPU devices all offer it)."""
+
 
 def named_shardings(plan, specs, host=()) -> list:
     """``NamedSharding``s on the plan's mesh for ``specs``; the indices in ``host`` live in host memory."""
     from jax.sharding import NamedSharding
 
-    from autoshard.offload import MEMORY_KIND
-
     info = plan.mesh_info
-    return [NamedSharding(plan.mesh, s.to_partition_spec(info), memory_kind=MEMORY_KIND if k in host else None)
+    return [NamedSharding(plan.mesh, s.to_partition_spec(info), memory_kind=HOST_MEMORY_KIND if k in host else None)
             for k, s in enumerate(specs)]
 
 

@@ -37,8 +37,7 @@ import math
 from autoshard.errors import InfeasibleError
 from autoshard.roles import program_roles
 
-MEMORY_KIND = "pinned_host"
-"""The memory kind offloaded leaves live in (CPU, GPU and TPU devices all offer it)."""
+from autoshard.compile import HOST_MEMORY_KIND as MEMORY_KIND  # noqa: F401  (the memory kind of offloaded leaves)
 
 
 REFINE_SOLVES = 3

@@ -417,7 +417,5 @@ def test_the_private_name_scan_sees_what_it_should(tmp_path):
     assert len(found) == 2 and "_fmt_bytes" in found[0] and "step._build" in found[1]
 
 
-@pytest.mark.xfail(reason="autoshard/compile.py and autoshard/offload.py import each other (lazily); theirs to split",
-                   strict=False)
 def test_no_import_cycle_in_the_package():
     assert import_cycles() == []

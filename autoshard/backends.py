@@ -39,6 +39,10 @@ class BackendProfile:
       maxpool_index_buffers: ``select_and_scatter_add`` (a max-pool gradient) is expanded into an
         argmax over each window, with index buffers (:func:`autoshard.memory.lowering_buffers`).
       reduce_scatter_as_all_reduce: the backend emits a reduce-scatter as an all-reduce and a slice.
+      widen_half_precision_collectives: the backend moves 2-byte floats (bf16, f16) through
+        collectives as f32 (:class:`autoshard.cost.CostModel` prices their bytes so).
+      mixed_precision_dots: the backend runs an unfused bf16 x bf16 -> f32 dot (XLA:CPU does not:
+        :func:`autoshard.precision.widen_operands`).
       async_collectives: collectives run asynchronously (start/done pairs), overlapping compute.
       latency_hiding_scheduler: XLA schedules with the latency-hiding scheduler (which starts from a
         memory-minimising schedule and may keep more alive to overlap collectives).
@@ -52,6 +56,8 @@ class BackendProfile:
     conv_layout_copies: bool = False
     maxpool_index_buffers: bool = False
     reduce_scatter_as_all_reduce: bool = False
+    widen_half_precision_collectives: bool = False
+    mixed_precision_dots: bool = True
     async_collectives: bool = False
     latency_hiding_scheduler: bool = False
     remat_select_fence: bool = False
@@ -80,6 +86,12 @@ CPU = BackendProfile(
     # XLA:CPU has no reduce-scatter thunk: the partitioner's reduce-scatter becomes an all-reduce
     # and a dynamic slice (what autoshard.cost prices on CPU).
     reduce_scatter_as_all_reduce=True,
+    # XLA:CPU's collectives reduce bf16/f16 in f32: the partitioned program converts around each
+    # one, so the bytes moved are f32's (tests/test_precision.py compiles it).
+    widen_half_precision_collectives=True,
+    # XLA:CPU cannot execute an unfused bf16 x bf16 -> f32 dot ("Unsupported element type for
+    # DotThunk::Execute"): precision="bf16" rounds the operands and widens them back to f32.
+    mixed_precision_dots=False,
     # XLA:CPU expands optimization_barrier before CSE (autoshard/lower.py).
     remat_select_fence=True,
 )

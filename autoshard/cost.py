@@ -30,18 +30,27 @@ class CostModel:
     alpha: tuple[float, ...]
     beta: tuple[float, ...]
     reduce_scatter_as_all_reduce: bool = False
-    """XLA's CPU backend emits a reduce-scatter as an all-reduce plus a slice; price it so there."""
+    """The backend emits a reduce-scatter as an all-reduce plus a slice (XLA:CPU); price it so."""
     widen_half_precision: bool = False
-    """XLA's CPU backend moves 2-byte floats (bf16, f16) through collectives as f32; price them so there."""
+    """The backend moves 2-byte floats (bf16, f16) through collectives as f32 (XLA:CPU); price them so."""
     _memo: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @classmethod
-    def create(cls, mesh: MeshInfo, cluster, *, platform: str = "gpu") -> CostModel:
-        """Build from a ``ClusterSpec`` (scalar or per-axis bandwidth and latency)."""
+    def create(cls, mesh: MeshInfo, cluster, *, profile=None, platform: str | None = None) -> CostModel:
+        """Build from a ``ClusterSpec`` (scalar or per-axis bandwidth and latency).
+
+        ``profile``: the :class:`~autoshard.backends.BackendProfile` of the backend that compiles
+        the plan (its reduce-scatter and half-precision collectives are priced as it emits them);
+        ``platform`` names one instead; neither: the GPU profile."""
+        from autoshard.backends import GPU, profile_for
+
+        if profile is None:
+            profile = GPU if platform is None else profile_for(platform)
         bw = _per_axis(cluster.bandwidth, mesh.ndim, "bandwidth")
         lat = _per_axis(cluster.latency, mesh.ndim, "latency")
         return cls(mesh, float(cluster.flops), tuple(lat), tuple(1.0 / b for b in bw),
-                   reduce_scatter_as_all_reduce=platform == "cpu", widen_half_precision=platform == "cpu")
+                   reduce_scatter_as_all_reduce=profile.reduce_scatter_as_all_reduce,
+                   widen_half_precision=profile.widen_half_precision_collectives)
 
     def without_latency(self) -> CostModel:
         """The same model with zero alpha: for collectives that XLA will combine with others."""

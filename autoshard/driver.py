@@ -308,12 +308,13 @@ def attempt_sharding(request: PlanRequest, on: MeshTarget, limit, *, program=Non
     Raises:
       InfeasibleError: the constraints (pins, forbidden strategies) admit no plan at all.
     """
+    from autoshard.backends import resolve_profile
     from autoshard.cost import CostModel
     from autoshard.planner import build_problem, enumerate_strategies, merge_followers
 
     program = request.program if program is None else program
     budget = limit if limit is not None else on.budget
-    cost = CostModel.create(on.info, on.cluster, platform=on.mesh.devices.flat[0].platform)
+    cost = CostModel.create(on.info, on.cluster, profile=resolve_profile(request.profile, on.mesh))
     run = _Passes(dict(request.timings), on)
     sgraph = run("strategies", enumerate_strategies, program, cost, pinned=on.pinned, donated=request.donated,
                  tie_outputs=request.ties, host_bandwidth=getattr(on.cluster, "host_bandwidth", None),

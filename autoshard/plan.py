@@ -167,8 +167,10 @@ class Plan(Report):
     def check_against(self, compiled: dict[str, float]) -> PlanCheck:
         """:meth:`verify` from compiled bytes per collective kind (summed over one or more programs)."""
         predicted = self.predicted_bytes_by_kind()
+        from autoshard.backends import profile_for_mesh
+
         if ("reduce-scatter" in predicted and "reduce-scatter" not in compiled
-                and self.mesh.devices.flat[0].platform == "cpu"):
+                and profile_for_mesh(self.mesh).reduce_scatter_as_all_reduce):
             predicted["all-reduce"] = predicted.get("all-reduce", 0.0) + predicted.pop("reduce-scatter")
         return PlanCheck(predicted, dict(compiled))
 

@@ -60,8 +60,11 @@ def with_precision(fun, precision, mesh=None):
 
 
 def widen_operands(platform: str) -> bool:
-    """Whether matmuls on this platform read bf16-rounded operands widened back to fp32 (see above)."""
-    return platform == "cpu"
+    """Whether matmuls on this platform read bf16-rounded operands widened back to fp32 (see above):
+    its backend profile has no mixed-precision dots (:mod:`autoshard.backends`)."""
+    from autoshard.backends import profile_for
+
+    return not profile_for(platform).mixed_precision_dots
 
 
 def cast_matmuls(fun, dtype=jnp.bfloat16, *, widen: bool = False):

@@ -52,8 +52,8 @@ def test_gpu_profile_drops_the_xla_cpu_mechanisms_on_a_conv_net():
     # GPU is the CPU profile without those two mechanisms (and with its own alignment and scheduling).
     assert GPU == dataclasses.replace(
         CPU, platform="gpu", buffer_alignment=256, library_reductions=frozenset(), conv_layout_copies=False,
-        reduce_scatter_as_all_reduce=False, async_collectives=True, latency_hiding_scheduler=True,
-        remat_select_fence=False)
+        reduce_scatter_as_all_reduce=False, widen_half_precision_collectives=False, mixed_precision_dots=True,
+        async_collectives=True, latency_hiding_scheduler=True, remat_select_fence=False)
     gpu = _memory("convnet", 16, GPU)
     assert gpu.breakdown["intermediates"] < cpu
 

@@ -12,7 +12,6 @@ from autoshard.errors import PlanError
 from autoshard.report import Report, format_bytes
 from autoshard.spec import MeshInfo, ShardingSpec, dtype_itemsize
 
-_KIND_ORDER = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -27,9 +27,10 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from autoshard.collectives import CollectiveKind
 from autoshard.spec import dtype_itemsize
 
-KIND_ORDER = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+KIND_ORDER = tuple(k.value for k in CollectiveKind)  # the order tables list collectives in
 COLORS = {
     "compute": "#4c72b0",
     "all-reduce": "#dd8452",

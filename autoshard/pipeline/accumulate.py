@@ -138,8 +138,27 @@ def batch_leaf_positions(args, batch_argnums, num_microbatches: int, in_paths) -
 def analyze_step(fun, args, *, batch_positions, batch_size: int, num_microbatches: int,
                  metric_outputs, in_paths=None) -> StepAnalysis:
     """Capture ``fun(*args)`` at the full batch and the microbatch, and classify every op."""
-    flat, tree = jax.tree_util.tree_flatten(args)
     k = num_microbatches
+    full, micro, ref = _captures(fun, args, batch_positions=batch_positions, batch_size=batch_size, k=k,
+                                 in_paths=in_paths)
+    batched, axis = set(), {}
+    for v, (a, b) in enumerate(zip(full.avals, ref.avals, strict=True)):
+        sa, sb = tuple(getattr(a, "shape", ())), tuple(getattr(b, "shape", ()))
+        if sa != sb:
+            batched.add(v)
+            axis[v] = next(d for d, (x, y) in enumerate(zip(sa, sb, strict=True)) if x != y)
+    dependent = {full.graph.invars[p] for p in batch_positions}
+    region, frontier = _regions(full, batched, dependent)
+    return StepAnalysis(
+        full=full, micro=micro, region=tuple(region), batched=frozenset(batched), batch_axis=axis,
+        dependent=frozenset(dependent), frontier=tuple(frontier), batch_inputs=tuple(batch_positions),
+        metric_outputs=tuple(metric_outputs), num_microbatches=k)
+
+
+def _captures(fun, args, *, batch_positions, batch_size: int, k: int, in_paths):
+    """``(full, micro, ref)``: the program at the full batch, the microbatch program (with the full
+    program's scalar literals), and the program at the other batch size that tells batched values apart."""
+    flat, tree = jax.tree_util.tree_flatten(args)
     other = batch_size // k if k > 1 else 2 * batch_size
 
     def resized(n):
@@ -157,30 +176,27 @@ def analyze_step(fun, args, *, batch_positions, batch_size: int, num_microbatche
             "batch size, so its microbatches cannot be run from one program. Fix: make the step's code "
             "independent of the batch size (e.g. no Python `if x.shape[0] == ...`).")
     for op in full.ops:
-        if op.body is not None and _contains_boundary(op.body) is not None:
-            inner = _contains_boundary(op.body)
+        inner = _contains_boundary(op.body) if op.body is not None else None
+        if inner is not None:
             raise InputError(
                 f"pipeline_boundary is called inside a `{op.name}` body ({_where(inner)}). A stage cut must "
                 "be at the top level of the step: a loop body runs as one unit on one stage. Fix: call "
                 "pipeline_boundary between loop iterations' code outside the scan (unroll the layers), "
                 "or remove it and let num_stages='auto' cut the program.")
-    if k > 1:
-        micro_ops = {o.index: o for o in other_prog.ops}
-        fixed = {op.index: _with_full_literals(micro_ops[op.index], op) for op in full.graph.ops}
-        micro_graph = OpGraph(other_prog.graph.invars, tuple(fixed[o.index] for o in other_prog.graph.ops),
-                              other_prog.graph.outvars)
-        micro = dataclasses.replace(other_prog, graph=micro_graph)
-        ref = other_prog
-    else:
-        micro, ref = full, other_prog
+    if k == 1:
+        return full, full, other_prog
+    micro_ops = {o.index: o for o in other_prog.ops}
+    fixed = {op.index: _with_full_literals(micro_ops[op.index], op) for op in full.graph.ops}
+    micro_graph = OpGraph(other_prog.graph.invars, tuple(fixed[o.index] for o in other_prog.graph.ops),
+                          other_prog.graph.outvars)
+    return full, dataclasses.replace(other_prog, graph=micro_graph), other_prog
 
-    batched, axis = set(), {}
-    for v, (a, b) in enumerate(zip(full.avals, ref.avals, strict=True)):
-        sa, sb = tuple(getattr(a, "shape", ())), tuple(getattr(b, "shape", ()))
-        if sa != sb:
-            batched.add(v)
-            axis[v] = next(d for d, (x, y) in enumerate(zip(sa, sb, strict=True)) if x != y)
-    dependent = {full.graph.invars[p] for p in batch_positions}
+
+def _regions(full: CapturedProgram, batched: set, dependent: set) -> tuple[list, list]:
+    """Each top-level op's region (``P``, ``M``, ``R``) and the frontier, growing ``dependent``.
+
+    Raises:
+      InputError: a batch reduction that is not a sum, or a batch statistic fed back (BatchNorm)."""
     reduced: dict[int, Op] = {}   # value -> the op that reduced the batch away
     region, frontier = [], []
     for op in full.graph.ops:
@@ -210,22 +226,25 @@ def analyze_step(fun, args, *, batch_positions, batch_size: int, num_microbatche
             if v in batched:
                 dependent.add(v)
                 continue
-            if op.name not in SUM_REDUCTIONS:
-                raise InputError(
-                    f"cannot accumulate gradients over microbatches: {_where(op)} reduces over the batch axis, and "
-                    f"`{op.name}` is not a sum, so the full-batch result is not the sum of the microbatch results. "
-                    "Only sums over the batch (reduce_sum, a mean, matmuls contracting the batch) can be "
-                    "accumulated. Fix: use num_microbatches=1, or compute the statistic outside the step.")
-            if op.name.startswith("scatter") and not _is_zero_operand(full, op.inputs[0]):
-                raise InputError(
-                    f"cannot accumulate {_where(op)}: it scatter-adds per-example values into a non-zero base, "
-                    "which the sum over microbatches would count once per microbatch.")
+            _check_sum(full, op)
             reduced[v] = op
             frontier.append(v)
-    return StepAnalysis(
-        full=full, micro=micro, region=tuple(region), batched=frozenset(batched), batch_axis=axis,
-        dependent=frozenset(dependent), frontier=tuple(frontier), batch_inputs=tuple(batch_positions),
-        metric_outputs=tuple(metric_outputs), num_microbatches=k)
+    return region, frontier
+
+
+def _check_sum(full: CapturedProgram, op: Op) -> None:
+    """Refuse a per-example op whose unbatched output is not a sum over the batch."""
+    if op.name not in SUM_REDUCTIONS:
+        raise InputError(
+            f"cannot accumulate gradients over microbatches: {_where(op)} reduces over the batch axis, and "
+            f"`{op.name}` is not a sum, so the full-batch result is not the sum of the microbatch results. "
+            "Only sums over the batch (reduce_sum, a mean, matmuls contracting the batch) can be "
+            "accumulated. Fix: use num_microbatches=1, or compute the statistic outside the step.")
+    if op.name.startswith("scatter") and not _is_zero_operand(full, op.inputs[0]):
+        raise InputError(
+            f"cannot accumulate {_where(op)}: it scatter-adds per-example values into a non-zero base, "
+            "which the sum over microbatches would count once per microbatch. Fix: scatter-add into zeros "
+            "and add the base after the step's batch sums.")
 
 
 def _is_zero_operand(program: CapturedProgram, x) -> bool:

@@ -117,7 +117,6 @@ def _nbytes(aval) -> float:
 def partition(analysis: StepAnalysis, fwd_stage: Callable[[int], int], num_stages: int) -> Partition:
     """Assign every op to tasks (see the module docstring)."""
     full = analysis.full
-    ops = full.graph.ops
     S = num_stages
     forward = forward_positions(analysis) if S > 1 else frozenset()
     if S > 1 and not forward:
@@ -126,28 +125,49 @@ def partition(analysis: StepAnalysis, fwd_stage: Callable[[int], int], num_stage
             "the new state. Pipelining runs each stage's forward before its backward, and autoshard tells them "
             "apart by what the returned loss depends on. Fix: return the loss, e.g. `return new_state, "
             "{'loss': loss}`.")
-    stage_of: dict[int, int] = {}      # value -> stage (non-replicated producers only)
-    # A batch leaf belongs to the last forward stage that reads it: the backward of `x @ w0` (dw0 = x^T ct)
-    # then runs on w0's stage, while a mask read by every stage does not pull backward ops down to stage 0.
-    batch_owner: dict[int, int] = {}
-    batch_in = {full.graph.invars[p] for p in analysis.batch_inputs}
-    for p in sorted(forward):
-        for x in ops[p].inputs:
-            if isinstance(x, int) and x in batch_in:
-                batch_owner[x] = max(batch_owner.get(x, 0), fwd_stage(p))
-    wave_of: dict[int, int] = {}
-    op_task: dict[int, tuple] = {}
-    pos_of = {op.index: p for p, op in enumerate(ops)}
+    pos_of = {op.index: p for p, op in enumerate(full.graph.ops)}
 
     def users(v):
         return [pos_of[i] for i, _ in full.uses.get(v, ()) if i in pos_of]
 
-    for p, op in enumerate(ops):
+    op_task = _staged_tasks(analysis, forward, fwd_stage, S)
+    task_sets = _with_replicated(analysis, op_task, users)
+    ops = full.graph.ops
+    members: dict[tuple, list[int]] = {}  # ops per task, in program order
+    for p in range(len(ops)):
+        for key in task_sets.get(p, ()):
+            members.setdefault(key, []).append(p)
+    producer_task = {v: op_task[p] for p in op_task for v in ops[p].outputs}
+    tasks = {key: _task(analysis, key, positions, op_task=op_task, task_sets=task_sets, users=users,
+                        producer_task=producer_task) for key, positions in members.items()}
+    return Partition(S, tasks, producer_task, forward, tuple(tuple(sorted(task_sets.get(p, ()))) for p in range(len(ops))))
+
+
+def _batch_owners(analysis: StepAnalysis, forward, fwd_stage) -> dict[int, int]:
+    """A batch leaf belongs to the last forward stage that reads it: the backward of `x @ w0` (dw0 = x^T ct)
+    then runs on w0's stage, while a mask read by every stage does not pull backward ops down to stage 0."""
+    full = analysis.full
+    batch_owner: dict[int, int] = {}
+    batch_in = {full.graph.invars[p] for p in analysis.batch_inputs}
+    for p in sorted(forward):
+        for x in full.graph.ops[p].inputs:
+            if isinstance(x, int) and x in batch_in:
+                batch_owner[x] = max(batch_owner.get(x, 0), fwd_stage(p))
+    return batch_owner
+
+
+def _staged_tasks(analysis: StepAnalysis, forward, fwd_stage, S: int) -> dict[int, tuple]:
+    """The one task of each staged op (position -> task key), in program order."""
+    full = analysis.full
+    batch_owner = _batch_owners(analysis, forward, fwd_stage)
+    stage_of: dict[int, int] = {}      # value -> stage (non-replicated producers only)
+    wave_of: dict[int, int] = {}
+    op_task: dict[int, tuple] = {}
+    for p, op in enumerate(full.graph.ops):
         if not _staged(analysis, p):
             continue
-        region = analysis.region[p]
         staged_in = [x for x in op.inputs if isinstance(x, int) and x in stage_of]
-        if region == "M":
+        if analysis.region[p] == "M":
             if S == 1:
                 s, phase = 0, "F"
             elif p in forward:
@@ -172,49 +192,54 @@ def partition(analysis: StepAnalysis, fwd_stage: Callable[[int], int], num_stage
             stage_of[v] = key[1]
             if key[0] == "R":
                 wave_of[v] = key[2]
-    # Replicable ops go into every task that reads them (reverse pass over consumers).
-    out_key = ("R", 0, 0)
+    return op_task
+
+
+_OUT_KEY = ("R", 0, 0)
+"""The task that returns the step's replicable outputs."""
+
+
+def _with_replicated(analysis: StepAnalysis, op_task: dict, users) -> dict[int, set]:
+    """Every op's tasks: a staged op's one, and each replicable op in every task that reads it (a
+    reverse pass over consumers)."""
+    full = analysis.full
     outputs = {v for v in full.graph.outvars if isinstance(v, int)}
     task_sets: dict[int, set] = {p: {k} for p, k in op_task.items()}
-    for p in range(len(ops) - 1, -1, -1):
+    for p in range(len(full.graph.ops) - 1, -1, -1):
         if p in op_task:
             continue
-        op = ops[p]
         keys = set()
-        for v in op.outputs:
+        for v in full.graph.ops[p].outputs:
             for q in users(v):
                 keys |= task_sets.get(q, set())
             if v in outputs:
-                keys.add(out_key)
+                keys.add(_OUT_KEY)
         task_sets[p] = keys
-    # Gather ops per task, in program order.
-    members: dict[tuple, list[int]] = {}
-    for p in range(len(ops)):
-        for key in task_sets.get(p, ()):
-            members.setdefault(key, []).append(p)
-    producer_task = {v: op_task[p] for p in op_task for v in ops[p].outputs}
-    frontier = set(analysis.frontier)
-    tasks = {}
-    for key, positions in members.items():
-        produced = {v for p in positions for v in ops[p].outputs}
-        task_ops = tuple(analysis.op(p) for p in positions)
-        invars = []
-        for op in task_ops:
-            for x in op.inputs:
-                if isinstance(x, int) and x not in produced and x not in invars:
-                    invars.append(x)
-        outvars = []
-        for p in positions:
-            if p not in op_task:
-                if key == out_key:  # replicable values the step returns
-                    outvars += [v for v in ops[p].outputs if v in outputs]
-                    producer_task.update({v: key for v in ops[p].outputs if v in outputs})
-                continue
-            for v in ops[p].outputs:
-                used_elsewhere = any(task_sets.get(q, set()) - {key} for q in users(v))
-                if used_elsewhere or v in outputs:
-                    outvars.append(v)
-        tasks[key] = Task(key, task_ops, tuple(invars), tuple(outvars),
-                          tuple(v for v in outvars if v in frontier))
-    return Partition(S, tasks, producer_task, forward, tuple(tuple(sorted(task_sets.get(p, ()))) for p in range(len(ops))))
+    return task_sets
 
+
+def _task(analysis: StepAnalysis, key, positions, *, op_task, task_sets, users, producer_task) -> Task:
+    """The task ``key`` of the ops at ``positions``: what it reads from outside, what others read from it.
+    Records in ``producer_task`` the replicable step outputs it returns."""
+    full = analysis.full
+    ops, frontier = full.graph.ops, set(analysis.frontier)
+    outputs = {v for v in full.graph.outvars if isinstance(v, int)}
+    produced = {v for p in positions for v in ops[p].outputs}
+    task_ops = tuple(analysis.op(p) for p in positions)
+    invars = []
+    for op in task_ops:
+        for x in op.inputs:
+            if isinstance(x, int) and x not in produced and x not in invars:
+                invars.append(x)
+    outvars = []
+    for p in positions:
+        if p not in op_task:
+            if key == _OUT_KEY:  # replicable values the step returns
+                outvars += [v for v in ops[p].outputs if v in outputs]
+                producer_task.update({v: key for v in ops[p].outputs if v in outputs})
+            continue
+        for v in ops[p].outputs:
+            used_elsewhere = any(task_sets.get(q, set()) - {key} for q in users(v))
+            if used_elsewhere or v in outputs:
+                outvars.append(v)
+    return Task(key, task_ops, tuple(invars), tuple(outvars), tuple(v for v in outvars if v in frontier))

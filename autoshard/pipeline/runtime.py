@@ -42,10 +42,20 @@ class _Store:
         self.arrays.setdefault(v, {})[stage] = x
 
 
+@dataclasses.dataclass
+class _Run:
+    """One step's values: the flat arguments, per-step and per-microbatch stores, the running sums."""
+
+    flat: list
+    step: _Store
+    micro: list
+    acc: dict
+
+
 class PipelineExecutable:
     """Jitted tasks plus the dispatch loop for one argument structure."""
 
-    def __init__(self, analysis, part: Partition, meshes, plans, schedule: str, out_ties: dict):
+    def __init__(self, analysis, part: Partition, meshes, plans, *, schedule: str, out_ties: dict):
         self.analysis = analysis
         self.part = part
         self.meshes = list(meshes)
@@ -145,7 +155,9 @@ class PipelineExecutable:
                 return x
         return jax.device_put(x, target)
 
-    def _fetch(self, v, stage, m, flat, step: _Store, micro: list[_Store], acc: dict):
+    def _fetch(self, v, stage, m, run: _Run):
+        """Value ``v`` on ``stage`` for microbatch ``m`` (None: once per step), placed there once."""
+        flat, step, micro, acc = run.flat, run.step, run.micro, run.acc
         if m is not None:
             if v in self.batch_values:
                 x = micro[m].get(v, stage)
@@ -181,7 +193,8 @@ class PipelineExecutable:
     # ---- one step -----------------------------------------------------------------------------------
     def run(self, flat, trace: list | None = None):
         """Run the step on flat arguments; ``trace`` collects ``(event, t_dispatch, outputs)``."""
-        step, micro, acc = _Store(), [_Store() for _ in range(self.k)], {}
+        run = _Run(flat, _Store(), [_Store() for _ in range(self.k)], {})
+        step, micro, acc = run.step, run.micro, run.acc
         per_mb_out: dict = {}
         full = self.analysis.full
         batched_outputs = {v for v in full.graph.outvars if isinstance(v, int) and v in self.analysis.batched}
@@ -189,7 +202,7 @@ class PipelineExecutable:
         def launch(key, m):
             task = self.part.tasks[key]
             s = task.stage
-            ins = [self._fetch(v, s, m, flat, step, micro, acc) for v in task.invars]
+            ins = [self._fetch(v, s, m, run) for v in task.invars]
             have_acc = bool(task.frontier)
             if have_acc and not all(v in acc for v in task.frontier):
                 # One compiled variant per task: the first microbatch adds its partials to zeros.

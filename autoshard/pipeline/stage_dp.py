@@ -87,7 +87,7 @@ def assign_stages(problem: StageProblem) -> StageSolution | None:
     for t_max in candidates:
         if best is not None and (k - 1) * t_max >= best.latency:
             break
-        sol = _solve_for(problem, T, sizes, fits, t_max, S_max)
+        sol = _solve_for(problem, fits, t_max, S_max)
         if sol is not None:
             total = sol[0] + (k - 1) * t_max
             if best is None or total < best.latency - 1e-15:
@@ -97,8 +97,9 @@ def assign_stages(problem: StageProblem) -> StageSolution | None:
     return best
 
 
-def _solve_for(problem, T, sizes, fits, t_max, S_max):
-    L, N = problem.num_layers, problem.num_devices
+def _solve_for(problem: StageProblem, fits, t_max: float, S_max: int):
+    """The DP for one ``t_max``: ``(least Σ t, stages)``, or None when no assignment fits."""
+    L, N, T, sizes = problem.num_layers, problem.num_devices, problem.stage_time, np.array(problem.sizes)
     M = len(sizes)
     allowed = T <= t_max
     F = np.full((L + 1, N + 1), np.inf)      # F[l, d] with s stages

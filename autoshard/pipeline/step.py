@@ -143,7 +143,7 @@ class PipelinedStep:
             # Data parallelism inside a stage captures the step again at microbatch / devices-per-stage.
             exe = SpmdPipelineExecutable(analysis, part, meshes, schedule, reanalyze=analyze)
         else:
-            exe = PipelineExecutable(analysis, part, meshes, plans, schedule, ties)
+            exe = PipelineExecutable(analysis, part, meshes, plans, schedule=schedule, out_ties=ties)
         return PipelinedProgram(analysis, exe, pplan, analysis.full.out_tree)
 
     def _mesh(self):

@@ -159,8 +159,11 @@ def profile_for(platform: str) -> BackendProfile:
 
 
 def profile_for_mesh(mesh) -> BackendProfile:
-    """The profile of the platform of ``mesh``'s devices: the backend that will compile the plan."""
-    return profile_for(mesh.devices.flat[0].platform)
+    """The profile of the platform of ``mesh``'s devices: the backend that will compile the plan.
+    An ``AbstractMesh`` has no devices: its plans are for GPUs (pass ``profile=`` for another)."""
+    from autoshard.cluster import is_abstract
+
+    return GPU if is_abstract(mesh) else profile_for(mesh.devices.flat[0].platform)
 
 
 def resolve_profile(profile: BackendProfile | None, mesh) -> BackendProfile:

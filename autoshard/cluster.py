@@ -46,6 +46,7 @@ __all__ = [
     "ClusterSpec",
     "cluster_preset",
     "ensure_auto_mesh",
+    "is_abstract",
     "make_mesh",
     "mesh_shape",
     "profile_cluster",
@@ -433,6 +434,8 @@ def resolve_mesh(mesh):
     - A mesh whose axes are all ``AxisType.Auto``: itself.
     - A mesh with Explicit axes (``jax.make_mesh``'s default): the Auto view of the same devices and
       names. autoshard pins its plan with ``with_sharding_constraint``, which Explicit axes refuse.
+    - An ``AbstractMesh`` (device counts this machine need not have): its Auto view. Plans made on
+      one are predictions; running them needs a concrete mesh of that shape.
     - None: the ambient mesh of ``with jax.set_mesh(mesh):`` (its Auto view), or None when there is
       none (then the planner chooses a mesh over all devices).
 
@@ -446,14 +449,9 @@ def resolve_mesh(mesh):
         if ambient is None or getattr(ambient, "empty", False) or not getattr(ambient, "axis_names", ()):
             return None
         mesh = ambient
-    if isinstance(mesh, jax.sharding.AbstractMesh):
-        raise MeshError(
-            f"parallelize(mesh=...) got an AbstractMesh {dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))}; "
-            "autoshard needs the devices to plan and run on. Fix: pass a jax.sharding.Mesh, e.g. "
-            f"autoshard.make_mesh({tuple(mesh.axis_sizes)}, {tuple(mesh.axis_names)}).")
-    if not isinstance(mesh, jax.sharding.Mesh):
-        raise MeshError(f"mesh={mesh!r} is not a jax.sharding.Mesh. Fix: pass autoshard.make_mesh(shape, names) "
-                        "or a jax.make_mesh(...) mesh.")
+    if not isinstance(mesh, jax.sharding.Mesh | jax.sharding.AbstractMesh):
+        raise MeshError(f"mesh={mesh!r} is not a jax.sharding.Mesh. Fix: pass autoshard.make_mesh(shape, names), "
+                        "a jax.make_mesh(...) mesh, or a jax.sharding.AbstractMesh to plan without devices.")
     auto = jax.sharding.AxisType.Auto
     types = tuple(getattr(mesh, "axis_types", ()) or ())
     if all(t == auto for t in types):
@@ -463,7 +461,18 @@ def resolve_mesh(mesh):
         raise MeshError(
             f"the mesh's axes {manual} are Manual (this is the mesh inside a shard_map body), and autoshard "
             "plans over Auto axes. Fix: parallelize the function that calls shard_map, on the outer mesh.")
+    if is_abstract(mesh):
+        return jax.sharding.AbstractMesh(tuple(mesh.axis_sizes), tuple(mesh.axis_names),
+                                         axis_types=(auto,) * len(mesh.axis_names))
     return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=(auto,) * len(mesh.axis_names))
+
+
+def is_abstract(mesh) -> bool:
+    """Whether ``mesh`` is a ``jax.sharding.AbstractMesh``: shapes and names, no devices. autoshard plans
+    on one (``plan.memory`` and ``plan.cost`` are predictions for that many devices) but cannot run it."""
+    import jax
+
+    return isinstance(mesh, jax.sharding.AbstractMesh)
 
 
 # ---------------------------------------------------------------------------------

@@ -120,6 +120,17 @@ class MeshTarget:
     def shape(self) -> dict:
         return dict(zip(self.info.names, self.info.shape, strict=True))
 
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.info.shape)
+
+    @property
+    def abstract(self) -> bool:
+        """An ``AbstractMesh``: planned from the model alone, never compiled (no devices to compile for)."""
+        from autoshard.cluster import is_abstract
+
+        return is_abstract(self.mesh)
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Attempt:
@@ -150,8 +161,10 @@ class Attempt:
 
 def default_cluster(mesh):
     """The :class:`~autoshard.ClusterSpec` preset for the mesh's platform."""
-    from autoshard.cluster import cluster_preset
+    from autoshard.cluster import cluster_preset, is_abstract
 
+    if is_abstract(mesh):  # no devices to ask: the GPU preset, as the GPU backend profile
+        return cluster_preset("h100-nvlink")
     platform = mesh.devices.flat[0].platform
     return cluster_preset({"cpu": "cpu-sim", "tpu": "tpu-v5e"}.get(platform, "h100-nvlink"))
 
@@ -212,8 +225,8 @@ def plan_on_mesh(request: PlanRequest, on: MeshTarget):
     program, budget = request.program, on.budget
 
     def check(p):
-        if p.remat is not None or p.host_inputs or p.memory.peak_bytes <= CHECK_ABOVE * budget:
-            return None  # remat and offload plans were checked by their searches
+        if on.abstract or p.remat is not None or p.host_inputs or p.memory.peak_bytes <= CHECK_ABOVE * budget:
+            return None  # remat and offload plans were checked by their searches; no devices: no compile
         p.stats["compiled_peak"] = compiled_peak(program, p, (), request.donated)
         return p.stats["compiled_peak"]
 
@@ -256,8 +269,9 @@ def remat_lever(request: PlanRequest, on: MeshTarget, limit, previous: Attempt) 
     try:
         plan_, choice = choose_remat(
             lambda prog, lim: attempt_sharding(request, on, lim, program=prog, remat_split=True),
-            program, request.ties, budget=budget, flops_per_second=on.cluster.flops * on.mesh.devices.size,
-            check=lambda p, prog, groups: compiled_peak(prog, p, groups, request.donated), base=previous)
+            program, request.ties, budget=budget, flops_per_second=on.cluster.flops * on.num_devices,
+            check=None if on.abstract else (lambda p, prog, groups: compiled_peak(prog, p, groups, request.donated)),
+            base=previous)
     except InfeasibleError as e:
         return dataclasses.replace(previous, plan=None, error=e)
     if choice is not None:
@@ -283,8 +297,8 @@ def offload_lever(request: PlanRequest, on: MeshTarget, limit, previous: Attempt
 
     try:
         plan_ = plan_with_offload(solve_with, program, dict(request.ties), previous.error, budget=budget,
-                                  num_devices=on.mesh.devices.size,
-                                  check=lambda p: compiled_peak(program, p, (), request.donated))
+                                  num_devices=on.num_devices,
+                                  check=None if on.abstract else (lambda p: compiled_peak(program, p, (), request.donated)))
     except InfeasibleError as e:
         return dataclasses.replace(previous, error=e)
     return dataclasses.replace(previous, plan=plan_, error=None)

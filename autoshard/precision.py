@@ -55,8 +55,13 @@ def with_precision(fun, precision, mesh=None):
     dtype = compute_dtype(precision)
     if dtype is None:
         return fun
-    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
-    return cast_matmuls(fun, dtype, widen=widen_operands(device.platform))
+    from autoshard.cluster import is_abstract
+
+    if mesh is not None and is_abstract(mesh):
+        platform = "gpu"  # no devices: planned for GPUs, as autoshard.backends.profile_for_mesh says
+    else:
+        platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+    return cast_matmuls(fun, dtype, widen=widen_operands(platform))
 
 
 def widen_operands(platform: str) -> bool:

@@ -46,7 +46,8 @@ class MeshInfo:
 
     @classmethod
     def from_mesh(cls, mesh) -> MeshInfo:
-        return cls(tuple(int(n) for n in mesh.devices.shape), tuple(mesh.axis_names))
+        """The shape and names of a ``jax.sharding.Mesh`` or ``AbstractMesh``."""
+        return cls(tuple(int(n) for n in mesh.axis_sizes), tuple(mesh.axis_names))
 
 
 class ShardingSpec(NamedTuple):

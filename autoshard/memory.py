@@ -462,8 +462,12 @@ def _resharded_buffers(program: CapturedProgram, value_specs: dict, operand_spec
     return [(b, None if x in invars else lo, hi) for (x, _), (lo, hi, b) in spans.items()]
 
 
-def _combine_all_reduces(nodes, reads, made, size, reduced) -> None:
-    """XLA's all-reduce combiner, applied to the liveness graph in place.
+def combine_all_reduces(nodes, reads, made, size, reduced) -> None:
+    """XLA's all-reduce combiner, applied to a liveness graph in place.
+
+    ``nodes`` (op positions in order; negative ids are not ops), ``reads``/``made`` (node -> value
+    ids it reads / writes), ``size`` (value id -> bytes) and ``reduced`` (values all-reduced where
+    they are made) are the inputs of the estimate's sweep.
 
     XLA merges all-reduces that do not depend on one another (up to ``COMBINE_THRESHOLD``
     bytes) into one tuple all-reduce, run where its last operand is ready: every partial sum
@@ -526,7 +530,7 @@ def estimate_memory(program: CapturedProgram, value_specs: dict, mesh: MeshInfo,
       operand_specs: (op index, operand position) -> the layout that op reads the operand in,
         where it differs from the value's (``Plan.operand_specs``).
       reduced: value ids the plan all-reduces where they are made (partial sums); XLA
-        combines the independent ones (:func:`_combine_all_reduces`).
+        combines the independent ones (:func:`combine_all_reduces`).
       profile: the backend that compiles the plan (:mod:`autoshard.backends`); None: the
         default backend's (``jax.default_backend()``).
     """
@@ -649,6 +653,6 @@ def _liveness(program: CapturedProgram, value_specs, mesh, entry: _Entry, *, ope
         reads[scheduled(last_reader)] = reads[scheduled(last_reader)] + (fake,)
     nodes = [start] + nodes
     if reduced:
-        _combine_all_reduces(nodes, reads, made, size, reduced)
+        combine_all_reduces(nodes, reads, made, size, reduced)
         inplace.update({n: False for n in nodes if n not in inplace})  # the combined all-reduces
     return _Liveness(nodes, reads, made, size, inplace, transient, alloc_at, kept)

@@ -34,11 +34,9 @@ from __future__ import annotations
 
 import math
 
+from autoshard.compile import HOST_MEMORY_KIND as MEMORY_KIND  # noqa: F401  (the memory kind of offloaded leaves)
 from autoshard.errors import InfeasibleError
 from autoshard.roles import program_roles
-
-from autoshard.compile import HOST_MEMORY_KIND as MEMORY_KIND  # noqa: F401  (the memory kind of offloaded leaves)
-
 
 REFINE_SOLVES = 3
 """Solves spent bisecting back towards fewer offloaded leaves after doubling overshot."""

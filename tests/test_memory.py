@@ -73,13 +73,13 @@ def test_infeasible_budget_reports_the_smallest_reachable():
 def test_combined_all_reduces_get_their_own_node_ids():
     """A combined all-reduce is a new node below every other id: with no start buffers it once took
     the step's start (-1) and the sweep lost track of a result (IndexError in a pipeline stage)."""
-    from autoshard.memory import _combine_all_reduces
+    from autoshard.memory import combine_all_reduces
 
     nodes = [-1, 0, 1, 2]
     made = {-1: (), 0: (10,), 1: (11,), 2: (12,)}
     reads = {-1: (), 0: (), 1: (), 2: (10, 11)}
     size = {10: 64.0, 11: 64.0, 12: 64.0}
-    _combine_all_reduces(nodes, reads, made, size, reduced={10, 11})
+    combine_all_reduces(nodes, reads, made, size, reduced={10, 11})
     assert len(nodes) == len(set(nodes)) == 5 and min(nodes) < -1
     combined = nodes[nodes.index(1) + 1]
     assert set(made[combined]) == {10, 11} and len(reads[combined]) == 2

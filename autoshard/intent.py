@@ -36,6 +36,7 @@ import math
 import re
 
 from autoshard.spec import MeshInfo, ShardingSpec
+from autoshard.strategies import is_scan
 
 BATCH_AXIS_WORDS = frozenset({"data", "batch", "dp", "ddp", "fsdp", "replica"})
 """Words naming a mesh axis as one that carries the batch (``data``, ``Batch``, ``dp``, ``data_parallel``)."""
@@ -171,7 +172,7 @@ def batch_roles(program, strategies_of: dict, batch: tuple[int, ...], mesh: Mesh
 
     def visit(ops):
         for op in ops:
-            if op.name == "scan" and op.body is not None:
+            if is_scan(op):
                 label_scan(op)
             elif any(isinstance(x, int) and x in labels for x in op.inputs):
                 label_op(op)

@@ -37,7 +37,7 @@ class BackendProfile:
       conv_layout_copies: convolution operands (and results) not in the backend's one convolution
         layout are copied (transposed) into it.
       maxpool_index_buffers: ``select_and_scatter_add`` (a max-pool gradient) is expanded into an
-        argmax over each window, with index buffers (:func:`autoshard.memory.lowering_buffers`).
+        argmax over each window, with index buffers (the memory estimate's lowering buffers).
       reduce_scatter_as_all_reduce: the backend emits a reduce-scatter as an all-reduce and a slice.
       widen_half_precision_collectives: the backend moves 2-byte floats (bf16, f16) through
         collectives as f32 (:class:`autoshard.cost.CostModel` prices their bytes so).

@@ -122,23 +122,13 @@ GPU = BackendProfile(
     remat_select_fence=False,
 )
 
-TPU = BackendProfile(
-    "tpu",
-    # TPU arrays are padded to (8, 128) tiles (a shape effect the estimate does not model yet); no
-    # buffer alignment rule is documented, so none is applied.
-    buffer_alignment=1,
-    # Reductions fuse their producers (XLA's input fusion); no CPU library reductions.
-    library_reductions=frozenset(),
-    conv_layout_copies=False,
-    maxpool_index_buffers=True,
-    reduce_scatter_as_all_reduce=False,
-    # libtpu schedules with the latency-hiding scheduler over a memory-minimising base schedule
-    # (its precondition: "LatencyHidingScheduler expects a base schedule that minimizes memory
-    # pressure"), and its collectives are async start/done pairs.
-    async_collectives=True,
-    latency_hiding_scheduler=True,
-    remat_select_fence=False,
-)
+# TPU shares the XLA behaviour the GPU profile cites: reductions fuse their producers (no library
+# reductions), SelectAndScatterExpander is a generic pass, and libtpu schedules async start/done
+# collectives with the latency-hiding scheduler over a memory-minimising base schedule (its
+# precondition: "LatencyHidingScheduler expects a base schedule that minimizes memory pressure").
+# TPU arrays are padded to (8, 128) tiles, a shape effect the estimate does not model yet; no buffer
+# alignment rule is documented, so none is applied.
+TPU = dataclasses.replace(GPU, platform="tpu", buffer_alignment=1)
 
 PROFILES = {"cpu": CPU, "gpu": GPU, "cuda": GPU, "rocm": GPU, "tpu": TPU}
 

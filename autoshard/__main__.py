@@ -94,9 +94,7 @@ def _explain(args) -> int:
     plan = step.plan(*example)
     print(plan.summary(max_rows=args.max_rows, rich=args.rich))
     if args.html:
-        from autoshard.report import plan_html
-
-        pathlib.Path(args.html).write_text(f"<!doctype html><meta charset='utf-8'>\n{plan_html(plan)}\n")
+        pathlib.Path(args.html).write_text(f"<!doctype html><meta charset='utf-8'>\n{plan.html()}\n")
         print(f"wrote {args.html}")
     if args.png:
         autoshard.visualize(plan, args.png)

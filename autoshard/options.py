@@ -129,7 +129,8 @@ class Options:
         :class:`~autoshard.pipeline.PipelinePlan` with ``num_microbatches == k`` (also
         ``plan.stats["num_microbatches"]``). A budget that the full batch meets is planned as
         without it. Not with ``hints=``, nor in a multi-process job. False: raise the
-        InfeasibleError instead.
+        InfeasibleError instead. A microbatched or pipelined step accumulates by construction: there
+        the option has nothing left to choose.
       state_roles: ``{pytree-path regex: role}`` overriding what an argument leaf is (``"parameter"``,
         ``"optimizer_state"``, ...; see :mod:`autoshard.roles`), e.g. ``{"momentum":
         "optimizer_state"}`` for an optimizer that is not optax. Roles decide what host offload may

@@ -432,3 +432,12 @@ def test_pipelined_step_computes_in_bf16_like_the_single_program(mesh):
     np.testing.assert_allclose(float(got[1]["loss"]), float(ref[1]["loss"]), rtol=1e-5)
     _leaves_close(got[0], ref[0], atol=1e-6)
     assert abs(float(got[1]["loss"]) - float(fp32[1]["loss"])) > 1e-6  # the matmuls did read bf16
+
+
+def test_a_saved_plan_is_refused_by_the_pipelined_runtime(mesh):
+    params, batch = _sgd_inputs()
+    saved = autoshard.parallelize(_sgd_step, mesh=mesh, progress=None).plan(params, batch)
+    with pytest.raises(InputError, match=r"(?s)pipelined runtime cannot honour.*plan= .*Fix:"):
+        autoshard.parallelize(_sgd_step, mesh=mesh, num_microbatches=2, plan=saved)
+    with pytest.raises(InputError, match=r"plan=int: expected a saved autoshard.Plan.*Fix:"):
+        autoshard.Options(plan=3)

@@ -1,12 +1,12 @@
 """Inter-operator parallelism: gradient accumulation and pipelines over sub-meshes.
 
 ```
-parallelize(..., num_microbatches=k, pipeline=PipelineOptions(...))      api.py -> step.PipelinedStep
+parallelize(..., num_microbatches=k, pipeline=PipelineOptions(...))      api.make_step -> step.PipelinedStep
   analyze_step      capture at B and B/k; regions P / M / R; frontier     accumulate.py
   cluster_layers    forward ops -> L layers (or pipeline_boundary cuts)   cluster_layers.py, boundary.py
   partition         ops -> tasks F(s), B(s), R(s, wave)                   partition.py
   assign_stages     Alpa's stage-mesh DP over per-layer planned costs      stage_dp.py, submesh.py, search.py
-  plan_program      each stage's intra-op plan on its sub-mesh             search.py (autoshard.driver)
+  driver.plan       each stage's intra-op plan, boundaries as typed pins   search.py (boundary_pins)
   PipelineExecutable  jitted tasks, device_put between stages, schedule  runtime.py, schedule.py
   SpmdPipelineExecutable  one SPMD program, ppermute between stages (multi-process)  spmd.py
   measure           measured Gantt chart and bubble fraction               timeline.py

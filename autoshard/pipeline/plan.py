@@ -100,14 +100,16 @@ class PipelinePlan(Report):
                 f"compiled task peaks <= {max(peaks.values(), default=0.0) / 1e6:.3f} MB "
                 f"(the full batch: {self.stats['accumulated_because']})")
 
-    def summary(self) -> str:
+    def summary(self, max_rows: int = 40, *, rich: bool | None = None) -> str:
+        """The stages as a text table (``max_rows`` and ``rich`` as in :meth:`autoshard.Plan.summary`;
+        each stage's own plan: ``stage.plan.summary(...)``)."""
         lines = [f"pipeline: {self.num_stages} stage(s), {self.num_microbatches} microbatch(es), "
                  f"schedule {self.schedule}",
                  f"predicted step {self.step_time_s * 1e3:.3f} ms (simulated {self.simulated_step_s * 1e3:.3f} ms, "
                  f"bubble {self.bubble_fraction:.1%})",
                  f"{'stage':>5} {'layers':>9} {'devices':>18} {'mesh':>7} {'time/mb ms':>11} {'mem MB':>9} "
                  f"{'in-flight':>9}"]
-        for s in self.stages:
+        for s in self.stages[:max_rows]:
             devs = ",".join(map(str, s.devices))
             lines.append(f"{s.index:>5} {str(s.layers[0]) + '-' + str(s.layers[1] - 1):>9} {devs:>18} "
                          f"{'x'.join(map(str, s.mesh_shape)):>7} {s.time_s * 1e3:>11.4f} "

@@ -71,7 +71,10 @@ class PipelinedStep:
     """A step run with gradient accumulation and, optionally, as a pipeline over sub-meshes.
 
     Same call interface and options as :class:`autoshard.Parallelized`; ``plan(...)`` returns a
-    :class:`~autoshard.pipeline.PipelinePlan` and ``timeline(...)`` measures a step.
+    :class:`~autoshard.pipeline.PipelinePlan` and ``timeline(...)`` measures a step. Donated
+    arguments are a permission, as in ``jax.jit``: the tasks reuse their own accumulators, not the
+    caller's buffers. ``solver_time_limit`` bounds the plan of a microbatched step; each stage
+    candidate of a pipeline has ``PipelineOptions.solver_time_limit``.
     """
 
     def __init__(self, fun, options: Options | None = None, **kwargs):

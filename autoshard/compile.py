@@ -50,7 +50,7 @@ def compiled_peak(program, plan, groups=(), donated=()) -> float:
     return memory_stats(compile_plan(program, plan, groups, donated))["peak"]
 
 
-def fit_compiled(search, check, budget: float, *, limit=None, refuse, rounds: int = 2):
+def fit_compiled(search, check, budget: float, *, limit=None, refuse, rounds: int = 2, margin: float = 1.0):
     """Re-plan until XLA's compiled peak fits: the loop the memory levers share.
 
     ``search(limit) -> plan`` plans under ``limit`` (None: the default budget ``budget``) and
@@ -58,7 +58,8 @@ def fit_compiled(search, check, budget: float, *, limit=None, refuse, rounds: in
     plan's compiled device peak, or None when it need not be compiled. A plan over ``budget``
     is planned again under the limit shrunk by the ratio, at most ``rounds`` times; when none
     fits, ``refuse(lowest compiled peak seen)`` is raised. A search that fails after the first
-    round ends the loop (its smallest peak is the memory row's, under a shrunk budget)."""
+    round ends the loop (its smallest peak is the memory row's, under a shrunk budget). ``margin``
+    shrinks each new limit further (remat's recompute schedules keep more alive: 0.97)."""
     from autoshard.errors import InfeasibleError
 
     smallest = math.inf
@@ -73,5 +74,5 @@ def fit_compiled(search, check, budget: float, *, limit=None, refuse, rounds: in
         if compiled is None or compiled <= budget:
             return plan
         smallest = min(smallest, compiled)
-        limit = (limit if limit is not None else budget) * budget / compiled
+        limit = (limit if limit is not None else budget) * budget / compiled * margin
     raise refuse(smallest)

@@ -461,37 +461,43 @@ class _RematSearch:
 
     def run(self, flops_per_second: float, check, rounds: int):
         """Search, and while the compiled peak (``check``) is over the budget, search again under a
-        budget shrunk by the ratio, at most ``rounds`` times. Returns ``(chosen key or None, compiled peak)``."""
+        budget shrunk by the ratio and 3% more, at most ``rounds`` times (:func:`autoshard.compile.fit_compiled`).
+        Returns ``(chosen key, compiled peak or None)``."""
+        from autoshard.compile import fit_compiled
         from autoshard.errors import InfeasibleError
 
         budget, n = self.budget, len(self.units)
-        limit, compiled, chosen = budget, None, None
-        for _ in range(1 + rounds):
+        last: dict = {}
+
+        def search(limit):
             k = self.search(limit, flops_per_second)
             if k is None:
-                break
-            chosen = (k, limit)
+                errors = self.errors
+                smallest = min(e.smallest_memory for e in errors.values() if e.smallest_memory is not None)
+                raise InfeasibleError(f"{errors[(0, budget)]} Rematerialising the first 1..{n} forward segments "
+                                      f"does not fit either; the smallest peak the solver found is {smallest:.4g} "
+                                      f"bytes.", smallest_memory=smallest) from None
+            last["chosen"], last["compiled"] = (k, limit), None
+            return self.plans[(k, limit)]
+
+        def compiled_peak(plan):
             if check is None:
-                break
-            compiled = check(self.plans[chosen], *rematerialize(self.program, self.units[:k]))
-            if compiled <= budget:
-                break
-            # XLA kept more alive than predicted (its schedule is not ours): plan against less.
-            limit *= budget / compiled * 0.97
-        if chosen is not None and compiled is not None and compiled > budget:
+                return None
+            k = last["chosen"][0]
+            last["compiled"] = check(plan, *rematerialize(self.program, self.units[:k]))
+            return last["compiled"]
+
+        def refuse(lowest):
             # Every round's choice compiled over the budget: report it, never hand back a plan that
             # does not fit (the caller may still try host offload or gradient accumulation).
-            raise InfeasibleError(
-                f"no plan fits {budget:.4g} bytes per device: the best rematerialised plan ({chosen[0]} of {n} "
-                f"forward segments) compiles to a peak of {compiled:.4g} bytes (XLA's memory_analysis). Fix: raise "
-                f"memory_budget to at least {compiled:.4g}, or use more devices.", smallest_memory=compiled)
-        if chosen is None:
-            errors = self.errors
-            smallest = min(e.smallest_memory for e in errors.values() if e.smallest_memory is not None)
-            raise InfeasibleError(f"{errors[(0, budget)]} Rematerialising the first 1..{n} forward segments does "
-                                  f"not fit either; the smallest peak the solver found is {smallest:.4g} bytes.",
-                                  smallest_memory=smallest) from None
-        return chosen, compiled
+            return InfeasibleError(
+                f"no plan fits {budget:.4g} bytes per device: the best rematerialised plan ({last['chosen'][0]} of "
+                f"{n} forward segments) compiles to a peak of {lowest:.4g} bytes (XLA's memory_analysis). Fix: raise "
+                f"memory_budget to at least {lowest:.4g}, or use more devices.", smallest_memory=lowest)
+
+        # XLA kept more alive than predicted (its schedule is not ours): each round plans against less.
+        fit_compiled(search, compiled_peak, budget, limit=budget, refuse=refuse, rounds=rounds, margin=0.97)
+        return last["chosen"], last["compiled"]
 
     def result(self, chosen, compiled, base, max_units: int):
         """``(plan, RematChoice)`` of the chosen candidate."""

@@ -177,3 +177,25 @@ def test_remat_with_tensor_parallel_layouts_matches_reference():
     out_state, losses = run_steps(step, jax.tree.map(np.asarray, real_state), real_batch)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(out_state["params"], ref_state["params"], rtol=1e-5, atol=5e-5, what="params")
+
+
+def test_remat_replans_under_a_shrunk_budget_and_refuses_when_xla_stays_over():
+    """The remat search shares compile.fit_compiled: a choice whose compiled peak is over the budget is
+    planned again under the budget times budget/compiled times 0.97, twice, then refused."""
+    from types import SimpleNamespace
+
+    from autoshard.driver import Attempt
+
+    program, ties, _ = _capture_chain()
+    limits = []
+
+    def plan_fn(prog, limit):  # more recompute costs more: the plan without remat is always chosen
+        limits.append(limit)
+        plan = SimpleNamespace(cost=SimpleNamespace(objective=1.0 + 1e-3 * len(prog.ops), peak_memory_bytes=150.0))
+        return Attempt(plan=plan, budget_bound=True, unconstrained_objective=0.5)
+
+    with pytest.raises(autoshard.InfeasibleError, match="compiles to a peak of 200 bytes"):
+        choose_remat(plan_fn, program, ties, budget=100.0, flops_per_second=1e30,
+                     check=lambda plan, prog, groups: 200.0)
+    shrink = 100.0 / 200.0 * 0.97
+    assert sorted(set(limits), reverse=True) == pytest.approx([100.0, 100.0 * shrink, 100.0 * shrink * shrink])

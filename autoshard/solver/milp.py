@@ -16,6 +16,7 @@ the others fixed (large-neighbourhood search).
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import scipy.optimize
@@ -181,13 +182,17 @@ def solve_milp(
     ub_var = np.ones(nvar)
     if peak:
         ub_var[zvar] = np.inf
-    res = scipy.optimize.milp(
-        c,
-        integrality=integrality,
-        bounds=scipy.optimize.Bounds(np.zeros(nvar), ub_var),
-        constraints=constraints,
-        options={"time_limit": max(float(time_limit), 1e-3), "disp": verbose, "mip_rel_gap": rel_gap},
-    )
+    options = {"time_limit": max(float(time_limit), 1e-3), "disp": verbose, "mip_rel_gap": rel_gap}
+    bounds = scipy.optimize.Bounds(np.zeros(nvar), ub_var)
+    start = time.perf_counter()
+    res = scipy.optimize.milp(c, integrality=integrality, bounds=bounds, constraints=constraints, options=options)
+    if res.status == 2 and len(constraints) > 1:
+        # HiGHS's presolve can call a feasible model with memory rows of 1e11-byte coefficients
+        # infeasible (seen on GPT-39B: feasible, optimal, without presolve); ask again without it
+        left = options["time_limit"] - (time.perf_counter() - start)
+        if left > 0.1:
+            res = scipy.optimize.milp(c, integrality=integrality, bounds=bounds, constraints=constraints,
+                                      options={**options, "time_limit": left, "presolve": False})
     status = {0: "optimal", 1: "time_limit", 2: "infeasible"}.get(res.status, "other")
     bound = float(getattr(res, "mip_dual_bound", np.nan) or np.nan)
     if res.x is None:

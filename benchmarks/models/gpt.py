@@ -43,6 +43,10 @@ CONFIGS = {
     "1.3B": GPTConfig(51200, 1024, 2048, 24, 32),
     "2.6B": GPTConfig(51200, 1024, 2560, 32, 32),
     "6.7B": GPTConfig(51200, 1024, 4096, 32, 32),
+    "15B": GPTConfig(51200, 1024, 5120, 48, 40),
+    "39B": GPTConfig(51200, 1024, 8192, 48, 64),
+    # GPT-3 175B (Brown et al. 2020, Table 2.1): seq 2048, 96 layers of width 12288, 96 heads
+    "175B": GPTConfig(51200, 2048, 12288, 96, 96),
 }
 
 

@@ -1,0 +1,94 @@
+"""Planning at scale: on a jax.sharding.AbstractMesh (device counts this machine does not have), and
+the solver on the memory rows of large models."""
+
+import jax
+import pytest
+from jax.sharding import AbstractMesh, AxisType
+
+import autoshard
+from autoshard.errors import InputError, MeshError
+from benchmarks.models import get_model
+
+
+def _plan(mesh, batch=8, **kwargs):
+    spec = get_model("gpt", "tiny", batch)
+    step = autoshard.parallelize(spec.train_step, mesh=mesh, cluster=autoshard.cluster_preset("h100-2node-ib"),
+                                 **kwargs)
+    return step, spec, step.plan(spec.abstract_state(), spec.abstract_batch())
+
+
+def test_an_abstract_mesh_plans_as_the_concrete_mesh_of_its_shape():
+    _, _, abstract = _plan(AbstractMesh((2, 4), ("data", "model")))
+    _, _, concrete = _plan(autoshard.make_mesh((2, 4), ("data", "model")))
+    assert abstract.in_specs == concrete.in_specs and abstract.out_specs == concrete.out_specs
+    assert abstract.memory.peak_bytes == concrete.memory.peak_bytes
+    assert abstract.cost.objective == pytest.approx(concrete.cost.objective)
+    assert "compiled_peak" not in abstract.stats  # nothing was compiled
+
+
+def test_a_plan_on_an_abstract_mesh_cannot_run_and_says_how_to():
+    step, spec, plan = _plan(AbstractMesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2))
+    assert isinstance(plan.mesh, AbstractMesh) and plan.mesh.axis_types == (AxisType.Auto,) * 2
+    with pytest.raises(MeshError, match=r"AbstractMesh \{'data': 2, 'model': 4\}.*Fix: on a machine with 8 devices"):
+        step.lower(spec.abstract_state(), spec.abstract_batch())
+    with pytest.raises(MeshError, match="no devices to run it on"):
+        step(spec.abstract_state(), spec.abstract_batch())
+
+
+def test_a_thousand_devices_plan_from_shapes_alone():
+    """GPT-125M on 1,024 devices that do not exist: the work is spread, and the memory predicted."""
+    spec = get_model("gpt", "125M", 256)
+    plans = {}
+    for shape in ((1, 1), (64, 16)):
+        step = autoshard.parallelize(spec.train_step, mesh=AbstractMesh(shape, ("data", "model")),
+                                     cluster=autoshard.cluster_preset("h100-nvlink"),
+                                     memory_budget=1e13 if shape == (1, 1) else None)  # one device: no fit
+        plans[shape] = step.plan(spec.abstract_state(), spec.abstract_batch())
+    one, many = plans[(1, 1)], plans[(64, 16)]
+    assert many.mesh_info.shape == (64, 16)
+    assert many.cost.compute_seconds <= one.cost.compute_seconds / 256
+    assert many.memory.peak_bytes < one.memory.peak_bytes / 4
+    assert "<div" in many._repr_html_()
+
+
+def test_a_manual_abstract_mesh_is_refused():
+    with pytest.raises((MeshError, InputError), match="Manual.*Fix"):  # parallelize validates its options
+        _plan(AbstractMesh((2, 4), ("data", "model"), axis_types=(AxisType.Manual,) * 2))
+
+
+def test_resolve_mesh_keeps_abstract_meshes_abstract():
+    from autoshard.cluster import is_abstract, resolve_mesh
+
+    got = resolve_mesh(AbstractMesh((4, 256), ("data", "model")))
+    assert is_abstract(got) and tuple(got.axis_sizes) == (4, 256)
+    assert not is_abstract(resolve_mesh(jax.make_mesh((2, 4), ("a", "b"))))
+
+
+def test_a_milp_that_presolve_calls_infeasible_is_asked_again_without_presolve(monkeypatch):
+    """HiGHS's presolve called GPT-39B's feasible memory-row MILP (1e11-byte coefficients) infeasible."""
+    import numpy as np
+    import scipy.optimize
+
+    from autoshard.solver.memory import memory_rows
+    from autoshard.solver.milp import solve_milp
+    from autoshard.solver.problem import ShardingProblem
+    from autoshard.solver.reduce import reduce_problem
+
+    big = 1e11
+    problem = ShardingProblem(node_costs=[np.array([1.0, 2.0]), np.array([1.0, 3.0])],
+                              edges=np.array([[0, 1]]), edge_costs=[np.array([[0.0, np.inf], [np.inf, 0.0]])],
+                              node_memory=[np.array([2 * big, big]), np.array([2 * big, big])],
+                              intervals=np.array([[0, 2], [1, 3]]), memory_limit=2.5 * big)
+    red = reduce_problem(problem, with_memory=True)
+    rows = memory_rows(problem.intervals, problem.memory_limit, red.core_nodes, red.base_usage, True)
+    calls, real = [], scipy.optimize.milp
+
+    def flaky(c, **kw):  # what presolve did: "infeasible", until asked without it
+        calls.append(kw["options"].get("presolve", True))
+        if calls[-1]:
+            return scipy.optimize.OptimizeResult(status=2, x=None, fun=None, message="infeasible")
+        return real(c, **kw)
+
+    monkeypatch.setattr(scipy.optimize, "milp", flaky)
+    res = solve_milp(red, rows, time_limit=5.0)
+    assert calls == [True, False] and res.status == "optimal"

@@ -24,7 +24,11 @@ from autoshard.spec import MeshInfo
 def _mesh_context(mesh):
     """Trace and run under autoshard's Auto-axis mesh: the caller may be inside ``jax.set_mesh`` of an
     Explicit mesh, under which ``with_sharding_constraint`` (the plan's pins) is an assertion."""
-    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+    if mesh is None:
+        return contextlib.nullcontext()
+    if isinstance(mesh, jax.sharding.AbstractMesh):  # planning only: no devices to set
+        return jax.sharding.use_abstract_mesh(mesh)
+    return jax.set_mesh(mesh)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -158,7 +162,7 @@ class Parallelized:
 
     # ---- planning ----------------------------------------------------------------------------------
     def _build(self, call: BoundCall, abstract) -> CompiledStep | AccumulatedStep:
-        from autoshard.cluster import make_mesh, resolve_mesh
+        from autoshard.cluster import is_abstract, make_mesh, resolve_mesh
         from autoshard.precision import with_precision
 
         o = self.options
@@ -199,8 +203,8 @@ class Parallelized:
                 plan = solve()
             except InfeasibleError as e:
                 # Hints pin the full-batch program only: a split step would silently drop them.
-                if e.smallest_memory is None or o.unsupported("accumulated"):
-                    raise
+                if e.smallest_memory is None or o.unsupported("accumulated") or is_abstract(mesh):
+                    raise  # (accumulation runs several programs, which an AbstractMesh cannot)
                 return self._accumulated(call, e)
         plan = dataclasses.replace(plan, in_tree=jax.tree_util.tree_structure(abstract),
                                    out_tree=program.out_tree, in_roles=program.in_roles)
@@ -268,6 +272,7 @@ class Parallelized:
     def lower(self, *args, **kwargs):
         """``jax.stages.Lowered`` of the sharded step; ``.compile()`` gives the XLA executable."""
         entry, call = self.cache.lookup(args, kwargs)
+        _require_devices(entry.plan, "lower")
         if isinstance(entry, AccumulatedStep):
             raise InputError(
                 f"this step runs as {entry.plan.num_microbatches} accumulated microbatches (no full-batch plan "
@@ -284,6 +289,7 @@ class Parallelized:
 
     def __call__(self, *args, **kwargs):
         entry, call = self.cache.lookup(args, kwargs)
+        _require_devices(entry.plan, "run")
         if isinstance(entry, AccumulatedStep):
             outs = entry.program.run(call.leaves())
             if self._watchdog is not None:
@@ -299,6 +305,19 @@ class Parallelized:
         if self._watchdog is not None:
             self._watchdog.watch(outs)
         return call.finish(jax.tree_util.tree_unflatten(entry.out_tree, outs))
+
+
+def _require_devices(plan, what: str) -> None:
+    """A plan made on an ``AbstractMesh`` is a prediction: there are no devices to lower or run it on."""
+    from autoshard.cluster import is_abstract
+
+    if is_abstract(plan.mesh):
+        shape = dict(zip(plan.mesh.axis_names, plan.mesh.axis_sizes, strict=True))
+        raise MeshError(
+            f"this step was planned on an AbstractMesh {shape}, which has no devices to {what} it on "
+            f"(plan.memory and plan.cost are its predictions). Fix: on a machine with {plan.mesh.size} devices, "
+            f"parallelize(..., mesh=autoshard.make_mesh({tuple(plan.mesh.axis_sizes)}, "
+            f"{tuple(plan.mesh.axis_names)})), optionally with plan=autoshard.Plan.from_json(saved_json).")
 
 
 def _options(options: Options | None, kwargs: dict) -> Options:

@@ -394,7 +394,6 @@ def _cases(paths, known: dict):
 
 # Left to the helpers who own these files (issue 15); each is a private name a test reaches for.
 KNOWN_PRIVATE_IN_TESTS = {
-    "test_memory.py": "tests/test_memory.py imports memory._combine_all_reduces (memory.py's owner)",
     "test_solver_penalty.py": "tests/test_solver_penalty.py imports solver.penalty._range_max, _MAX_EXPONENT and "
                               "_bracket_and_bisect (the solver's owner)",
 }

@@ -24,7 +24,7 @@ from autoshard.solver.iopddl import read_iopddl
 DEFAULT_DIR = Path(__file__).resolve().parents[2] / "shared" / "iopddl"
 
 
-def run(directory: Path, time_scale: float, only: set[str] | None, seed: int) -> list[dict]:
+def run(directory: Path, time_scale: float, only: set[str] | None, seed: int, workers: int | None = None) -> list[dict]:
     rows = []
     with open(directory / "best_known.csv") as f:
         entries = list(csv.DictReader(f))
@@ -35,7 +35,7 @@ def run(directory: Path, time_scale: float, only: set[str] | None, seed: int) ->
         problem = read_iopddl(directory / f"{name}.json.gz")
         limit = float(e["timeout_s"]) * time_scale
         t0 = time.perf_counter()
-        sol = solve(problem, time_limit=limit, seed=seed)
+        sol = solve(problem, time_limit=limit, seed=seed, workers=workers)
         seconds = time.perf_counter() - t0
         best = float(e["best_known_cost"])
         row = {
@@ -48,6 +48,9 @@ def run(directory: Path, time_scale: float, only: set[str] | None, seed: int) ->
             "feasible": bool(sol.feasible),
             "seconds": round(seconds, 2),
             "time_limit": limit,
+            "bound": sol.stats.get("bound", math.nan),
+            "gap": sol.stats.get("gap", math.nan),
+            "stop": sol.stats.get("stop"),
             "stats": {k: v for k, v in sol.stats.items() if isinstance(v, (int, float, str))},
         }
         rows.append(row)
@@ -58,7 +61,7 @@ def run(directory: Path, time_scale: float, only: set[str] | None, seed: int) ->
 def _fmt(r: dict) -> str:
     return (
         f"{r['problem']:<24} {r['nodes']:>7} {r['edges']:>7} {r['cost']:>18.6g} {r['best_known']:>14.6g} "
-        f"{r['ratio']:>8.4f} {r['feasible']!s:>8} {r['seconds']:>8.1f}"
+        f"{r['ratio']:>8.4f} {r['feasible']!s:>8} {r['seconds']:>8.1f} {r['gap']:>8.4f} {r['stop']}"
     )
 
 
@@ -68,12 +71,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--time-scale", type=float, default=1.0, help="multiply each contest time limit")
     parser.add_argument("--only", default="", help="comma-separated problem letters or names")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=None, help="solver processes (default: the available cores)")
     parser.add_argument("--out", type=Path, default=Path("solver_benchmark.json"))
     args = parser.parse_args(argv)
     only = {s.strip() for s in args.only.split(",") if s.strip()} or None
     print(f"{'problem':<24} {'nodes':>7} {'edges':>7} {'cost':>18} {'best known':>14} {'ratio':>8} "
-          f"{'feasible':>8} {'seconds':>8}")
-    rows = run(args.iopddl_dir, args.time_scale, only, args.seed)
+          f"{'feasible':>8} {'seconds':>8} {'gap':>8} stop")
+    rows = run(args.iopddl_dir, args.time_scale, only, args.seed, args.workers)
     ratios = [r["ratio"] for r in rows]
     geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios)) if ratios and all(map(math.isfinite, ratios)) else math.inf
     print(f"geometric mean ratio {geo:.4f}, worst {max(ratios, default=math.nan):.4f}, "

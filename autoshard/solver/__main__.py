@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("problem", help="contest problem file (.json or .json.gz)")
     parser.add_argument("timeout", type=float, help="wall-clock budget in seconds, reading included")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=None,
+                        help="solver processes (default: the cores this process may run on)")
     parser.add_argument("--quiet", action="store_true", help="print only the answer")
     args = parser.parse_args(argv)
     if args.timeout < 0:
@@ -34,12 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - start
     if not args.quiet:
         print(f"read {problem.num_nodes} nodes, {problem.num_edges} edges in {elapsed:.2f}s", flush=True)
-    # keep back a little for printing the answer
+    # the file's reading counts against the limit; keep back a little for printing the answer
     budget = max(args.timeout - elapsed - 0.3, 0.0)
     if args.timeout == 0 and not args.quiet:
         print("timeout 0: answering with reductions and one greedy pass only", flush=True)
     try:
-        sol = solve(problem, time_limit=budget, seed=args.seed, verbose=not args.quiet)
+        sol = solve(problem, time_limit=budget, seed=args.seed, workers=args.workers, verbose=not args.quiet)
     except InfeasibleError as e:
         print(f"infeasible: {e}", file=sys.stderr)
         return 1

@@ -109,9 +109,11 @@ class PipeSharing:
 
 def search_in_workers(
     red: Reduction, rows: MemoryRows | None, deadline: float, seed: int, count: int, stats: dict, *,
-    verbose: bool = False, log=None,
+    fallback: CoreState | None = None, verbose: bool = False, log=None,
 ) -> dict:
     """Search the core in ``count`` worker processes; the fields of the solver's core answer.
+
+    ``fallback`` is the answer when no worker has a cheaper one by the deadline.
 
     Worker ``k`` runs with seed ``seed + k`` and variant ``k``. The answer is the
     cheapest any worker found; its ``stats`` go into ``stats``, with ``workers``
@@ -135,6 +137,8 @@ def search_in_workers(
                            "verbose": verbose}))
         workers.append((proc, outbox, Frames()))
     best_cost, best_choice, answers, errors = np.inf, None, {}, []
+    if fallback is not None:
+        best_cost, best_choice = fallback.total_cost(), fallback.choice.copy()
     try:
         while len(answers) + len(errors) < count and time.perf_counter() < deadline:
             live = {w[0].stdout.fileno(): k for k, w in enumerate(workers) if k not in answers}
@@ -178,6 +182,8 @@ def search_in_workers(
     if best_choice is None:
         detail = errors[0] if errors else "no worker answered before the deadline"
         raise RuntimeError(f"every solver worker failed: {detail}. Fix: pass workers=1 to search in this process")
+    if not done and log is not None:
+        log("workers: none answered by the deadline; the best incumbent they posted stands")
     stats.setdefault("stop", "time_limit")
     stats.update(workers=count, worker_costs=[a["cost"] for a in done])
     optimal = any(a["optimal"] and a["cost"] <= best_cost for a in done)

@@ -170,7 +170,11 @@ def solve(
 
     count = default_workers() if workers is None else max(int(workers), 1)
     if count > 1 and red.num_core and is_big(red) and deadline - time.perf_counter() > MIN_PARALLEL_SECONDS:
-        core = CoreAnswer(**search_in_workers(red, rows, deadline, seed, count, stats, verbose=verbose, log=log))
+        # the workers' answer, or at worst the least-memory choice (what a single search starts from)
+        fallback = CoreState(soften(red), rows, min_memory_choice(red)) if rows is not None else \
+            CoreState(red, None, np.array([int(np.argmin(c)) for c in red.node_costs]))
+        core = CoreAnswer(**search_in_workers(red, rows, deadline, seed, count, stats, fallback=fallback,
+                                              verbose=verbose, log=log))
     else:
         core = search_core(red, rows, deadline, seed, log, stats)
     if core.infeasible:
@@ -277,7 +281,7 @@ def search_core(
         # a memory-constrained large core's bound comes from belief propagation, first (building
         # it takes a while on big matrices; at the end that could overrun the deadline)
         lb = np.nan
-        if big:
+        if big and (variant or 0) == 0:
             lb = _bp_bound(soften(red), start_time + min(_BOUND_SHARE * max(deadline - start_time, 0.0),
                                                          _BOUND_SECONDS))
         answer = _memory_core(red, rows, start_time, deadline, seed, log, stats, variant, share)
@@ -336,6 +340,8 @@ def _memory_core(red, rows, start_time, deadline, seed, log, stats, variant, sha
     feasible = state.overflow() <= 0 and np.isfinite(state.total_cost())
     log(f"greedy: cost {state.total_cost():.6g}, feasible {feasible}")
     if large:
+        if state.overflow() <= 0:
+            share.post(state)  # something to answer with, should this worker be cut off
         state = _large_start(red, rows, state, start_time, deadline, seed, log, variant)
         feasible = state.overflow() <= 0
     if feasible:
@@ -510,19 +516,21 @@ def _two_lagrangian_starts(red, rows, now: float, deadline: float, seed: int, lo
     (1.15x vs 2.9x) and, after guarded descents, on S. Neither dominates, so in one
     process both run: belief propagation first (it stops a few rounds after its fits
     stop improving), then the forest rounds with the time up to three quarters of
-    ``rest``. Parallel workers split them: even ones run belief propagation, odd
-    ones the forest rounds, each with the same three quarters.
+    ``rest``. Parallel worker 0 does the same; the others take one each (odd ones
+    the forest rounds, even ones belief propagation), so that the best answer is
+    never worse than one process's.
     """
     rest = max(deadline - now, 0.0)
     lam = plain_scale(red) * 2.0**_LAGRANGE_START
     cands = []
-    if variant is None or variant % 2 == 0:
+    both = variant is None or variant == 0
+    if both or variant % 2 == 0:
         # belief propagation first: it stops itself soon after its first fit
-        until = 0.6 if variant is None else 0.65
+        until = 0.6 if both else 0.65
         found = lagrangian_bp(red, rows, plain_scale(red) * 2.0**_BP_START, now + until * rest, log=log)
         if found is not None:
             cands.append(guarded_descent(found, time.perf_counter() + 0.1 * rest, seed, log))
-    if variant is None or variant % 2 == 1:
+    if both or variant % 2 == 1:
         start = penalised_choice(red, rows, lam, deadline, seed, forest_seconds=max(0.05 * rest, 1.0))
         found = lagrangian_descent(red, rows, start, lam, now + 0.75 * rest, seed, log)
         if found is not None:
@@ -544,12 +552,13 @@ def _raise_infeasible(problem: ShardingProblem, red: Reduction, deadline: float)
             "(infinite edge entries) leave no consistent choice"
         )
     res = solve_milp(red, rows, time_limit=max(deadline - time.perf_counter(), 1.0), objective="peak")
-    if res.choice is None:
+    if res.choice is None and res.status == "infeasible":
         raise InfeasibleError(
             "no assignment avoids every infinite edge cost; the forbidden strategy pairs "
             "(infinite edge entries) leave no consistent choice"
         )
-    core = res.choice
+    # no proof in time (a large core): the least-memory choice bounds the smallest peak from above
+    core = res.choice if res.choice is not None else min_memory_choice(red)
     choice = red.expand(core, problem.num_nodes)
     smallest = problem.peak_memory(choice)
     raise _memory_error(problem, smallest, exact=res.status == "optimal")

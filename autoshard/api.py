@@ -311,7 +311,7 @@ def _require_devices(plan, what: str) -> None:
     """A plan made on an ``AbstractMesh`` is a prediction: there are no devices to lower or run it on."""
     from autoshard.cluster import is_abstract
 
-    if is_abstract(plan.mesh):
+    if is_abstract(getattr(plan, "mesh", None)):  # an accumulated step's PipelinePlan has stage meshes
         shape = dict(zip(plan.mesh.axis_names, plan.mesh.axis_sizes, strict=True))
         raise MeshError(
             f"this step was planned on an AbstractMesh {shape}, which has no devices to {what} it on "

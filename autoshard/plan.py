@@ -13,7 +13,6 @@ from autoshard.report import Report, format_bytes
 from autoshard.spec import MeshInfo, ShardingSpec, dtype_itemsize
 
 
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class PlanCost:
     """Predicted per-device cost of one step.

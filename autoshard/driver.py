@@ -225,15 +225,18 @@ def plan_on_mesh(request: PlanRequest, on: MeshTarget):
     program, budget = request.program, on.budget
 
     def check(p):
-        if on.abstract or p.remat is not None or p.host_inputs or p.memory.peak_bytes <= CHECK_ABOVE * budget:
-            return None  # remat and offload plans were checked by their searches; no devices: no compile
+        if on.abstract:  # no devices to compile for: the model's own estimate is the check
+            return p.memory.peak_bytes
+        if p.remat is not None or p.host_inputs or p.memory.peak_bytes <= CHECK_ABOVE * budget:
+            return None  # remat and offload plans were checked by their searches
         p.stats["compiled_peak"] = compiled_peak(program, p, (), request.donated)
         return p.stats["compiled_peak"]
 
     def refuse(smallest):
+        measured = "the predicted peak (an AbstractMesh: no compile)" if on.abstract else "XLA's compiled peak"
         return InfeasibleError(
             f"no plan fits memory budget {budget:.4g} bytes per device on mesh {on.shape}: the planner's memory "
-            f"row says one does, but XLA's compiled peak of each plan found is higher (the lowest, "
+            f"row says one does, but {measured} of each plan found is higher (the lowest, "
             f"{smallest:.4g} bytes; re-planned under a shrunk budget). Fix: raise memory_budget to about "
             f"{smallest:.4g}, or use more devices.", smallest_memory=smallest)
 
@@ -270,7 +273,8 @@ def remat_lever(request: PlanRequest, on: MeshTarget, limit, previous: Attempt) 
         plan_, choice = choose_remat(
             lambda prog, lim: attempt_sharding(request, on, lim, program=prog, remat_split=True),
             program, request.ties, budget=budget, flops_per_second=on.cluster.flops * on.num_devices,
-            check=None if on.abstract else (lambda p, prog, groups: compiled_peak(prog, p, groups, request.donated)),
+            check=(lambda p, prog, groups: p.memory.peak_bytes) if on.abstract else (
+                lambda p, prog, groups: compiled_peak(prog, p, groups, request.donated)),
             base=previous)
     except InfeasibleError as e:
         return dataclasses.replace(previous, plan=None, error=e)
@@ -298,7 +302,8 @@ def offload_lever(request: PlanRequest, on: MeshTarget, limit, previous: Attempt
     try:
         plan_ = plan_with_offload(solve_with, program, dict(request.ties), previous.error, budget=budget,
                                   num_devices=on.num_devices,
-                                  check=None if on.abstract else (lambda p: compiled_peak(program, p, (), request.donated)))
+                                  check=(lambda p: p.memory.peak_bytes) if on.abstract else (
+                                      lambda p: compiled_peak(program, p, (), request.donated)))
     except InfeasibleError as e:
         return dataclasses.replace(previous, error=e)
     return dataclasses.replace(previous, plan=plan_, error=None)

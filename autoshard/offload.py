@@ -131,9 +131,10 @@ def plan_with_offload(solve_with, program, ties: dict[int, int], error: Infeasib
         check if check is not None else (lambda plan: None), budget, limit=budget,
         refuse=lambda compiled: InfeasibleError(
             f"no plan fits memory_budget={budget:.4g} bytes per device with optimizer state in host memory: "
-            f"the best offload plan found compiles to a device peak of {compiled:.4g} bytes (XLA keeps more "
-            f"alive than the planner's memory row). Fix: raise memory_budget (a plan at {compiled:.4g} "
-            "fits), or use more devices.", smallest_memory=compiled),
+            f"the best offload plan found has a device peak of {compiled:.4g} bytes (compiled, or predicted "
+            f"where there are no devices to compile for), above the planner's memory row. Fix: raise "
+            f"memory_budget (a plan at {compiled:.4g} fits), use more devices, or pipeline the model "
+            "(parallelize(..., pipeline=autoshard.PipelineOptions(num_stages='auto'))).", smallest_memory=compiled),
         rounds=check_rounds if check is not None else 0)
 
 

@@ -84,7 +84,9 @@ def _explain(args) -> int:
     if args.devices is not None and len(jax.devices()) < args.devices:
         raise _UsageError(f"--devices {args.devices}, but jax already started with {len(jax.devices())} devices")
     options = _options(args, jax, autoshard)
-    if isinstance(fun, autoshard.Parallelized):
+    from autoshard.pipeline import PipelinedStep
+
+    if isinstance(fun, autoshard.Parallelized | PipelinedStep):
         if options:
             raise _UsageError(f"{name} is already parallelized with its own settings; drop "
                               + ", ".join(f"--{k.replace('_', '-')}" for k in options))

@@ -13,7 +13,7 @@ instead (issue 2's target: 350M under 10 s on (2, 4)).
 
 Times are wall seconds from abstract shapes (building the abstract state is not counted).
 The pass columns sum over every mesh planned; "solver" is why the solver of the chosen mesh
-stopped (``optimal``, ``gap``, ``stalled`` or ``time_limit``; see ``autoshard.solver.solve``).
+stopped (``optimal``, ``gap`` or ``time_limit``; see ``autoshard.solver.solve``).
 """
 
 from __future__ import annotations

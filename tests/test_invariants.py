@@ -392,11 +392,8 @@ def _cases(paths, known: dict):
             for p in paths]
 
 
-# Left to the helpers who own these files (issue 15); each is a private name a test reaches for.
-KNOWN_PRIVATE_IN_TESTS = {
-    "test_solver_penalty.py": "tests/test_solver_penalty.py imports solver.penalty._range_max, _MAX_EXPONENT and "
-                              "_bracket_and_bisect (the solver's owner)",
-}
+# Test files allowed to reach for a private name, with why (none today).
+KNOWN_PRIVATE_IN_TESTS: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("path", _cases(sorted(PACKAGE.rglob("*.py")), {}))

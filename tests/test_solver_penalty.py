@@ -10,7 +10,7 @@ import pytest
 
 from autoshard.solver.local import CoreState, min_memory_choice
 from autoshard.solver.memory import MemoryRows
-from autoshard.solver.penalty import _range_max, guarded_descent
+from autoshard.solver.penalty import range_max, guarded_descent
 from autoshard.solver.reduce import Reduction
 
 
@@ -64,12 +64,12 @@ def test_range_max_matches_slices():
     lo = rng.integers(0, 257, 400)
     hi = np.minimum(lo + rng.integers(0, 100, 400), 257)
     want = [values[a:b].max() if b > a else 0.0 for a, b in zip(lo, hi, strict=True)]
-    np.testing.assert_allclose(_range_max(values, lo, hi), want)
+    np.testing.assert_allclose(range_max(values, lo, hi), want)
 
 
 def test_bracketing_stops_before_the_penalty_overflows():
     """An attempt that never fits used to double the exponent until 2.0**e raised OverflowError."""
-    from autoshard.solver.penalty import _MAX_EXPONENT, _bracket_and_bisect
+    from autoshard.solver.penalty import MAX_EXPONENT, bracket_and_bisect
 
     tried = []
 
@@ -78,5 +78,5 @@ def test_bracketing_stops_before_the_penalty_overflows():
         2.0**e  # what the real attempts compute
         return False
 
-    _bracket_and_bisect(attempt, lambda: True, 0.0, 2.0, 0.1)
-    assert tried and max(abs(e) for e in tried) <= _MAX_EXPONENT
+    bracket_and_bisect(attempt, lambda: True, 0.0, 2.0, 0.1)
+    assert tried and max(abs(e) for e in tried) <= MAX_EXPONENT

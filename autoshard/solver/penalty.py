@@ -136,7 +136,7 @@ def penalty_search(
         until = deadline if best is not None else max(deadline, give_up)
         return time.perf_counter() + 0.8 * last < until
 
-    _bracket_and_bisect(attempt, time_left, _node_only_exponent(red, rows, base), 2.0, 0.1)
+    bracket_and_bisect(attempt, time_left, _node_only_exponent(red, rows, base), 2.0, 0.1)
     return best
 
 
@@ -170,7 +170,7 @@ def _large_penalty_search(
         until = deadline if best is not None else max(deadline, give_up)
         return time.perf_counter() + 0.5 * last < until
 
-    _bracket_and_bisect(attempt, time_left, 0.0, 4.0, 0.5)
+    bracket_and_bisect(attempt, time_left, 0.0, 4.0, 0.5)
     return best
 
 
@@ -185,14 +185,14 @@ def _scored_attempt(red: Reduction, rows: MemoryRows, choice: np.ndarray, e: flo
 
 # Penalty exponents beyond this make the penalty dominate every cost (or underflow to zero);
 # 2.0**e overflows a float at 1024.
-_MAX_EXPONENT = 256.0
+MAX_EXPONENT = 256.0
 
 
-def _bracket_and_bisect(attempt, time_left, e: float, step: float, tol: float) -> None:
+def bracket_and_bisect(attempt, time_left, e: float, step: float, tol: float) -> None:
     """Find the smallest penalty exponent whose attempt fits: step out in doubling steps
     from ``e`` until one attempt fits and one does not, then bisect down to ``tol``."""
     lo, hi = None, None
-    while time_left() and abs(e) <= _MAX_EXPONENT:  # beyond it memory alone decides (or 2**e overflows)
+    while time_left() and abs(e) <= MAX_EXPONENT:  # beyond it memory alone decides (or 2**e overflows)
         if attempt(e):
             hi = e
             if lo is not None:
@@ -238,7 +238,7 @@ class _PenalisedRounds:
     def run(self, choice: np.ndarray, mult: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The round's new choice (from ``choice``) and its usage per point."""
         red, rng, n = self.red, self.rng, self.n
-        w = np.where(self.mem, _range_max(mult, self.rows.lo, self.rows.hi), 0.0)
+        w = np.where(self.mem, range_max(mult, self.rows.lo, self.rows.hi), 0.0)
         self.pen.red = dataclasses.replace(
             red,
             node_costs=tuple(
@@ -345,7 +345,7 @@ def plain_scale(red: Reduction) -> float:
     return cost_scale / max(usage_scale, 1e-30)
 
 
-def _range_max(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+def range_max(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """``max(values[lo[k]:hi[k]])`` per k (0 for empty ranges), by a sparse table."""
     n = values.size
     out = np.zeros(lo.size)
@@ -418,7 +418,7 @@ def lagrangian_bp(
     stale = 0
     while time.perf_counter() < deadline and (best is None or stale < BP_PATIENCE):
         stale += 1
-        w = np.where(mem, _range_max(mult, rows.lo, rows.hi), 0.0)
+        w = np.where(mem, range_max(mult, rows.lo, rows.hi), 0.0)
         bp.set_node_costs(
             [c if m is None or x == 0 else c + x * m for c, m, x in zip(red.node_costs, red.node_memory, w,
                                                                          strict=True)]

@@ -80,27 +80,93 @@ def solve_milp(
       verbose: print HiGHS's log.
     """
     n = red.num_core
-    if free is None:
-        free = np.ones(n, dtype=bool)
+    lay = _layout(red, np.ones(n, dtype=bool) if free is None else free)
+    eq = _assignment_and_edge_rows(red, lay, choice, groups)
+    peak = objective == "peak"
+    c, nvar = eq.c, eq.nvar
+    zvar = nvar  # the peak objective's variable
+    if peak:
+        nvar += 1
+        c = np.zeros(nvar)
+        c[zvar] = 1.0
+    a_eq = scipy.sparse.csr_matrix((eq.vals, (eq.rows, eq.cols)), shape=(eq.nrow, nvar))
+    constraints = [scipy.optimize.LinearConstraint(a_eq, eq.rhs, eq.rhs)]
+    if rows is not None and rows.num_points:
+        mem, infeasible = _memory_constraint(red, rows, lay, choice, nvar=nvar, zvar=zvar if peak else None)
+        if infeasible:
+            return MilpResult(None, "infeasible", np.inf, np.nan)
+        if mem is not None:
+            constraints.append(mem)
+    ub_var = np.ones(nvar)
+    if peak:
+        ub_var[zvar] = np.inf
+    options = {"time_limit": max(float(time_limit), 1e-3), "disp": verbose, "mip_rel_gap": rel_gap}
+    res = _run_highs(c, constraints, nx=lay.nx, ub=ub_var, options=options)
+    status = {0: "optimal", 1: "time_limit", 2: "infeasible"}.get(res.status, "other")
+    bound = float(getattr(res, "mip_dual_bound", np.nan) or np.nan)
+    if res.x is None:
+        return MilpResult(None, status, np.inf, bound)
+    out = np.zeros(n, dtype=np.int64) if choice is None else np.array(choice, dtype=np.int64)
+    for k in lay.fidx:
+        out[k] = int(np.argmax(res.x[lay.block(k)]))
+    const = 0.0 if peak else eq.const
+    return MilpResult(out, status, float(res.fun) + const, bound + const)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Layout:
+    """Where each free node's ``x`` variables sit: node ``k``'s are ``off[k] : off[k] + sizes[k]``."""
+
+    free: np.ndarray
+    fidx: np.ndarray
+    sizes: np.ndarray
+    off: np.ndarray
+    nx: int
+
+    def block(self, k) -> slice:
+        return slice(self.off[k], self.off[k] + self.sizes[k])
+
+    def columns(self, k) -> np.ndarray:
+        return self.off[k] + np.arange(self.sizes[k])
+
+
+def _layout(red: Reduction, free: np.ndarray) -> _Layout:
     sizes = np.array([c.size for c in red.node_costs], dtype=np.int64)
     fidx = np.flatnonzero(free)
-    off = np.full(n, -1, dtype=np.int64)
+    off = np.full(red.num_core, -1, dtype=np.int64)
     off[fidx] = np.concatenate([[0], np.cumsum(sizes[fidx])[:-1]]) if fidx.size else []
-    nx = int(sizes[fidx].sum())
+    return _Layout(free, fidx, sizes, off, int(sizes[fidx].sum()))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _EqualityRows:
+    """The cost objective, its constant (fixed nodes and edges), and the equality rows (COO)."""
+
+    c: np.ndarray
+    const: float
+    rows: np.ndarray
+    cols: np.ndarray
+    vals: np.ndarray
+    rhs: np.ndarray
+    nrow: int
+    nvar: int
+
+
+def _assignment_and_edge_rows(red: Reduction, lay: _Layout, choice, groups) -> _EqualityRows:
+    """One strategy per free node, and the marginal rows of every edge between free nodes.
+
+    An edge with one fixed end becomes node costs of the free end; one with both
+    ends fixed, a constant.
+    """
+    free, fidx, sizes, off, nx = lay.free, lay.fidx, lay.sizes, lay.off, lay.nx
     c_parts = [red.node_costs[k] for k in fidx]
     c = np.concatenate(c_parts) if c_parts else np.zeros(0)
     const = 0.0
     if choice is not None:
         const = sum(float(red.node_costs[k][choice[k]]) for k in np.flatnonzero(~free))
-
-    rr, cc, vv = [], [], []  # equality rows (= 0 unless noted)
-    eq_rhs = []
-    nrow = 0
-    # assignment rows
-    rr.append(np.repeat(np.arange(fidx.size), sizes[fidx]))
-    cc.append(np.arange(nx))
-    vv.append(np.ones(nx))
-    eq_rhs.append(np.ones(fidx.size))
+    # assignment rows (= 1), then the edges' marginal rows (= 0)
+    rr, cc, vv = [np.repeat(np.arange(fidx.size), sizes[fidx])], [np.arange(nx)], [np.ones(nx)]
+    eq_rhs = [np.ones(fidx.size)]
     nrow = fidx.size
     ecost = []
     nvar = nx
@@ -124,66 +190,62 @@ def solve_milp(
         nvar += ne
         # row-group constraints: sum_h e[g,h] - sum_{s in g} x[u,s] = 0
         rr += [nrow + gi, nrow + gr]
-        cc += [evars, off[u] + np.arange(sizes[u])]
+        cc += [evars, lay.columns(u)]
         vv += [np.ones(ne), -np.ones(sizes[u])]
         nrow += ng
         rr += [nrow + hi, nrow + gc]
-        cc += [evars, off[v] + np.arange(sizes[v])]
+        cc += [evars, lay.columns(v)]
         vv += [np.ones(ne), -np.ones(sizes[v])]
         nrow += nh
         eq_rhs.append(np.zeros(ng + nh))
     c = np.concatenate([c, *ecost]) if ecost else c
-    peak = objective == "peak"
-    zvar = nvar
-    if peak:
-        nvar += 1
-        c = np.zeros(nvar)
-        c[zvar] = 1.0
-    a_eq = scipy.sparse.csr_matrix(
-        (np.concatenate(vv), (np.concatenate(rr), np.concatenate(cc))), shape=(nrow, nvar)
-    )
-    b_eq = np.concatenate(eq_rhs)
-    constraints = [scipy.optimize.LinearConstraint(a_eq, b_eq, b_eq)]
+    return _EqualityRows(c, const, np.concatenate(rr), np.concatenate(cc), np.concatenate(vv),
+                         np.concatenate(eq_rhs), nrow, nvar)
 
-    if rows is not None and rows.num_points:
-        row_nodes, caps = rows.binding(red.node_memory, keep_all=peak)
-        mr, mc, mv, ub = [], [], [], []
-        nm = 0
-        for nodes, cap in zip(row_nodes, caps, strict=True):
-            fixed_use = rows.limit - cap if peak else -cap
-            fnodes = []
-            for k in nodes:
-                if free[k]:
-                    fnodes.append(k)
-                else:
-                    fixed_use += red.node_memory[k][choice[k]]
-            if not fnodes and not peak:
-                if fixed_use > rows.tol:
-                    return MilpResult(None, "infeasible", np.inf, np.nan)
-                continue
-            for k in fnodes:
-                mc.append(off[k] + np.arange(sizes[k]))
-                mv.append(red.node_memory[k])
-                mr.append(np.full(sizes[k], nm))
-            if peak:
-                mc.append(np.array([zvar]))
-                mv.append(np.array([-1.0]))
-                mr.append(np.array([nm]))
-            ub.append(-fixed_use)
-            nm += 1
-        if nm:
-            a_mem = scipy.sparse.csr_matrix(
-                (np.concatenate(mv), (np.concatenate(mr), np.concatenate(mc))), shape=(nm, nvar)
-            )
-            constraints.append(scipy.optimize.LinearConstraint(a_mem, -np.inf, np.array(ub)))
 
-    integrality = np.zeros(nvar)
+def _memory_constraint(red: Reduction, rows: MemoryRows, lay: _Layout, choice, *, nvar: int, zvar: int | None):
+    """The binding memory rows over the free nodes, and whether the fixed nodes alone overflow one.
+
+    With ``zvar`` (the peak objective) every row is kept and bounds ``usage - z``
+    by 0 instead of ``usage`` by the row's capacity. Returns ``(constraint or None, infeasible)``.
+    """
+    peak = zvar is not None
+    row_nodes, caps = rows.binding(red.node_memory, keep_all=peak)
+    mr, mc, mv, ub = [], [], [], []
+    nm = 0
+    for nodes, cap in zip(row_nodes, caps, strict=True):
+        fixed_use = rows.limit - cap if peak else -cap
+        fnodes = []
+        for k in nodes:
+            if lay.free[k]:
+                fnodes.append(k)
+            else:
+                fixed_use += red.node_memory[k][choice[k]]
+        if not fnodes and not peak:
+            if fixed_use > rows.tol:
+                return None, True
+            continue
+        for k in fnodes:
+            mc.append(lay.columns(k))
+            mv.append(red.node_memory[k])
+            mr.append(np.full(lay.sizes[k], nm))
+        if peak:
+            mc.append(np.array([zvar]))
+            mv.append(np.array([-1.0]))
+            mr.append(np.array([nm]))
+        ub.append(-fixed_use)
+        nm += 1
+    if not nm:
+        return None, False
+    a_mem = scipy.sparse.csr_matrix((np.concatenate(mv), (np.concatenate(mr), np.concatenate(mc))), shape=(nm, nvar))
+    return scipy.optimize.LinearConstraint(a_mem, -np.inf, np.array(ub)), False
+
+
+def _run_highs(c: np.ndarray, constraints: list, *, nx: int, ub: np.ndarray, options: dict):
+    """HiGHS on the model (the first ``nx`` variables binary), with one retry without presolve."""
+    integrality = np.zeros(c.size)
     integrality[:nx] = 1
-    ub_var = np.ones(nvar)
-    if peak:
-        ub_var[zvar] = np.inf
-    options = {"time_limit": max(float(time_limit), 1e-3), "disp": verbose, "mip_rel_gap": rel_gap}
-    bounds = scipy.optimize.Bounds(np.zeros(nvar), ub_var)
+    bounds = scipy.optimize.Bounds(np.zeros(c.size), ub)
     start = time.perf_counter()
     res = scipy.optimize.milp(c, integrality=integrality, bounds=bounds, constraints=constraints, options=options)
     if res.status == 2 and len(constraints) > 1:
@@ -193,15 +255,7 @@ def solve_milp(
         if left > 0.1:
             res = scipy.optimize.milp(c, integrality=integrality, bounds=bounds, constraints=constraints,
                                       options={**options, "time_limit": left, "presolve": False})
-    status = {0: "optimal", 1: "time_limit", 2: "infeasible"}.get(res.status, "other")
-    bound = float(getattr(res, "mip_dual_bound", np.nan) or np.nan)
-    if res.x is None:
-        return MilpResult(None, status, np.inf, bound)
-    out = np.zeros(n, dtype=np.int64) if choice is None else np.array(choice, dtype=np.int64)
-    for k in fidx:
-        out[k] = int(np.argmax(res.x[off[k] : off[k] + sizes[k]]))
-    obj = float(res.fun) if peak else float(res.fun) + const
-    return MilpResult(out, status, obj, bound + (0.0 if peak else const))
+    return res
 
 
 def restrict(red: Reduction, keep: list[np.ndarray]) -> Reduction:

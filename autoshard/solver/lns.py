@@ -12,6 +12,7 @@ always feasible once started feasible.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 
@@ -21,6 +22,19 @@ import scipy.sparse
 
 from autoshard.solver.local import CoreState
 from autoshard.solver.milp import group_matrix
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _WindowModel:
+    """One window's MILP: variables ``[x of the free nodes (nx), edge cells]``, and the window's cost now."""
+
+    fidx: np.ndarray  # the free core nodes
+    off: np.ndarray  # first x variable of each free node (-1 elsewhere)
+    c: np.ndarray  # objective (fixed neighbours' edge costs folded into x's costs; may hold inf)
+    constraints: tuple
+    nx: int
+    nvar: int
+    old: float  # the current choice's cost of everything the window touches
 
 
 class WindowSearch:
@@ -87,6 +101,46 @@ class WindowSearch:
 
     def solve_window(self, free: np.ndarray, time_limit: float) -> bool:
         """Re-solve the nodes in ``free``; True when the choice got cheaper."""
+        state = self.state
+        model = self._window_model(free)
+        fidx, off = model.fidx, model.off
+        before = state.choice[fidx].copy()
+        over = state.overflow()
+        integrality = np.zeros(model.nvar)
+        integrality[: model.nx] = 1
+        # A strategy priced infinite by a fixed neighbour's forbidden pair is excluded by its bound:
+        # HiGHS takes finite costs only.
+        allowed = np.isfinite(model.c)
+        c = np.where(allowed, model.c, 0.0)
+        res = scipy.optimize.milp(
+            c,
+            integrality=integrality,
+            bounds=scipy.optimize.Bounds(0, allowed.astype(np.float64)),
+            constraints=model.constraints,
+            options={"time_limit": max(time_limit, 0.05), "mip_rel_gap": 1e-7},
+        )
+        self.windows += 1
+        if res.status == 0 and free.all():
+            self.proven = True  # the whole core in one window, solved to optimality
+        old = model.old
+        if res.x is None or res.fun >= old - 1e-9 * max(1.0, abs(old)):
+            if res.status == 0:  # proven: no cheaper choice for these nodes given the rest
+                self.settled |= free
+            return False
+        new = [int(np.argmax(res.x[off[k] : off[k] + self.sizes[k]])) for k in fidx]
+        for k, s in zip(fidx, new, strict=True):
+            state.move(int(k), s)
+        if state.overflow() > over + state.tol:
+            # numerical slack in HiGHS let a row overflow: undo
+            for k, s in zip(fidx, before, strict=True):
+                state.move(int(k), s)
+            return False
+        self.improved += 1
+        self.settled[:] = False
+        return True
+
+    def _window_model(self, free: np.ndarray) -> _WindowModel:
+        """The window's MILP: assignment and edge-marginal rows, memory rows, and its current cost."""
         state, red = self.state, self.state.red
         fidx = np.flatnonzero(free)
         sizes = self.sizes[fidx]
@@ -95,8 +149,6 @@ class WindowSearch:
         nx = int(sizes.sum())
         c = np.concatenate([red.node_costs[k] for k in fidx])
         choice = state.choice
-        before = choice[fidx].copy()
-        over = state.overflow()
         old = float(sum(red.node_costs[k][choice[k]] for k in fidx))
         rr, cc, vv, rhs, ecost = [np.repeat(np.arange(fidx.size), sizes)], [np.arange(nx)], [np.ones(nx)], [], []
         rhs.append(np.ones(fidx.size))
@@ -128,50 +180,12 @@ class WindowSearch:
                 vv += [np.ones(gi.size), -np.ones(self.sizes[a]), np.ones(gi.size), -np.ones(self.sizes[b])]
                 nrow += r.shape[0] + r.shape[1]
                 rhs.append(np.zeros(r.shape[0] + r.shape[1]))
-        c = np.concatenate([c, *ecost])
-        cons = [
-            scipy.optimize.LinearConstraint(
-                scipy.sparse.csr_matrix(
-                    (np.concatenate(vv), (np.concatenate(rr), np.concatenate(cc))), shape=(nrow, nvar)
-                ),
-                np.concatenate(rhs),
-                np.concatenate(rhs),
-            )
-        ]
+        eq = scipy.sparse.csr_matrix((np.concatenate(vv), (np.concatenate(rr), np.concatenate(cc))), shape=(nrow, nvar))
+        cons = [scipy.optimize.LinearConstraint(eq, np.concatenate(rhs), np.concatenate(rhs))]
         mem = self._memory_rows(fidx, off, nvar)
         if mem is not None:
             cons.append(mem)
-        integrality = np.zeros(nvar)
-        integrality[:nx] = 1
-        # A strategy priced infinite by a fixed neighbour's forbidden pair is excluded by its bound:
-        # HiGHS takes finite costs only.
-        allowed = np.isfinite(c)
-        c = np.where(allowed, c, 0.0)
-        res = scipy.optimize.milp(
-            c,
-            integrality=integrality,
-            bounds=scipy.optimize.Bounds(0, allowed.astype(np.float64)),
-            constraints=cons,
-            options={"time_limit": max(time_limit, 0.05), "mip_rel_gap": 1e-7},
-        )
-        self.windows += 1
-        if res.status == 0 and free.all():
-            self.proven = True  # the whole core in one window, solved to optimality
-        if res.x is None or res.fun >= old - 1e-9 * max(1.0, abs(old)):
-            if res.status == 0:  # proven: no cheaper choice for these nodes given the rest
-                self.settled |= free
-            return False
-        new = [int(np.argmax(res.x[off[k] : off[k] + self.sizes[k]])) for k in fidx]
-        for k, s in zip(fidx, new, strict=True):
-            state.move(int(k), s)
-        if state.overflow() > over + state.tol:
-            # numerical slack in HiGHS let a row overflow: undo
-            for k, s in zip(fidx, before, strict=True):
-                state.move(int(k), s)
-            return False
-        self.improved += 1
-        self.settled[:] = False
-        return True
+        return _WindowModel(fidx, off, np.concatenate([c, *ecost]), tuple(cons), nx, nvar, old)
 
     @property
     def stalled(self) -> bool:
@@ -223,7 +237,7 @@ class WindowSearch:
         )
         return scipy.optimize.LinearConstraint(mat, -np.inf, cap)
 
-    def run(self, deadline: float, window_size: int, window_time: float, log=None, hot=None,
+    def run(self, deadline: float, *, window_size: int, window_time: float, log=None, hot=None,
             grow: bool = False, adopt=None) -> None:
         """Re-solve windows until ``deadline``, or until the search has stalled.
 

@@ -108,7 +108,7 @@ class PipeSharing:
 
 
 def search_in_workers(
-    red: Reduction, rows: MemoryRows | None, deadline: float, seed: int, count: int, stats: dict, *,
+    red: Reduction, rows: MemoryRows | None, deadline: float, *, seed: int, count: int, stats: dict,
     fallback: CoreState | None = None, verbose: bool = False, log=None,
 ) -> dict:
     """Search the core in ``count`` worker processes; the fields of the solver's core answer.
@@ -119,23 +119,7 @@ def search_in_workers(
     cheapest any worker found; its ``stats`` go into ``stats``, with ``workers``
     and each worker's final cost (``worker_costs``).
     """
-    job_red = dataclasses.replace(red, records=())  # the workers never expand a choice
-    # deadlines travel as seconds on the shared monotonic clock; the workers stop a little
-    # early so that their answers arrive by the deadline
-    rest = deadline - time.perf_counter()
-    end = time.monotonic() + rest - min(_GRACE + _GRACE_SHARE * rest, _GRACE_MAX)
-    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    workers = []
-    for k in range(count):
-        proc = subprocess.Popen([sys.executable, "-m", "autoshard.solver.worker"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, env=env)
-        outbox: queue.Queue = queue.Queue()
-        threading.Thread(target=_writer, args=(proc, outbox), daemon=True).start()
-        outbox.put(encode({"red": job_red, "rows": rows, "end": end, "seed": seed + k, "variant": k,
-                           "verbose": verbose}))
-        workers.append((proc, outbox, Frames()))
+    workers = _start_workers(red, rows, deadline, seed=seed, count=count, verbose=verbose)
     best_cost, best_choice, answers, errors = np.inf, None, {}, []
     if fallback is not None:
         best_cost, best_choice = fallback.total_cost(), fallback.choice.copy()
@@ -171,6 +155,36 @@ def search_in_workers(
                 proc.kill()
             proc.wait()
     done = [a for a in answers.values() if a is not None]
+    return _combined_answer(done, errors, best_cost=best_cost, best_choice=best_choice, count=count, stats=stats,
+                            log=log)
+
+
+def _start_workers(red: Reduction, rows: MemoryRows | None, deadline: float, *, seed: int, count: int,
+                   verbose: bool) -> list:
+    """Start ``count`` worker interpreters and send each its job: ``(process, outbox, frames)`` per worker."""
+    job_red = dataclasses.replace(red, records=())  # the workers never expand a choice
+    # deadlines travel as seconds on the shared monotonic clock; the workers stop a little
+    # early so that their answers arrive by the deadline
+    rest = deadline - time.perf_counter()
+    end = time.monotonic() + rest - min(_GRACE + _GRACE_SHARE * rest, _GRACE_MAX)
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    workers = []
+    for k in range(count):
+        proc = subprocess.Popen([sys.executable, "-m", "autoshard.solver.worker"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, env=env)
+        outbox: queue.Queue = queue.Queue()
+        threading.Thread(target=_writer, args=(proc, outbox), daemon=True).start()
+        outbox.put(encode({"red": job_red, "rows": rows, "end": end, "seed": seed + k, "variant": k,
+                           "verbose": verbose}))
+        workers.append((proc, outbox, Frames()))
+    return workers
+
+
+def _combined_answer(done: list, errors: list, *, best_cost: float, best_choice, count: int, stats: dict,
+                     log) -> dict:
+    """The core answer from the workers' answers (``done``) and the cheapest incumbent any posted."""
     if any(a["infeasible"] for a in done):
         return {"choice": done[0]["choice"], "cost": np.inf, "optimal": False, "bound": np.nan, "infeasible": True}
     bounds = [a["bound"] for a in done if np.isfinite(a["bound"])]

@@ -65,8 +65,8 @@ def penalised_choice(
     lam: float | np.ndarray,
     deadline: float,
     seed: int,
-    start: np.ndarray | None = None,
     *,
+    start: np.ndarray | None = None,
     forest_seconds: float = 0.0,
 ) -> np.ndarray:
     """Core choice minimising ``cost + lam * usage`` (memory limit ignored).
@@ -99,7 +99,7 @@ def penalised_choice(
 
 
 def penalty_search(
-    red: Reduction, rows: MemoryRows, deadline: float, seed: int, log, give_up: float | None = None
+    red: Reduction, rows: MemoryRows, deadline: float, seed: int, *, log, give_up: float | None = None
 ) -> CoreState | None:
     """The cheapest memory-feasible penalised choice found before ``deadline``, or None.
 
@@ -115,7 +115,7 @@ def penalty_search(
 
     small = red.num_core <= _REREDUCE_NODES
     if not small:
-        return _large_penalty_search(red, rows, base, deadline, give_up, seed, log)
+        return _large_penalty_search(red, rows, base, deadline=deadline, give_up=give_up, seed=seed, log=log)
 
     last = 0.0  # seconds the last attempt took: no attempt starts that cannot finish
     # a bisection needs several attempts; none may eat the whole budget
@@ -125,8 +125,8 @@ def penalty_search(
         nonlocal best, last
         t0 = time.perf_counter()
         start = None if best is None else best.choice
-        choice = penalised_choice(red, rows, base * 2.0**e, min(deadline, t0 + per_attempt), seed, start)
-        state, ok, last = _scored_attempt(red, rows, choice, e, t0, log)
+        choice = penalised_choice(red, rows, base * 2.0**e, min(deadline, t0 + per_attempt), seed, start=start)
+        state, ok, last = _scored_attempt(red, rows, choice, e=e, t0=t0, log=log)
         if ok and (best is None or state.total_cost() < best.total_cost()):
             best = state
         return ok
@@ -141,7 +141,7 @@ def penalty_search(
 
 
 def _large_penalty_search(
-    red: Reduction, rows: MemoryRows, base: float, deadline: float, give_up: float, seed: int, log
+    red: Reduction, rows: MemoryRows, base: float, *, deadline: float, give_up: float, seed: int, log
 ) -> CoreState | None:
     """The penalty search of large cores.
 
@@ -161,7 +161,7 @@ def _large_penalty_search(
         until = deadline if best is not None else max(deadline, give_up)
         forest = max(0.2 * (until - t0), 1.0)
         choice = penalised_choice(red, rows, base * 2.0**e, until, seed, forest_seconds=forest)
-        state, ok, last = _scored_attempt(red, rows, choice, e, t0, log)
+        state, ok, last = _scored_attempt(red, rows, choice, e=e, t0=t0, log=log)
         if ok and (best is None or state.total_cost() < best.total_cost()):
             best = state
         return ok
@@ -174,7 +174,7 @@ def _large_penalty_search(
     return best
 
 
-def _scored_attempt(red: Reduction, rows: MemoryRows, choice: np.ndarray, e: float, t0: float, log):
+def _scored_attempt(red: Reduction, rows: MemoryRows, choice: np.ndarray, *, e: float, t0: float, log):
     """A penalty attempt's choice as a state, whether it fits, and the attempt's seconds (logged)."""
     state = CoreState(red, rows, choice)
     ok = state.overflow() <= 0
@@ -298,7 +298,7 @@ def guarded_descent(state: CoreState, deadline: float, seed: int, log=None) -> C
 
 
 def lagrangian_descent(
-    red: Reduction, rows: MemoryRows, start: np.ndarray, lam: float, deadline: float, seed: int, log=None
+    red: Reduction, rows: MemoryRows, start: np.ndarray, *, lam: float, deadline: float, seed: int, log=None
 ) -> CoreState | None:
     """Forest rounds under per-point multipliers that follow the overflow; the cheapest fit seen.
 

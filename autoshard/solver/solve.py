@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -152,42 +153,22 @@ def solve(
     log = _logger(verbose, start)
     n = problem.num_nodes
     if n == 0:
-        return ShardingSolution(np.zeros(0, dtype=np.int64), 0.0, 0.0, True, True, 0.0,
-                                {"stop": "optimal", "bound": 0.0, "gap": 0.0, "elapsed": 0.0,
-                                 "time_limit": float(time_limit)})
-    with_memory = (
-        problem.memory_limit is not None and problem.node_memory is not None and problem.intervals is not None
-    )
+        return _empty_solution(time_limit)
+    with_memory = _has_memory(problem)
     red = reduce_problem(problem, with_memory=with_memory, deadline=deadline)
-    rows = None
-    if with_memory and red.num_core:
-        nonneg = all((m >= 0).all() for m in problem.node_memory)
-        rows = memory_rows(problem.intervals, problem.memory_limit, red.core_nodes, red.base_usage, nonneg)
+    rows = _core_memory_rows(problem, red) if with_memory and red.num_core else None
     stats = dict(red.stats, core_nodes=red.num_core, core_edges=len(red.edges))
     if rows is not None:
         stats.update(memory_points=rows.num_points)
     log(f"reduced {n} nodes / {problem.num_edges} edges to a core of {red.num_core} / {len(red.edges)}")
-
     count = default_workers() if workers is None else max(int(workers), 1)
-    if count > 1 and red.num_core and is_big(red) and deadline - time.perf_counter() > MIN_PARALLEL_SECONDS:
-        # the workers' answer, or at worst the least-memory choice (what a single search starts from)
-        fallback = CoreState(soften(red), rows, min_memory_choice(red)) if rows is not None else \
-            CoreState(red, None, np.array([int(np.argmin(c)) for c in red.node_costs]))
-        core = CoreAnswer(**search_in_workers(red, rows, deadline, seed, count, stats, fallback=fallback,
-                                              verbose=verbose, log=log))
-    else:
-        core = search_core(red, rows, deadline, seed, log, stats)
+    core = _answer_core(red, rows, deadline, seed=seed, count=count, stats=stats, verbose=verbose, log=log)
     if core.infeasible:
         _raise_infeasible(problem, red, deadline)
     optimal = core.optimal
     choice = red.expand(core.choice, n)
     cost = problem.cost(choice)
-    if np.isfinite(core.bound) and np.isfinite(cost):
-        # the reductions are exact: the full cost is the core's plus a constant
-        bound = min(core.bound + cost - core.cost, cost) if optimal else core.bound + cost - core.cost
-        stats.update(bound=bound, gap=relative_gap(cost, bound))
-    elif optimal:
-        stats.update(bound=cost, gap=0.0)
+    stats.update(_bound_stats(core, cost))
     peak = problem.peak_memory(choice)
     feasible = problem.is_feasible(choice)
     if with_memory and not feasible and red.num_core == 0 and np.isfinite(cost):
@@ -196,15 +177,49 @@ def solve(
     log(f"cost {cost:.6g}, peak memory {peak:.6g}, feasible {feasible}, optimal {optimal and feasible}")
     seconds = time.perf_counter() - start
     stats.update(elapsed=seconds, time_limit=float(time_limit))
-    return ShardingSolution(
-        choice=choice,
-        cost=cost,
-        peak_memory=peak,
-        feasible=feasible,
-        optimal=bool(optimal and feasible),
-        seconds=seconds,
-        stats=stats,
-    )
+    return ShardingSolution(choice=choice, cost=cost, peak_memory=peak, feasible=feasible,
+                            optimal=bool(optimal and feasible), seconds=seconds, stats=stats)
+
+
+def _empty_solution(time_limit: float) -> ShardingSolution:
+    """The answer for a problem without nodes."""
+    return ShardingSolution(np.zeros(0, dtype=np.int64), 0.0, 0.0, True, True, 0.0,
+                            {"stop": "optimal", "bound": 0.0, "gap": 0.0, "elapsed": 0.0,
+                             "time_limit": float(time_limit)})
+
+
+def _has_memory(problem: ShardingProblem) -> bool:
+    return problem.memory_limit is not None and problem.node_memory is not None and problem.intervals is not None
+
+
+def _core_memory_rows(problem: ShardingProblem, red: Reduction) -> MemoryRows:
+    """The memory rows of ``red``'s core (``problem`` has a memory limit)."""
+    nonneg = all((m >= 0).all() for m in problem.node_memory)
+    return memory_rows(problem.intervals, problem.memory_limit, red.core_nodes, red.base_usage, nonneg)
+
+
+def _answer_core(red: Reduction, rows: MemoryRows | None, deadline: float, *, seed: int, count: int,
+                 stats: dict, verbose: bool, log) -> CoreAnswer:
+    """The core searched in ``count`` worker processes when it is big and time allows, else in this one."""
+    if count > 1 and red.num_core and is_big(red) and deadline - time.perf_counter() > MIN_PARALLEL_SECONDS:
+        # the workers' answer, or at worst the least-memory choice (what a single search starts from)
+        fallback = CoreState(soften(red), rows, min_memory_choice(red)) if rows is not None else \
+            CoreState(red, None, np.array([int(np.argmin(c)) for c in red.node_costs]))
+        return CoreAnswer(**search_in_workers(red, rows, deadline, seed=seed, count=count, stats=stats,
+                                              fallback=fallback, verbose=verbose, log=log))
+    return search_core(red, rows, deadline, seed=seed, log=log, stats=stats)
+
+
+def _bound_stats(core: CoreAnswer, cost: float) -> dict:
+    """``bound`` and ``gap`` of the full problem's answer (cost ``cost``) from the core's, when known."""
+    optimal = core.optimal
+    if np.isfinite(core.bound) and np.isfinite(cost):
+        # the reductions are exact: the full cost is the core's plus a constant
+        bound = min(core.bound + cost - core.cost, cost) if optimal else core.bound + cost - core.cost
+        return {"bound": bound, "gap": relative_gap(cost, bound)}
+    if optimal:
+        return {"bound": cost, "gap": 0.0}
+    return {}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -253,10 +268,10 @@ def search_core(
     red: Reduction,
     rows: MemoryRows | None,
     deadline: float,
+    *,
     seed: int,
     log,
     stats: dict,
-    *,
     variant: int | None = None,
     share=None,
 ) -> CoreAnswer:
@@ -273,10 +288,11 @@ def search_core(
         stats.update(stop="optimal")
         return CoreAnswer(np.zeros(0, dtype=np.int64), 0.0, True, 0.0)
     start_time = time.perf_counter()
+    search = Search(red, rows, deadline, seed, log, stats, share, variant)
     big = is_big(red)
     stats.update(core_cells=_cells(red))
     if rows is None and big:
-        answer = _memory_free_large(red, deadline, seed, log, stats)
+        answer = _memory_free_large(search)
     else:
         # a memory-constrained large core's bound comes from belief propagation, first (building
         # it takes a while on big matrices; at the end that could overrun the deadline)
@@ -284,7 +300,7 @@ def search_core(
         if big and (variant or 0) == 0:
             lb = _bp_bound(soften(red), start_time + min(_BOUND_SHARE * max(deadline - start_time, 0.0),
                                                          _BOUND_SECONDS))
-        answer = _memory_core(red, rows, start_time, deadline, seed, log, stats, variant, share)
+        answer = _memory_core(search, start_time)
         if np.isfinite(lb) and not answer.optimal and not answer.infeasible:
             if not np.isfinite(answer.bound) or lb > answer.bound:
                 answer = dataclasses.replace(answer, bound=lb)
@@ -293,6 +309,25 @@ def search_core(
         answer = dataclasses.replace(answer, optimal=True)
     stats.setdefault("stop", "time_limit")
     return answer
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Search:
+    """What the steps of one core search share: the core, its memory rows, the clock, and where to report.
+
+    ``stats`` is the solve's stats dict (the steps record into it); ``share``
+    offers and takes incumbents (:class:`NoSharing` in one process);
+    ``variant`` is the parallel worker's index (None in one process).
+    """
+
+    red: Reduction
+    rows: MemoryRows | None
+    deadline: float
+    seed: int
+    log: Callable[[str], None]
+    stats: dict
+    share: NoSharing
+    variant: int | None = None
 
 
 def _bp_bound(red: Reduction, deadline: float) -> float:
@@ -306,7 +341,7 @@ def _bp_bound(red: Reduction, deadline: float) -> float:
     return best
 
 
-def _memory_free_large(red: Reduction, deadline: float, seed: int, log, stats: dict) -> CoreAnswer:
+def _memory_free_large(s: Search) -> CoreAnswer:
     """No memory limit: many short forest descents (exact DP over random induced forests) from random starts.
 
     They beat MILP windows by far here. Belief propagation gives the first descent
@@ -314,119 +349,135 @@ def _memory_free_large(red: Reduction, deadline: float, seed: int, log, stats: d
     vs 7.8e10 after 40 s), and its messages give the lower bound.
     """
     now = time.perf_counter()
-    red = soften(red)
+    red = soften(s.red)
     bp = MinSumBP(red)
-    bp_choice, bp_cost = bp.run(now + _BP_SHARE * max(deadline - now, 0.0), max_rounds=_BP_ROUNDS, tol=_BP_TOL)
+    bp_choice, bp_cost = bp.run(now + _BP_SHARE * max(s.deadline - now, 0.0), max_rounds=_BP_ROUNDS, tol=_BP_TOL)
     bound = max(bp.lower_bound(), trivial_bound(red))
-    log(f"belief propagation: {bp.rounds} rounds, cost {bp_cost:.6g}, bound {bound:.6g}")
+    s.log(f"belief propagation: {bp.rounds} rounds, cost {bp_cost:.6g}, bound {bound:.6g}")
     # restarts go on until the deadline: with no proof of optimality, stopping early leaves time unused
-    found = forest_ils(CoreState(red, None, bp_choice), deadline - _MARGIN, seed, log=log)
-    stats.update(bp_rounds=bp.rounds, forest_restarts=found.restarts)
+    found = forest_ils(CoreState(red, None, bp_choice), s.deadline - _MARGIN, s.seed, log=s.log)
+    s.stats.update(bp_rounds=bp.rounds, forest_restarts=found.restarts)
     return CoreAnswer(found.state.choice, found.state.total_cost(), False, bound)
 
 
-def _memory_core(red, rows, start_time, deadline, seed, log, stats, variant, share) -> CoreAnswer:
+def _memory_core(s: Search, start_time: float) -> CoreAnswer:
     """Cores with memory rows, and cores small enough for one MILP."""
     now = time.perf_counter()
-    big = is_big(red)
-    large = rows is not None and big
-    hard = red  # the MILP takes forbidden pairs as missing variables, not as priced ones
+    big = is_big(s.red)
+    large = s.rows is not None and big
+    hard = s.red  # the MILP takes forbidden pairs as missing variables, not as priced ones
     if large:
         # Start memory-feasible and let the searches price out forbidden pairs.
-        red = soften(red)
-        state = CoreState(red, rows, min_memory_choice(red))
+        s = dataclasses.replace(s, red=soften(s.red))
+        state = CoreState(s.red, s.rows, min_memory_choice(s.red))
     else:
-        state = greedy(red, rows, now + 0.1 * max(deadline - now, 0.0), seed)
+        state = greedy(s.red, s.rows, now + 0.1 * max(s.deadline - now, 0.0), s.seed)
     feasible = state.overflow() <= 0 and np.isfinite(state.total_cost())
-    log(f"greedy: cost {state.total_cost():.6g}, feasible {feasible}")
+    s.log(f"greedy: cost {state.total_cost():.6g}, feasible {feasible}")
     if large:
         if state.overflow() <= 0:
-            share.post(state)  # something to answer with, should this worker be cut off
-        state = _large_start(red, rows, state, start_time, deadline, seed, log, variant)
+            s.share.post(state)  # something to answer with, should this worker be cut off
+        state = _large_start(s, state, start_time)
         feasible = state.overflow() <= 0
     if feasible:
-        share.post(state)
+        s.share.post(state)
     bound = np.nan
-    mid = large and red.num_core <= _FULL_MILP_NODES
+    mid = large and s.red.num_core <= _FULL_MILP_NODES
     if mid and feasible:
         # A mid-sized memory core (hundreds of nodes, big matrices): MILPs over the most
         # promising few strategies per node, twice as many each time, the last one
         # (when time allows) over all of them. Odd parallel workers skip to the windows.
-        if (variant or 0) % 2 == 0:
-            state = _restricted_milps(hard, red, rows, state, deadline, log, stats, share)
-            if stats.get("stop") == "optimal":
-                return CoreAnswer(state.choice, state.total_cost(), True, stats["milp_bound"])
-            bound = stats.get("milp_bound", np.nan)
-    elif not big and deadline - time.perf_counter() > _MARGIN:
-        remaining = deadline - time.perf_counter() - _MARGIN
-        share_of_rest = 0.6 if feasible else 1.0
-        res = solve_milp(hard, rows, time_limit=share_of_rest * remaining)
-        stats.update(milp_status=res.status, milp_bound=res.bound)
-        log(f"milp: {res.status}, objective {res.objective:.6g}, bound {res.bound:.6g}")
-        if res.status == "infeasible":
-            return CoreAnswer(state.choice, np.inf, False, np.nan, infeasible=True)
-        if np.isfinite(res.bound):
-            bound = res.bound
-        if res.choice is not None:
-            cand = CoreState(red, rows, res.choice)
-            if not feasible or cand.total_cost() <= state.total_cost():
-                state, feasible = cand, True
-                share.post(state)
-            if res.status == "optimal":
-                stats.update(stop="optimal")
-                return CoreAnswer(state.choice, state.total_cost(), True, bound)
-        if feasible and relative_gap(state.total_cost(), bound) <= _GAP:
-            return CoreAnswer(state.choice, state.total_cost(), False, bound)
-    if feasible and deadline - time.perf_counter() > _MARGIN:
-        state = _windows(red, rows, state, deadline, seed, log, stats, share, large)
-        if stats.get("stop") == "optimal":
+        if (s.variant or 0) % 2 == 0:
+            state = _restricted_milps(s, hard, state)
+            if s.stats.get("stop") == "optimal":
+                return CoreAnswer(state.choice, state.total_cost(), True, s.stats["milp_bound"])
+            bound = s.stats.get("milp_bound", np.nan)
+    elif not big and s.deadline - time.perf_counter() > _MARGIN:
+        answer, state, feasible, bound = _full_milp(s, state, feasible)
+        if answer is not None:
+            return answer
+    if feasible and s.deadline - time.perf_counter() > _MARGIN:
+        state = _windows(s, state, large)
+        if s.stats.get("stop") == "optimal":
             return CoreAnswer(state.choice, state.total_cost(), True, state.total_cost())
     return CoreAnswer(state.choice, state.total_cost(), False, bound)
 
 
-def _restricted_milps(hard, red, rows, state, deadline, log, stats, share) -> CoreState:
+def _full_milp(s: Search, state: CoreState, feasible: bool):
+    """One MILP over the whole (small) core with most of the time left.
+
+    Returns ``(answer, state, feasible, bound)``: ``answer`` is the search's
+    final answer when the MILP settled it (infeasible, optimal, or within the
+    gap), else None and the search goes on from ``state``.
+    """
+    remaining = s.deadline - time.perf_counter() - _MARGIN
+    share_of_rest = 0.6 if feasible else 1.0
+    res = solve_milp(s.red, s.rows, time_limit=share_of_rest * remaining)
+    s.stats.update(milp_status=res.status, milp_bound=res.bound)
+    s.log(f"milp: {res.status}, objective {res.objective:.6g}, bound {res.bound:.6g}")
+    bound = np.nan
+    if res.status == "infeasible":
+        return CoreAnswer(state.choice, np.inf, False, np.nan, infeasible=True), state, feasible, bound
+    if np.isfinite(res.bound):
+        bound = res.bound
+    if res.choice is not None:
+        cand = CoreState(s.red, s.rows, res.choice)
+        if not feasible or cand.total_cost() <= state.total_cost():
+            state, feasible = cand, True
+            s.share.post(state)
+        if res.status == "optimal":
+            s.stats.update(stop="optimal")
+            return CoreAnswer(state.choice, state.total_cost(), True, bound), state, feasible, bound
+    if feasible and relative_gap(state.total_cost(), bound) <= _GAP:
+        return CoreAnswer(state.choice, state.total_cost(), False, bound), state, feasible, bound
+    return None, state, feasible, bound
+
+
+def _restricted_milps(s: Search, hard: Reduction, state: CoreState) -> CoreState:
     """MILPs over the ``_RESTRICT_WIDTH``, then twice as many, ... most promising strategies per node.
 
     Each gets ``_RESTRICT_SHARE`` of the time left before the windows' share;
     a cheaper answer replaces ``state``. The ladder ends with the full core (its
     bound is then the MILP's; ``stats["stop"]`` is "optimal" when it was solved)
-    or when the time is spent.
+    or when the time is spent. ``hard`` is the core with its forbidden pairs
+    infinite (``s.red`` prices them).
     """
     widest = max(c.size for c in hard.node_costs)
     width = _RESTRICT_WIDTH
     start = time.perf_counter()
-    until = start + (1.0 - _MID_WINDOW_SHARE) * max(deadline - _MARGIN - start, 0.0)
+    until = start + (1.0 - _MID_WINDOW_SHARE) * max(s.deadline - _MARGIN - start, 0.0)
     while time.perf_counter() + 0.2 < until:
         full = width >= widest
         rest = until - time.perf_counter()
         if full:
             sub, keep = hard, None
         else:
-            local = [state.local_cost(k) for k in range(red.num_core)]
+            local = [state.local_cost(k) for k in range(s.red.num_core)]
             keep = promising(hard, state.choice, local, width)
             sub = restrict(hard, keep)
-        res = solve_milp(sub, rows, time_limit=rest if full else _RESTRICT_SHARE * rest)
+        res = solve_milp(sub, s.rows, time_limit=rest if full else _RESTRICT_SHARE * rest)
         choice = res.choice if keep is None or res.choice is None else \
             np.array([kp[c] for kp, c in zip(keep, res.choice, strict=True)], dtype=np.int64)
-        log(f"restricted milp ({'all' if full else width} strategies): {res.status}, "
-            f"objective {res.objective:.6g}")
+        s.log(f"restricted milp ({'all' if full else width} strategies): {res.status}, "
+              f"objective {res.objective:.6g}")
         if choice is not None:
-            cand = CoreState(red, rows, choice)
+            cand = CoreState(s.red, s.rows, choice)
             if cand.overflow() <= 0 and cand.total_cost() < state.total_cost():
                 state = cand
-                share.post(state)
+                s.share.post(state)
         if full:
-            stats.update(milp_status=res.status, milp_bound=res.bound)
+            s.stats.update(milp_status=res.status, milp_bound=res.bound)
             if res.status == "optimal" and res.choice is not None:
-                stats.update(stop="optimal")
+                s.stats.update(stop="optimal")
             break
         width *= 2
     return state
 
 
-def _windows(red, rows, state, deadline, seed, log, stats, share, large) -> CoreState:
+def _windows(s: Search, state: CoreState, large: bool) -> CoreState:
     """MILP windows until the deadline, growing on a stall; adopts cheaper shared incumbents."""
-    search = WindowSearch(state, seed)
+    red, rows, share, log = s.red, s.rows, s.share, s.log
+    search = WindowSearch(state, s.seed)
     hot = None
     if large:
 
@@ -435,48 +486,49 @@ def _windows(red, rows, state, deadline, seed, log, stats, share, large) -> Core
 
     posted = [search.state.total_cost()]
 
-    def adopt(s: WindowSearch) -> None:
-        cost = s.state.total_cost()
+    def adopt(ws: WindowSearch) -> None:
+        cost = ws.state.total_cost()
         if cost < posted[0]:
-            share.post(s.state)
+            share.post(ws.state)
             posted[0] = cost
         choice = share.poll()
         if choice is None:
             return
         cand = CoreState(red, rows, choice)
         if cand.overflow() <= 0 and cand.total_cost() < cost - 1e-12 * max(1.0, abs(cost)):
-            s.state = cand
-            s.settled[:] = False
+            ws.state = cand
+            ws.settled[:] = False
             posted[0] = cand.total_cost()
             log(f"lns: took a shared incumbent, cost {cand.total_cost():.6g}")
 
     size, seconds = (_WINDOW_NODES_LARGE, _WINDOW_SECONDS_LARGE) if large else (_WINDOW_NODES, _WINDOW_SECONDS)
     if large and red.num_core <= _FULL_MILP_NODES:
         size, seconds = _WINDOW_NODES_MID, _WINDOW_SECONDS_MID
-    search.run(deadline - _MARGIN, window_size=size, window_time=seconds, log=log, hot=hot, grow=True,
+    search.run(s.deadline - _MARGIN, window_size=size, window_time=seconds, log=log, hot=hot, grow=True,
                adopt=adopt)
-    stats.update(lns_windows=search.windows, lns_improved=search.improved)
+    s.stats.update(lns_windows=search.windows, lns_improved=search.improved)
     log(f"lns: {search.windows} windows, {search.improved} improved, cost {search.state.total_cost():.6g}"
         f"{', proven optimal' if search.proven else ''}")
     if search.proven:
-        stats.update(stop="optimal")
+        s.stats.update(stop="optimal")
     return search.state
 
 
-def _large_start(red, rows, state, start_time, deadline, seed, log, variant) -> CoreState:
+def _large_start(s: Search, state: CoreState, start_time: float) -> CoreState:
     """A first fitting choice of a large memory-constrained core (``state`` when none is found)."""
+    red, rows, deadline, seed, log = s.red, s.rows, s.deadline, s.seed, s.log
     now = time.perf_counter()
     rest = max(deadline - now, 0.0)
     cand = None
     huge = red.num_core > _FULL_MILP_NODES
     if huge:
-        cand = _two_lagrangian_starts(red, rows, now, deadline, seed, log, variant)
+        cand = _two_lagrangian_starts(s, now)
     if cand is None or cand.total_cost() >= FORBIDDEN:
         # nothing fits yet, or only with forbidden pairs: the uniform search
         # goes on until something fits
         now = time.perf_counter()
         rest = max(deadline - now, 0.0)
-        found = penalty_search(red, rows, now + 0.3 * rest, seed, log, give_up=now + 0.8 * rest)
+        found = penalty_search(red, rows, now + 0.3 * rest, seed, log=log, give_up=now + 0.8 * rest)
         if found is not None and (cand is None or found.total_cost() < cand.total_cost()):
             cand = found
     if cand is not None and cand.total_cost() < state.total_cost():
@@ -497,7 +549,7 @@ def _large_start(red, rows, state, start_time, deadline, seed, log, variant) -> 
         # A second, different start: the cheapest fitting uniform
         # multiplier plus guarded descents (better than the lagrangian
         # path on contest S, 1.19x vs 1.33x, worse on M).
-        found = penalty_search(red, rows, now + 0.3 * rest, seed, log, give_up=now + 0.6 * rest)
+        found = penalty_search(red, rows, now + 0.3 * rest, seed, log=log, give_up=now + 0.6 * rest)
         if found is not None:
             now = time.perf_counter()
             found = guarded_descent(found, now + 0.85 * max(deadline - _MARGIN - now, 0.0), seed, log)
@@ -506,8 +558,7 @@ def _large_start(red, rows, state, start_time, deadline, seed, log, variant) -> 
     return state
 
 
-def _two_lagrangian_starts(red, rows, now: float, deadline: float, seed: int, log,
-                           variant: int | None = None) -> CoreState | None:
+def _two_lagrangian_starts(s: Search, now: float) -> CoreState | None:
     """The cheaper fit of two memory-priced searches (the caller then descends from it).
 
     Both start from a small uniform multiplier (cheap, far over the limit) and let
@@ -520,6 +571,7 @@ def _two_lagrangian_starts(red, rows, now: float, deadline: float, seed: int, lo
     the forest rounds, even ones belief propagation), so that the best answer is
     never worse than one process's.
     """
+    red, rows, deadline, seed, log, variant = s.red, s.rows, s.deadline, s.seed, s.log, s.variant
     rest = max(deadline - now, 0.0)
     lam = plain_scale(red) * 2.0**_LAGRANGE_START
     cands = []
@@ -532,7 +584,7 @@ def _two_lagrangian_starts(red, rows, now: float, deadline: float, seed: int, lo
             cands.append(guarded_descent(found, time.perf_counter() + 0.1 * rest, seed, log))
     if both or variant % 2 == 1:
         start = penalised_choice(red, rows, lam, deadline, seed, forest_seconds=max(0.05 * rest, 1.0))
-        found = lagrangian_descent(red, rows, start, lam, now + 0.75 * rest, seed, log)
+        found = lagrangian_descent(red, rows, start, lam=lam, deadline=now + 0.75 * rest, seed=seed, log=log)
         if found is not None:
             cands.append(found)
     if not cands:
@@ -542,10 +594,7 @@ def _two_lagrangian_starts(red, rows, now: float, deadline: float, seed: int, lo
 
 def _raise_infeasible(problem: ShardingProblem, red: Reduction, deadline: float) -> None:
     """The core MILP has no solution: say whether edges or memory are to blame."""
-    rows = None
-    if problem.memory_limit is not None and problem.node_memory is not None and problem.intervals is not None:
-        nonneg = all((m >= 0).all() for m in problem.node_memory)
-        rows = memory_rows(problem.intervals, problem.memory_limit, red.core_nodes, red.base_usage, nonneg)
+    rows = _core_memory_rows(problem, red) if _has_memory(problem) else None
     if rows is None:
         raise InfeasibleError(
             "no assignment avoids every infinite edge cost; the forbidden strategy pairs "

@@ -40,7 +40,8 @@ def main() -> int:
     share = PipeSharing(inbox, out, frames)
     stats: dict = {}
     try:
-        ans = search_core(job["red"], job["rows"], deadline, job["seed"], log, stats, variant=k, share=share)
+        ans = search_core(job["red"], job["rows"], deadline, seed=job["seed"], log=log, stats=stats, variant=k,
+                          share=share)
     except Exception:  # noqa: BLE001 - reported to the parent, which decides
         out.write(encode(("error", traceback.format_exc())))
         out.flush()

@@ -415,3 +415,22 @@ def test_the_private_name_scan_sees_what_it_should(tmp_path):
 
 def test_no_import_cycle_in_the_package():
     assert import_cycles() == []
+
+
+def long_or_wide_functions(root=PACKAGE) -> list[str]:
+    """Functions over 80 lines, or taking more than 5 positional parameters (``self``/``cls`` aside)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            lines = node.end_lineno - node.lineno + 1
+            positional = [a.arg for a in node.args.posonlyargs + node.args.args if a.arg not in ("self", "cls")]
+            if lines > 80 or len(positional) > 5:
+                found.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name}: {lines} lines, "
+                             f"{len(positional)} positional")
+    return found
+
+
+def test_no_function_is_over_80_lines_or_takes_more_than_5_positional_parameters():
+    assert long_or_wide_functions() == []

@@ -55,12 +55,10 @@ def with_precision(fun, precision, mesh=None):
     dtype = compute_dtype(precision)
     if dtype is None:
         return fun
-    from autoshard.cluster import is_abstract
+    from autoshard.backends import profile_for_mesh
 
-    if mesh is not None and is_abstract(mesh):
-        platform = "gpu"  # no devices: planned for GPUs, as autoshard.backends.profile_for_mesh says
-    else:
-        platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+    # the platform of the backend that compiles the plan (an AbstractMesh's: GPU, as profile_for_mesh says)
+    platform = profile_for_mesh(mesh).platform if mesh is not None else jax.devices()[0].platform
     return cast_matmuls(fun, dtype, widen=widen_operands(platform))
 
 

@@ -22,6 +22,7 @@ setup(
             "flax>=0.11",
             "optax>=0.2.4",
             "pytest>=8",
+            "pytest-xdist>=3.5",  # the default suite runs on every core (pyproject addopts)
             "hypothesis>=6.100",
             "nbclient>=0.10",
             "nbformat>=5.9",

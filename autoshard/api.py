@@ -192,7 +192,7 @@ class Parallelized:
             return plan_program(program, mesh=mesh, cluster=o.cluster, memory_budget=o.memory_budget, hints=hints,
                                 donated=donated, ties=ties, time_limit=o.solver_time_limit, timings=timings,
                                 tie_layers=o.tie_layers, progress=planning_progress(o.progress),
-                                remat=o.wants_remat)
+                                remat=o.wants_remat, profile=o.profile)
 
         if o.plan is not None:
             plan = self._apply_saved(program)
@@ -309,15 +309,9 @@ class Parallelized:
 
 def _require_devices(plan, what: str) -> None:
     """A plan made on an ``AbstractMesh`` is a prediction: there are no devices to lower or run it on."""
-    from autoshard.cluster import is_abstract
+    from autoshard.cluster import require_devices
 
-    if is_abstract(getattr(plan, "mesh", None)):  # an accumulated step's PipelinePlan has stage meshes
-        shape = dict(zip(plan.mesh.axis_names, plan.mesh.axis_sizes, strict=True))
-        raise MeshError(
-            f"this step was planned on an AbstractMesh {shape}, which has no devices to {what} it on "
-            f"(plan.memory and plan.cost are its predictions). Fix: on a machine with {plan.mesh.size} devices, "
-            f"parallelize(..., mesh=autoshard.make_mesh({tuple(plan.mesh.axis_sizes)}, "
-            f"{tuple(plan.mesh.axis_names)})), optionally with plan=autoshard.Plan.from_json(saved_json).")
+    require_devices(getattr(plan, "mesh", None), what)  # an accumulated step's PipelinePlan has stage meshes
 
 
 def _options(options: Options | None, kwargs: dict) -> Options:
@@ -356,7 +350,7 @@ def parallelize(fun=None, *, options=None, mesh=None, cluster=None, memory_budge
                 donate_argnums=(), static_argnames=(), donate_argnames=(), plan=None, hints=None,
                 solver_time_limit=10.0, tie_layers="auto", num_microbatches=1, pipeline=None, progress="auto",
                 batch_argnums=None, step_timeout=None, precision=None, remat="auto", accumulate=True,
-                state_roles=None):
+                state_roles=None, profile=None):
     """Plan and run a single-device step function sharded over a device mesh.
 
     Works bare (``@parallelize``) and with arguments (``@parallelize(mesh=...)``). The keyword
@@ -387,7 +381,7 @@ def parallelize(fun=None, *, options=None, mesh=None, cluster=None, memory_budge
                  plan=plan, hints=hints, solver_time_limit=solver_time_limit, tie_layers=tie_layers,
                  num_microbatches=num_microbatches, pipeline=pipeline, progress=progress,
                  batch_argnums=batch_argnums, step_timeout=step_timeout, precision=precision, remat=remat,
-                 accumulate=accumulate, state_roles=state_roles)
+                 accumulate=accumulate, state_roles=state_roles, profile=profile)
     if options is not None:  # the keywords given beside options= replace its fields
         defaults = inspect.signature(parallelize).parameters
         options = _options(options, {k: v for k, v in given.items() if v is not defaults[k].default})
@@ -408,11 +402,12 @@ def make_step(fun, options: Options):
 
 
 def plan_program(program, *, mesh=None, cluster=None, memory_budget=None, hints=None, donated=(), ties=None,
-                 time_limit=10.0, timings=None, tie_layers="auto", progress=None, remat=False):
+                 time_limit=10.0, timings=None, tie_layers="auto", progress=None, remat=False, profile=None):
     """Plan a captured program: :func:`autoshard.driver.plan` of a :class:`~autoshard.driver.PlanRequest`
     made of these options. With ``mesh=None``, every 2-D factorization of all devices is tried."""
     from autoshard.driver import PlanRequest, plan
 
     return plan(PlanRequest(program, mesh=mesh, cluster=cluster, memory_budget=memory_budget, hints=dict(hints or {}),
                             donated=frozenset(donated), ties=dict(ties or {}), time_limit=time_limit,
-                            tie_layers=tie_layers, remat=remat, progress=progress, timings=dict(timings or {})))
+                            tie_layers=tie_layers, remat=remat, progress=progress, timings=dict(timings or {}),
+                            profile=profile))

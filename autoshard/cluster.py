@@ -475,6 +475,36 @@ def is_abstract(mesh) -> bool:
     return isinstance(mesh, jax.sharding.AbstractMesh)
 
 
+def submesh(like, shape: Sequence[int], names: Sequence[str], devices: Sequence[Any] | None = None):
+    """A mesh of ``shape`` over ``devices`` (see :func:`make_mesh`), or an ``AbstractMesh`` of that shape
+    when ``like`` is one: a pipeline stage of an abstract mesh is abstract too (``devices`` are ignored)."""
+    import jax
+
+    if is_abstract(like):
+        auto = jax.sharding.AxisType.Auto
+        return jax.sharding.AbstractMesh(tuple(int(s) for s in shape), tuple(names), axis_types=(auto,) * len(shape))
+    return make_mesh(shape, names, devices=devices)
+
+
+def device_ids(mesh) -> tuple[int, ...]:
+    """The ids of ``mesh``'s devices in mesh order; an ``AbstractMesh``'s are its positions ``0..size-1``."""
+    if is_abstract(mesh):
+        return tuple(range(int(mesh.size)))
+    return tuple(int(d.id) for d in np.asarray(mesh.devices).flat)
+
+
+def require_devices(mesh, what: str) -> None:
+    """Raise :class:`MeshError` when ``mesh`` is an ``AbstractMesh``: a plan made on one is a prediction,
+    with no devices to ``what`` (lower, run) it on."""
+    if is_abstract(mesh):
+        shape = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+        raise MeshError(
+            f"this step was planned on an AbstractMesh {shape}, which has no devices to {what} it on "
+            f"(plan.memory and plan.cost are its predictions). Fix: on a machine with {mesh.size} devices, "
+            f"parallelize(..., mesh=autoshard.make_mesh({tuple(mesh.axis_sizes)}, "
+            f"{tuple(mesh.axis_names)})), optionally with plan=autoshard.Plan.from_json(saved_json).")
+
+
 # ---------------------------------------------------------------------------------
 # Profiling.
 

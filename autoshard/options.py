@@ -136,6 +136,9 @@ class Options:
         "optimizer_state"}`` for an optimizer that is not optax. Roles decide what host offload may
         move (optimizer state only) and label the report. None: optax's state types, nnx variable
         types and PRNG key dtypes decide.
+      profile: the :class:`autoshard.BackendProfile` of the backend the plan is for (how its compiler
+        lays out memory and lowers collectives: ``autoshard.backends.CPU``, ``GPU``, ``TPU``). None: the
+        platform of the mesh's devices; an ``AbstractMesh`` (no devices) plans for GPUs.
 
     Example:
       >>> import autoshard
@@ -165,6 +168,7 @@ class Options:
     remat: bool | str = "auto"
     accumulate: bool = True
     state_roles: Mapping = dataclasses.field(default_factory=dict)
+    profile: Any = None
 
     def __post_init__(self):
         problems: list[str] = []
@@ -256,6 +260,12 @@ def _check_types(o: Options, problems: list) -> None:
     if o.pipeline is not None and not isinstance(o.pipeline, PipelineOptions):
         problems.append(f"pipeline={o.pipeline!r}: expected autoshard.PipelineOptions(...) or None. Fix: "
                         "pipeline=autoshard.PipelineOptions(num_stages=2).")
+    if o.profile is not None:
+        from autoshard.backends import BackendProfile
+
+        if not isinstance(o.profile, BackendProfile):
+            problems.append(f"profile={o.profile!r}: expected an autoshard.BackendProfile or None. Fix: "
+                            "profile=autoshard.backends.GPU.")
     if o.plan is not None and not isinstance(o.plan, Plan):
         problems.append(f"plan={type(o.plan).__name__}: expected a saved autoshard.Plan. Fix: "
                         "plan=autoshard.Plan.from_json(text).")

@@ -167,3 +167,56 @@ def test_options_are_validated():
         autoshard.PipelineOptions(schedule="zigzag")
     with pytest.raises(InputError, match=r"num_stages=3 but 2 submeshes"):
         autoshard.PipelineOptions(num_stages=3, submeshes=[(1, 4), (1, 4)])
+
+
+def test_repeated_blocks_are_cut_at_the_same_place_in_every_layer():
+    """An embedding-like head, 12 identical residual blocks, a different tail: the layers made of blocks are
+    the same program (planned once), whatever the flops balance would pick inside a block."""
+    from autoshard.capture import capture_graph
+    from autoshard.pipeline.cluster_layers import cluster_layers, repeat_period
+
+    def forward(head, blocks, tail, x):
+        h = jnp.tanh(x @ head)
+        for w1, w2 in blocks:
+            h = h + jnp.tanh(h @ w1) @ w2
+        return jnp.sum((h @ tail) ** 2)
+
+    sds = jax.ShapeDtypeStruct
+    args = (sds((64, 128), jnp.float32), [(sds((128, 256), jnp.float32), sds((256, 128), jnp.float32))] * 12,
+            sds((128, 32), jnp.float32), sds((16, 64), jnp.float32))
+    program = capture_graph(forward, args)
+    ops = list(program.graph.ops)
+    period, first, end = repeat_period(ops, program.avals)
+    assert period == 4 and (end - first) >= 11 * period  # dot, tanh, dot, add per block
+    cuts = cluster_layers(ops, program.avals, 4)
+
+    def names(a, b):
+        return [op.name for op in ops[a:b]]
+
+    bounds = [0, *cuts, len(ops)]
+    inner = [names(a, b) for a, b in zip(bounds[1:-2], bounds[2:-1], strict=True)]
+    assert len(inner) == 2 and inner[0] == inner[1], bounds
+    assert all((c - first) % period == (cuts[0] - first) % period for c in cuts), (cuts, first)
+
+
+def test_a_pipeline_plans_on_an_abstract_mesh_without_devices():
+    """num_stages="auto" on an AbstractMesh: stages with intra-op plans on abstract sub-meshes, nothing
+    compiled; running says that it needs devices."""
+    from jax.sharding import AbstractMesh
+
+    params, batch = _wide_then_narrow()
+    options = dict(num_microbatches=8, cluster=SLOW_HOSTS,
+                   pipeline=autoshard.PipelineOptions(layers=8, solver_time_limit=0.5))
+    # the concrete mesh's devices are CPUs: the abstract plan is made for them too (else it plans for GPUs)
+    abstract = autoshard.parallelize(_mlp_step, mesh=AbstractMesh((2, 4), ("data", "model")),
+                                     profile=autoshard.backends.CPU, **options)
+    plan = abstract.plan(params, batch)
+    concrete = autoshard.parallelize(_mlp_step, mesh=mesh("2x4"), **options).plan(params, batch)
+    assert plan.stats["runtime"] == "none"
+    assert [(s.layers, s.mesh_shape, s.devices) for s in plan.stages] == \
+        [(s.layers, s.mesh_shape, s.devices) for s in concrete.stages], (plan.summary(), concrete.summary())
+    assert plan.step_time_s == pytest.approx(concrete.step_time_s, rel=1e-6)
+    assert all(isinstance(s.plan.mesh, AbstractMesh) for s in plan.stages if s.plan is not None)
+    assert all("compiled_peak" not in s.plan.stats for s in plan.stages if s.plan is not None)
+    with pytest.raises(MeshError, match=r"AbstractMesh \{'data': 2, 'model': 4\}.*Fix: on a machine with 8"):
+        abstract(_unbalanced_params(), {"x": jnp.ones((2048, 128)), "y": jnp.ones((2048, 128))})

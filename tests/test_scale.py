@@ -18,7 +18,8 @@ def _plan(mesh, batch=8, **kwargs):
 
 
 def test_an_abstract_mesh_plans_as_the_concrete_mesh_of_its_shape():
-    _, _, abstract = _plan(AbstractMesh((2, 4), ("data", "model")))
+    # made for the concrete mesh's CPUs (an AbstractMesh alone plans for GPUs)
+    _, _, abstract = _plan(AbstractMesh((2, 4), ("data", "model")), profile=autoshard.backends.CPU)
     _, _, concrete = _plan(autoshard.make_mesh((2, 4), ("data", "model")))
     assert abstract.in_specs == concrete.in_specs and abstract.out_specs == concrete.out_specs
     assert abstract.memory.peak_bytes == concrete.memory.peak_bytes

@@ -76,14 +76,14 @@ def cluster_layers(ops: list[Op], avals, num_layers: int) -> list[int]:
     flops = np.array([op_flops(op, avals) for op in ops])
     prefix = np.concatenate([[0.0], np.cumsum(flops)])
     traffic = cut_traffic(ops, avals)
-    cand = np.arange(1, n)
+    cand = _aligned_to_repeats(np.arange(1, n), ops, avals, traffic)
     if len(cand) > MAX_CANDIDATES:
         # Keep the cheapest cuts near every flops quantile, so a balanced cut is always reachable.
         keep = set()
         for q in np.linspace(0, prefix[-1], MAX_CANDIDATES // 4 + 2)[1:-1]:
             centre = int(np.searchsorted(prefix, q))
             lo, hi = max(1, centre - 2 * n // MAX_CANDIDATES), min(n - 1, centre + 2 * n // MAX_CANDIDATES)
-            window = np.arange(lo, hi + 1)
+            window = cand[(cand >= lo) & (cand <= hi)]
             keep.update(window[np.argsort(traffic[window], kind="stable")[:4]].tolist())
         cand = np.array(sorted(keep))
     points = np.concatenate([[0], cand, [n]])
@@ -94,6 +94,53 @@ def cluster_layers(ops: list[Op], avals, num_layers: int) -> list[int]:
         if cuts is not None:
             return cuts
     return [round(i * n / L) for i in range(1, L)]
+
+
+MIN_REPEATS = 3
+"""A run of ops counts as a repeated block once it occurs this many times in a row."""
+
+
+def _token(op: Op, avals) -> tuple:
+    return (op.name, tuple((tuple(getattr(avals[v], "shape", ())), str(getattr(avals[v], "dtype", "")))
+                           for v in op.outputs))
+
+
+def repeat_period(ops: list[Op], avals) -> tuple[int, int, int] | None:
+    """``(period, first, end)`` of the longest run of a repeated block in ``ops`` (the transformer layers of a
+    model written as a loop), or None: ``ops[i]`` and ``ops[i + period]`` do the same (same primitive,
+    same output shapes) for every ``first <= i < end - period``."""
+    ids: dict = {}
+    tok = np.array([ids.setdefault(_token(op, avals), len(ids)) for op in ops])
+    n, best = len(tok), None
+    for p in range(1, n // MIN_REPEATS + 1):
+        same = np.concatenate([tok[:-p] == tok[p:], [False]])
+        # the longest run of matches: ops[i] == ops[i + p] for i in [a, b)
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], same.astype(np.int8), [0]])))
+        if not len(edges):
+            continue
+        starts, stops = edges[::2], edges[1::2]
+        k = int(np.argmax(stops - starts))
+        a, b = int(starts[k]), int(stops[k])
+        if b - a >= (MIN_REPEATS - 1) * p and (best is None or b - a > best[2] - best[1] - best[0]):
+            best = (p, a, b + p)
+    return best
+
+
+def _aligned_to_repeats(cand: np.ndarray, ops: list[Op], avals, traffic: np.ndarray) -> np.ndarray:
+    """Inside a repeated block's run, keep only the cuts at one place of the block (the one of least
+    traffic): every layer made of whole blocks is then the same program, planned once (search.py's
+    fingerprints), and cut where the block hands over one activation."""
+    rep = repeat_period(ops, avals)
+    if rep is None:
+        return cand
+    p, first, end = rep
+    inside = (cand > first) & (cand < end)
+    if not inside.any():
+        return cand
+    phases = (cand[inside] - first) % p
+    cost = {ph: float(np.median(traffic[cand[inside][phases == ph]])) for ph in np.unique(phases)}
+    best = min(cost, key=lambda ph: (cost[ph], ph))
+    return cand[~inside | ((cand - first) % p == best)]
 
 
 def _least_max(points, prefix, L) -> float:

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from autoshard.capture import CapturedProgram, OpGraph
-from autoshard.cluster import make_mesh
+from autoshard.cluster import submesh
 from autoshard.errors import InfeasibleError, InputError, MeshError
 from autoshard.pipeline.accumulate import StepAnalysis
 from autoshard.pipeline.cluster_layers import boundary_layers, cluster_layers, op_flops
@@ -128,7 +128,8 @@ def boundary_ties(program: CapturedProgram, part: Partition) -> dict[int, int]:
     return ties
 
 
-def plan_boundaries(program: CapturedProgram, part: Partition, mesh, cluster, time_limit, *, tie_layers="auto"):
+def plan_boundaries(program: CapturedProgram, part: Partition, mesh, cluster, time_limit, *, tie_layers="auto",
+                    profile=None):
     """The intra-op plan of a layer or stage with its boundary values pinned to the exchange layout
     (:func:`boundary_pins`) and its outputs tied to them; with neither when the layout does not fit."""
     from autoshard.driver import PlanRequest, plan
@@ -136,7 +137,7 @@ def plan_boundaries(program: CapturedProgram, part: Partition, mesh, cluster, ti
     pins = boundary_pins(program, mesh)
     ties = boundary_ties(program, part) if pins else {}
     return plan(PlanRequest(program, mesh=mesh, cluster=cluster, time_limit=time_limit, pins=pins, ties=ties,
-                            tie_layers=tie_layers))
+                            tie_layers=tie_layers, profile=profile))
 
 
 def residual_bytes(analysis: StepAnalysis, part: Partition, stage: int) -> float:
@@ -191,6 +192,7 @@ class StageSearch:
       memory_budget: bytes per device a stage may hold, or None.
       tie_layers: ``parallelize(tie_layers=...)`` for every intra-op plan.
       progress: ``callback(stage, done, total)`` or None.
+      profile: the :class:`~autoshard.BackendProfile` every intra-op plan is for (None: the mesh's).
     """
 
     mesh: object
@@ -199,6 +201,7 @@ class StageSearch:
     memory_budget: float | None = None
     tie_layers: object = "auto"
     progress: object = None
+    profile: object = None
 
     def report(self, stage: str, done: int, total: int) -> None:
         if self.progress is not None:
@@ -245,10 +248,10 @@ class _CostTable:
             d = option.logical[0]
             allreduce = 0.0 if d == 1 else 2 * (d - 1) / d * params / min(sub_cluster.bandwidth)
             return _LayerCost(flops / (n * sub_cluster.flops) + allreduce, params * 4 / n + act, act)
-        mesh = make_mesh(option.logical, AXES)
+        mesh = submesh(self.search.mesh, option.logical, AXES)
         try:
             plan = plan_boundaries(prog, self.part, mesh, sub_cluster, options.solver_time_limit,
-                                   tie_layers=self.search.tie_layers)
+                                   tie_layers=self.search.tie_layers, profile=self.search.profile)
         except (InfeasibleError, MeshError):  # no plan of this layer fits this option (bugs propagate)
             return _LayerCost(math.inf, math.inf, act)
         self.plans_made += 1
@@ -359,10 +362,10 @@ def _plan_each_stage(analysis, part, stages: _Stages, search: StageSearch, grid_
     orders = stage_orders(S, analysis.num_microbatches, options.schedule)
     meshes, plans, stage_plans = [], [], []
     for s, o in enumerate(stages.chosen):
-        mesh = make_mesh(o.logical, AXES, devices=list(stages.devices[s]))
+        mesh = submesh(search.mesh, o.logical, AXES, devices=list(stages.devices[s]))
         prog = stage_program(analysis, part, s)
         plan = plan_boundaries(prog, part, mesh, cluster_for(search.cluster, o, grid_shape), options.solver_time_limit,
-                               tie_layers=search.tie_layers) if prog.graph.ops else None
+                               tie_layers=search.tie_layers, profile=search.profile) if prog.graph.ops else None
         search.report(f"stage {s} planned", 2 + s + 1, 2 + S)
         act = residual_bytes(analysis, part, s) / o.size
         live = max_in_flight(orders[s])
@@ -370,19 +373,23 @@ def _plan_each_stage(analysis, part, stages: _Stages, search: StageSearch, grid_
         mem = (plan.cost.peak_memory_bytes if plan is not None else 0.0) + max(0, live - 1) * act
         meshes.append(mesh)
         plans.append(plan)
-        stage_plans.append(StagePlan(s, tuple(int(d.id) for d in stages.devices[s]), o.logical,
+        # an AbstractMesh's grid holds device positions (ints), a concrete mesh's grid devices
+        ids = tuple(int(d) if isinstance(d, int | np.integer) else int(d.id) for d in stages.devices[s])
+        stage_plans.append(StagePlan(s, ids, o.logical,
                                      stages.bounds[s][:2], plan, t, mem, act, live))
     return meshes, plans, stage_plans
 
 
 def plan_stages(analysis: StepAnalysis, mesh, cluster, options: PipelineOptions, memory_budget=None, *,
-                tie_layers="auto", progress=None):
+                tie_layers="auto", progress=None, profile=None):
     """Search the pipeline; returns ``(partition, meshes, plans, PipelinePlan)``.
 
     ``progress``: ``callback(stage, done, total)`` after the layer costs, the stage search and each
     stage's plan."""
     t0 = time.perf_counter()
-    search = StageSearch(mesh, cluster, options, memory_budget, tie_layers, progress)
+    # a stage holds its layers' weights and in-flight activations: no more than a device has (as intra-op plans)
+    budget = memory_budget if memory_budget is not None else getattr(cluster, "memory", None)
+    search = StageSearch(mesh, cluster, options, budget, tie_layers, progress, profile)
     k = analysis.num_microbatches
     grid = physical_grid(mesh)
     N = grid.size

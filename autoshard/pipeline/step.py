@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 
+from autoshard.cluster import device_ids, mesh_shape, require_devices
 from autoshard.distributed import StepWatchdog
 from autoshard.driver import PlanRequest, default_cluster
 from autoshard.driver import plan as plan_request
@@ -32,7 +33,12 @@ from autoshard.signature import BoundCall, StepCache, StepSignature, output_ties
 
 
 def _resolve_runtime(runtime: str, mesh) -> str:
-    """``PipelineOptions.runtime`` made concrete for ``mesh``: ``"device_put"`` or ``"spmd"``."""
+    """``PipelineOptions.runtime`` made concrete for ``mesh``: ``"device_put"`` or ``"spmd"``; ``"none"`` on
+    an ``AbstractMesh`` (planned, each stage with its intra-op plan, but not runnable)."""
+    from autoshard.cluster import is_abstract
+
+    if is_abstract(mesh):
+        return "none"
     multi = spans_processes([mesh])
     if runtime == "auto":
         return "spmd" if multi else "device_put"
@@ -43,6 +49,18 @@ def _resolve_runtime(runtime: str, mesh) -> str:
             "Fix: PipelineOptions(runtime='spmd') (or 'auto'), which moves activations with ppermute inside "
             "one program.")
     return runtime
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedOnly:
+    """The "executable" of a step planned on an ``AbstractMesh``: the plan is a prediction, with no
+    devices to run it on (running raises the :class:`~autoshard.MeshError` that says how to)."""
+
+    mesh: Any
+
+    def run(self, leaves):
+        del leaves
+        require_devices(self.mesh, "run")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -115,7 +133,7 @@ class PipelinedStep:
 
         o, t0 = self.options, time.perf_counter()
         mesh = self._mesh()
-        runtime = "device_put" if self.pipeline is None else _resolve_runtime(self.pipeline.runtime, mesh)
+        runtime = _resolve_runtime("device_put" if self.pipeline is None else self.pipeline.runtime, mesh)
         if jax.process_count() > 1:
             o.check_runtime("multi-process pipelined")
         abstract = call.abstract() if abstract is None else abstract
@@ -138,11 +156,13 @@ class PipelinedStep:
             # The spmd runtime replicates inside a stage: intra-op plans cannot price its cut.
             opts = self.pipeline if runtime != "spmd" else dataclasses.replace(self.pipeline, stage_cost="estimate")
             part, meshes, plans, pplan = plan_stages(analysis, mesh, cluster, opts, o.memory_budget,
-                                                     progress=progress, tie_layers=o.tie_layers)
+                                                     progress=progress, tie_layers=o.tie_layers, profile=o.profile)
         pplan = dataclasses.replace(pplan, stats={**pplan.stats, "capture_s": capture_s,
                                                   "plan_s": time.perf_counter() - t0, "runtime": runtime})
         schedule = "gpipe" if self.pipeline is None else self.pipeline.schedule
-        if runtime == "spmd":
+        if runtime == "none":
+            exe = PlannedOnly(mesh)
+        elif runtime == "spmd":
             # Data parallelism inside a stage captures the step again at microbatch / devices-per-stage.
             exe = SpmdPipelineExecutable(analysis, part, meshes, schedule, reanalyze=analyze)
         else:
@@ -177,7 +197,7 @@ class PipelinedStep:
         if prog.graph.ops:
             plan = plan_request(PlanRequest(prog, mesh=self._mesh(), cluster=o.cluster,
                                             memory_budget=o.memory_budget, time_limit=o.solver_time_limit,
-                                            tie_layers=o.tie_layers, progress=progress))
+                                            tie_layers=o.tie_layers, progress=progress, profile=o.profile))
             mesh = plan.mesh
         else:
             from autoshard.cluster import make_mesh
@@ -186,7 +206,7 @@ class PipelinedStep:
         k = analysis.num_microbatches
         t = plan.cost.total_seconds if plan is not None else 0.0
         mem = plan.cost.peak_memory_bytes if plan is not None else 0.0
-        stage = StagePlan(0, tuple(int(d.id) for d in mesh.devices.flat), tuple(mesh.devices.shape), (0, 1), plan,
+        stage = StagePlan(0, device_ids(mesh), mesh_shape(mesh), (0, 1), plan,
                           t, mem, residual_bytes(analysis, part, 0), 1)
         pplan = PipelinePlan((stage,), "gpipe", k, (), k * t, k * t, 0.0, {"search_s": time.perf_counter() - t0})
         return part, [mesh], [plan], pplan
@@ -238,6 +258,8 @@ class PipelinedStep:
 
 
 def _need_device_put(entry: PipelinedProgram, what: str):
+    if isinstance(entry.executable, PlannedOnly):
+        require_devices(entry.executable.mesh, f"measure step.{what}(...)")
     if not isinstance(entry.executable, PipelineExecutable):
         raise InputError(f"step.{what}(...) measures the runtime='device_put' tasks one by one; this step runs "
                          "as one SPMD program (runtime='spmd'). Fix: PipelineOptions(runtime='device_put') "

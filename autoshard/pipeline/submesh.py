@@ -27,8 +27,11 @@ class SubmeshOption:
 
 
 def physical_grid(mesh) -> np.ndarray:
-    """The mesh's devices as a 2-D (rows, columns) array; a 1-D mesh is one row."""
-    devs = np.asarray(mesh.devices)
+    """The mesh's devices as a 2-D (rows, columns) array; a 1-D mesh is one row. An ``AbstractMesh``'s
+    "devices" are their positions ``0..size-1`` (stages of it are abstract too)."""
+    from autoshard.cluster import is_abstract
+
+    devs = np.arange(mesh.size).reshape(tuple(mesh.axis_sizes)) if is_abstract(mesh) else np.asarray(mesh.devices)
     return devs.reshape(1, -1) if devs.ndim == 1 else devs.reshape(devs.shape[0], -1)
 
 

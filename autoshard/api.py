@@ -185,7 +185,7 @@ class Parallelized:
             mesh = resolve_mesh(fixed)
         timings["capture"] = time.perf_counter() - t0
         donated = call.donated_leaves()
-        ties = output_ties(abstract, _out_shape(program))
+        ties = output_ties(abstract, program.out_shape())
         program = with_roles(program, abstract, ties, o.state_roles)
 
         def solve():
@@ -320,13 +320,6 @@ def _options(options: Options | None, kwargs: dict) -> Options:
     if not isinstance(options, Options):
         raise InputError(f"options={options!r}: expected autoshard.Options(...). Fix: options=autoshard.Options().")
     return options.replace(**kwargs) if kwargs else options
-
-
-def _out_shape(program):
-    """The program's outputs as ``ShapeDtypeStruct``s, in the step's output structure."""
-    return jax.tree_util.tree_unflatten(program.out_tree, [
-        program.avals[v] if isinstance(v, int) else jax.ShapeDtypeStruct(np.shape(v.value), np.asarray(v.value).dtype)
-        for v in program.graph.outvars])
 
 
 def _compiled(program, plan, ties, donated, local) -> CompiledStep:

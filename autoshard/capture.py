@@ -159,6 +159,13 @@ class CapturedProgram:
     def num_eqns(self) -> int:
         return len(self.ops)
 
+    def out_shape(self):
+        """The outputs as ``ShapeDtypeStruct``s in the step's output structure (what ``jax.eval_shape``
+        of the captured function gives; a captured part of a program has no output structure)."""
+        leaves = [self.avals[v] if isinstance(v, int) else
+                  jax.ShapeDtypeStruct(np.shape(v.value), np.asarray(v.value).dtype) for v in self.graph.outvars]
+        return jax.tree_util.tree_unflatten(self.out_tree, leaves)
+
     def fingerprint(self) -> str:
         """A short hash of the op sequence and shapes, to match saved plans."""
         import hashlib

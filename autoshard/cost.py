@@ -48,9 +48,9 @@ class CostModel:
             profile = GPU if platform is None else profile_for(platform)
         bw = _per_axis(cluster.bandwidth, mesh.ndim, "bandwidth")
         lat = _per_axis(cluster.latency, mesh.ndim, "latency")
-        return cls(mesh, float(cluster.flops), tuple(lat), tuple(1.0 / b for b in bw),
-                   reduce_scatter_as_all_reduce=profile.reduce_scatter_as_all_reduce,
-                   widen_half_precision=profile.widen_half_precision_collectives)
+        fields = (mesh, float(cluster.flops), tuple(lat), tuple(1.0 / b for b in bw),
+                  profile.reduce_scatter_as_all_reduce, profile.widen_half_precision_collectives)
+        return cls(*fields, _memo=_shared_memo(fields))
 
     def without_latency(self) -> CostModel:
         """The same model with zero alpha: for collectives that XLA will combine with others."""
@@ -88,6 +88,22 @@ class CostModel:
 
     def reshard_time(self, shape, itemsize, src, dst) -> float:
         return self.reshard(shape, itemsize, src, dst)[0]
+
+
+_MEMOS: dict = {}
+_MAX_MEMOS = 256
+
+
+def _shared_memo(fields: tuple) -> dict:
+    """The reshard memo of every cost model with these fields: a reshard's price depends on nothing else,
+    so the plans of many programs on one mesh (a pipeline's layers on each sub-mesh) price each once."""
+    memo = _MEMOS.pop(fields, None)
+    if memo is None:
+        memo = {}
+        if len(_MEMOS) >= _MAX_MEMOS:
+            _MEMOS.pop(next(iter(_MEMOS)))  # the least recently used
+    _MEMOS[fields] = memo
+    return memo
 
 
 def _per_axis(value, ndim: int, field: str) -> list[float]:

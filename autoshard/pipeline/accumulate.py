@@ -136,11 +136,13 @@ def batch_leaf_positions(args, batch_argnums, num_microbatches: int, in_paths) -
 
 
 def analyze_step(fun, args, *, batch_positions, batch_size: int, num_microbatches: int,
-                 metric_outputs, in_paths=None) -> StepAnalysis:
-    """Capture ``fun(*args)`` at the full batch and the microbatch, and classify every op."""
+                 metric_outputs, in_paths=None, full: CapturedProgram | None = None) -> StepAnalysis:
+    """Capture ``fun(*args)`` at the full batch and the microbatch, and classify every op.
+
+    ``full``: ``fun(*args)`` already captured at the full batch (``capture_graph(fun, args)``), or None."""
     k = num_microbatches
     full, micro, ref = _captures(fun, args, batch_positions=batch_positions, batch_size=batch_size, k=k,
-                                 in_paths=in_paths)
+                                 in_paths=in_paths, full=full)
     batched, axis = set(), {}
     for v, (a, b) in enumerate(zip(full.avals, ref.avals, strict=True)):
         sa, sb = tuple(getattr(a, "shape", ())), tuple(getattr(b, "shape", ()))
@@ -155,7 +157,7 @@ def analyze_step(fun, args, *, batch_positions, batch_size: int, num_microbatche
         metric_outputs=tuple(metric_outputs), num_microbatches=k)
 
 
-def _captures(fun, args, *, batch_positions, batch_size: int, k: int, in_paths):
+def _captures(fun, args, *, batch_positions, batch_size: int, k: int, in_paths, full=None):
     """``(full, micro, ref)``: the program at the full batch, the microbatch program (with the full
     program's scalar literals), and the program at the other batch size that tells batched values apart."""
     flat, tree = jax.tree_util.tree_flatten(args)
@@ -168,7 +170,7 @@ def _captures(fun, args, *, batch_positions, batch_size: int, k: int, in_paths):
             out[p] = jax.ShapeDtypeStruct((n, *np.shape(x)[1:]), x.dtype)
         return jax.tree_util.tree_unflatten(tree, out)
 
-    full = capture_graph(fun, resized(batch_size), in_paths=in_paths)
+    full = capture_graph(fun, resized(batch_size), in_paths=in_paths) if full is None else full
     other_prog = capture_graph(fun, resized(other), in_paths=in_paths)
     if not _same_structure(full, other_prog):
         raise InputError(

@@ -17,6 +17,17 @@ from autoshard.report import COLORS, Report, bar_html, figure_class, format_byte
 FORMAT = "autoshard-pipeline-plan/1"
 
 
+def device_ranges(ids) -> str:
+    """Device ids as comma-separated runs: ``(0, 1, 2, 3, 8, 9)`` -> ``"0-3,8-9"``."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 @dataclasses.dataclass(frozen=True)
 class StagePlan:
     """One pipeline stage.
@@ -110,7 +121,7 @@ class PipelinePlan(Report):
                  f"{'stage':>5} {'layers':>9} {'devices':>18} {'mesh':>7} {'time/mb ms':>11} {'mem MB':>9} "
                  f"{'in-flight':>9}"]
         for s in self.stages[:max_rows]:
-            devs = ",".join(map(str, s.devices))
+            devs = device_ranges(s.devices)
             lines.append(f"{s.index:>5} {str(s.layers[0]) + '-' + str(s.layers[1] - 1):>9} {devs:>18} "
                          f"{'x'.join(map(str, s.mesh_shape)):>7} {s.time_s * 1e3:>11.4f} "
                          f"{s.memory_bytes / 1e6:>9.2f} {s.in_flight:>9}")

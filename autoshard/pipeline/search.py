@@ -25,7 +25,7 @@ from autoshard.capture import CapturedProgram, OpGraph
 from autoshard.cluster import submesh
 from autoshard.errors import InfeasibleError, InputError, MeshError
 from autoshard.pipeline.accumulate import StepAnalysis
-from autoshard.pipeline.cluster_layers import boundary_layers, cluster_layers, op_flops
+from autoshard.pipeline.cluster_layers import boundary_layers, cluster_layers, op_flops, repeat_period
 from autoshard.pipeline.options import PipelineOptions
 from autoshard.pipeline.partition import Partition, forward_positions, partition
 from autoshard.pipeline.plan import PipelinePlan, StagePlan
@@ -216,16 +216,27 @@ class _LayerCost:
 
 
 class _CostTable:
-    """Per-layer, per-option costs, planned once per distinct layer program."""
+    """Per-layer, per-option costs, planned once per distinct layer program.
 
-    def __init__(self, analysis, part, search: StageSearch, grid_shape):
+    The costed layers are finer than the stage DP's when the model repeats a block (one block each):
+    ``group[i]`` is the DP layer of costed layer ``i``, and a DP layer costs the sum of its members
+    (their times and memories add; the memory sum counts each member's temporaries, so it errs high)."""
+
+    def __init__(self, analysis, part, search: StageSearch, grid_shape, group):
         self.analysis, self.part, self.search, self.grid_shape = analysis, part, search, grid_shape
+        self.members: dict = {}
+        for i, g in enumerate(group):
+            self.members.setdefault(g, []).append(i)
         self.cache: dict = {}
         self.programs: dict = {}
         self.fingerprints: dict = {}
         self.plans_made = 0
 
     def cost(self, layer: int, option: SubmeshOption) -> _LayerCost:
+        parts = [self.layer_cost(i, option) for i in self.members[layer]]
+        return _LayerCost(sum(c.time for c in parts), sum(c.memory for c in parts), sum(c.activation for c in parts))
+
+    def layer_cost(self, layer: int, option: SubmeshOption) -> _LayerCost:
         prog = self.programs.get(layer)
         if prog is None:
             prog = self.programs[layer] = stage_program(self.analysis, self.part, layer)
@@ -258,7 +269,45 @@ class _CostTable:
         return _LayerCost(plan.cost.total_seconds, plan.cost.peak_memory_bytes, act)
 
 
+MAX_COST_LAYERS = 128
+"""At most this many layers are costed (one repeated block each); the stage DP takes fewer, grouped."""
+
+
+def _cost_layer_count(fops, avals, num_layers: int) -> int:
+    """How many layers to cost: one per repeat of the model's repeated block when it repeats more often
+    than ``num_layers`` (a small program costed once per sub-mesh stands for every repeat), else
+    ``num_layers``."""
+    rep = repeat_period(fops, avals)
+    repeats = 0 if rep is None else (rep[2] - rep[1]) // rep[0]
+    return int(min(max(num_layers, repeats), MAX_COST_LAYERS, len(fops)))
+
+
+def group_layers(flops, num_groups: int) -> list[int]:
+    """Cut the sequence ``flops`` into ``num_groups`` contiguous non-empty groups of least maximum sum;
+    returns the group of each item."""
+    n = len(flops)
+    G = max(1, min(num_groups, n))
+    prefix = np.concatenate([[0.0], np.cumsum(flops)])
+    best = np.full((G + 1, n + 1), np.inf)   # best[g, j]: the least max over g groups of items[:j]
+    back = np.zeros((G + 1, n + 1), dtype=int)
+    best[0, 0] = 0.0
+    for g in range(1, G + 1):
+        for j in range(g, n - (G - g) + 1):
+            i = np.arange(g - 1, j)
+            val = np.maximum(best[g - 1, i], prefix[j] - prefix[i])
+            k = int(np.argmin(val))
+            best[g, j], back[g, j] = val[k], i[k]
+    group, j = [0] * n, n
+    for g in range(G, 0, -1):
+        i = back[g, j]
+        group[i:j] = [g - 1] * (j - i)
+        j = i
+    return group
+
+
 def _layer_bounds(analysis, options: PipelineOptions, num_devices: int):
+    """``(op position -> cost layer, cost layer -> DP layer, DP layer flops, manual)``: the forward ops cut
+    into layers that are costed one by one, and grouped into the layers the stage DP cuts."""
     fwd = sorted(forward_positions(analysis))
     fops = [analysis.op(p) for p in fwd]
     if not fops:
@@ -282,15 +331,21 @@ def _layer_bounds(analysis, options: PipelineOptions, num_devices: int):
                 + f": every stage needs at least one layer. Fix: num_stages <= {L}, or layers >= {S}.")
         if L > len(fops):
             raise InputError(f"layers={L} is more than the {len(fops)} ops of the forward pass")
-        cuts = cluster_layers(fops, analysis.avals, L)
+        fine = _cost_layer_count(fops, analysis.avals, L) if options.stage_cost == "planner" else L
+        cuts = cluster_layers(fops, analysis.avals, fine)
     bounds = [0, *cuts, len(fops)]
     layer_of = {}
     for layer in range(len(bounds) - 1):
         for i in range(bounds[layer], bounds[layer + 1]):
             layer_of[fwd[i]] = layer
-    flops = tuple(float(sum(op_flops(fops[i], analysis.avals) for i in range(bounds[j], bounds[j + 1])))
-                  for j in range(len(bounds) - 1))
-    return layer_of, flops, manual is not None
+    fine_flops = [float(sum(op_flops(fops[i], analysis.avals) for i in range(bounds[j], bounds[j + 1])))
+                  for j in range(len(bounds) - 1)]
+    group = list(range(len(fine_flops))) if manual is not None else \
+        group_layers(fine_flops, L)
+    flops = [0.0] * (max(group) + 1)
+    for j, g in enumerate(group):
+        flops[g] += fine_flops[j]
+    return layer_of, tuple(group), tuple(flops), manual is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,9 +452,11 @@ def plan_stages(analysis: StepAnalysis, mesh, cluster, options: PipelineOptions,
         raise InputError(f"num_stages={options.num_stages} is more than the {N} devices of the mesh")
     if options.submeshes is not None:
         check_submeshes(grid.shape, options.submeshes)
-    layer_of, layer_flops, manual = _layer_bounds(analysis, options, N)
+    cost_layer_of, group, layer_flops, manual = _layer_bounds(analysis, options, N)
+    layer_of = {p: group[i] for p, i in cost_layer_of.items()}
     L = len(layer_flops)
-    table = _CostTable(analysis, partition(analysis, lambda p: layer_of[p], L), search, grid.shape)
+    table = _CostTable(analysis, partition(analysis, lambda p: cost_layer_of[p], len(group)), search, grid.shape,
+                       group)
     search.report("layers cut", 1, 3)
     if options.submeshes is not None:
         stages = _fixed_submesh_stages(table, grid, L, manual)
@@ -423,6 +480,7 @@ def plan_stages(analysis: StepAnalysis, mesh, cluster, options: PipelineOptions,
         step_time_s=float(sum(times) + (k - 1) * max(times)), simulated_step_s=sim.makespan,
         bubble_fraction=sim.bubble_fraction,
         stats={"search_s": search_s, "total_s": time.perf_counter() - t0, "layer_plans": table.plans_made,
-               "num_layers": L, "manual_cut": manual, "distinct_layers": len(set(table.fingerprints.values()))},
+               "num_layers": L, "costed_layers": len(group), "manual_cut": manual,
+               "distinct_layers": len(set(table.fingerprints.values()))},
         cut_sources=tuple(first.get(s, "<none>") for s in range(S)))
     return part, meshes, plans, pplan

@@ -83,8 +83,19 @@ def assign_stages(problem: StageProblem) -> StageSolution | None:
         for s in range(1, S_max + 1):
             fits[s] = problem.weight_memory + min(s, k) * problem.activation_memory <= problem.memory_limit
     candidates = np.unique(T[np.isfinite(T)])
+    # A larger t_max only allows more stages: bisect for the least one that admits any assignment.
+    lo, hi, first = 0, len(candidates) - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        got = _solve_for(problem, fits, candidates[mid], S_max)
+        if got is None:
+            lo = mid + 1
+        else:
+            first, hi = mid, mid - 1
+    if first is None:
+        return None
     best: StageSolution | None = None
-    for t_max in candidates:
+    for t_max in candidates[first:]:
         if best is not None and (k - 1) * t_max >= best.latency:
             break
         sol = _solve_for(problem, fits, t_max, S_max)

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 
 from autoshard.cluster import device_ids, mesh_shape, require_devices
+from autoshard.capture import capture_graph
 from autoshard.distributed import StepWatchdog
 from autoshard.driver import PlanRequest, default_cluster
 from autoshard.driver import plan as plan_request
@@ -138,14 +139,16 @@ class PipelinedStep:
             o.check_runtime("multi-process pipelined")
         abstract = call.abstract() if abstract is None else abstract
         fun = with_precision(call.pure_function(), o.precision, mesh)
-        out_shape = jax.eval_shape(fun, *abstract)
-        ties = output_ties(abstract, out_shape)
         in_paths = call.in_paths(abstract)
+        full = capture_graph(fun, abstract, in_paths=in_paths)  # the analysis takes it: one trace, not two
+        out_shape = full.out_shape()
+        ties = output_ties(abstract, out_shape)
         batch = self._batch_args(call, abstract, out_shape)
         positions, batch_size = batch_leaf_positions(abstract, batch, self.num_microbatches, in_paths)
         n_out = len(jax.tree_util.tree_leaves(out_shape))
         analyze = functools.partial(analyze_step, fun, abstract, batch_positions=positions, batch_size=batch_size,
-                                    metric_outputs=[j for j in range(n_out) if j not in ties], in_paths=in_paths)
+                                    metric_outputs=[j for j in range(n_out) if j not in ties], in_paths=in_paths,
+                                    full=full)
         analysis = analyze(num_microbatches=self.num_microbatches)
         capture_s = time.perf_counter() - t0
         progress = planning_progress(o.progress)

@@ -35,7 +35,14 @@ def physical_grid(mesh) -> np.ndarray:
     return devs.reshape(1, -1) if devs.ndim == 1 else devs.reshape(devs.shape[0], -1)
 
 
+MAX_OPTIONS = 128
+"""Above this many sub-mesh options (hundreds of hosts), whole-row sub-meshes take only row counts that
+divide the rows or are powers of two: every (r, C) for r <= R would be thousands of options, each planned."""
+
+
 def submesh_options(grid_shape: tuple[int, int]) -> list[SubmeshOption]:
+    """Alpa's sub-mesh shapes of a ``(rows, columns)`` device grid, each with every 2-D logical shape
+    (fewer row counts on very large grids: :data:`MAX_OPTIONS`)."""
     R, C = grid_shape
     physical = []
     c = 1
@@ -43,7 +50,13 @@ def submesh_options(grid_shape: tuple[int, int]) -> list[SubmeshOption]:
         if C % c == 0:
             physical.append((1, c))
         c *= 2
-    physical += [(r, C) for r in range(1, R + 1)]
+    rows = list(range(1, R + 1))
+    if len(_with_logical(physical + [(r, C) for r in rows])) > MAX_OPTIONS:
+        rows = [r for r in rows if R % r == 0 or r & (r - 1) == 0]
+    return _with_logical(physical + [(r, C) for r in rows])
+
+
+def _with_logical(physical) -> list[SubmeshOption]:
     out = []
     for p in physical:
         n = p[0] * p[1]

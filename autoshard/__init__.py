@@ -47,7 +47,7 @@ _EXPORTS = {
 }
 
 # Submodules that are public API; ``autoshard.distributed.initialize()`` works without importing them.
-_SUBMODULES = ("distributed",)
+_SUBMODULES = ("backends", "distributed")  # autoshard.backends.CPU etc., loaded on first use
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 

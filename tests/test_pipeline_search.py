@@ -220,3 +220,29 @@ def test_a_pipeline_plans_on_an_abstract_mesh_without_devices():
     assert all("compiled_peak" not in s.plan.stats for s in plan.stages if s.plan is not None)
     with pytest.raises(MeshError, match=r"AbstractMesh \{'data': 2, 'model': 4\}.*Fix: on a machine with 8"):
         abstract(_unbalanced_params(), {"x": jnp.ones((2048, 128)), "y": jnp.ones((2048, 128))})
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_grouped_layers_have_the_least_maximum_flops(seed):
+    import itertools
+
+    from autoshard.pipeline.search import group_layers
+
+    rng = np.random.default_rng(seed)
+    flops = rng.uniform(0.5, 3.0, size=int(rng.integers(3, 9))).tolist()
+    groups = int(rng.integers(1, len(flops) + 1))
+    got = group_layers(flops, groups)
+    assert got == sorted(got) and set(got) == set(range(groups))  # contiguous, none empty
+    sums = np.bincount(got, weights=flops)
+    best = min(max(sum(flops[a:b]) for a, b in zip((0, *cuts), (*cuts, len(flops)), strict=True))
+               for cuts in itertools.combinations(range(1, len(flops)), groups - 1))
+    assert sums.max() == pytest.approx(best)
+
+
+def test_hundreds_of_hosts_offer_a_bounded_set_of_submeshes():
+    from autoshard.pipeline.submesh import MAX_OPTIONS, submesh_options
+
+    assert len(submesh_options((8, 8))) == 62  # every row count, as Alpa
+    big = submesh_options((128, 8))
+    rows = sorted({o.physical[0] for o in big if o.physical[1] == 8})
+    assert rows == [1, 2, 4, 8, 16, 32, 64, 128] and len(big) <= MAX_OPTIONS

@@ -17,12 +17,13 @@ import hashlib
 import itertools
 import math
 import time
+import warnings
 
 import numpy as np
 from jax.sharding import PartitionSpec
 
 from autoshard.capture import CapturedProgram, OpGraph
-from autoshard.cluster import submesh
+from autoshard.cluster import mesh_shape, submesh
 from autoshard.errors import InfeasibleError, InputError, MeshError
 from autoshard.pipeline.accumulate import StepAnalysis
 from autoshard.pipeline.cluster_layers import boundary_layers, cluster_layers, op_flops, repeat_period
@@ -129,7 +130,7 @@ def boundary_ties(program: CapturedProgram, part: Partition) -> dict[int, int]:
 
 
 def plan_boundaries(program: CapturedProgram, part: Partition, mesh, cluster, time_limit, *, tie_layers="auto",
-                    profile=None):
+                    profile=None, memory_budget=None):
     """The intra-op plan of a layer or stage with its boundary values pinned to the exchange layout
     (:func:`boundary_pins`) and its outputs tied to them; with neither when the layout does not fit."""
     from autoshard.driver import PlanRequest, plan
@@ -137,7 +138,7 @@ def plan_boundaries(program: CapturedProgram, part: Partition, mesh, cluster, ti
     pins = boundary_pins(program, mesh)
     ties = boundary_ties(program, part) if pins else {}
     return plan(PlanRequest(program, mesh=mesh, cluster=cluster, time_limit=time_limit, pins=pins, ties=ties,
-                            tie_layers=tie_layers, profile=profile))
+                            tie_layers=tie_layers, profile=profile, memory_budget=memory_budget))
 
 
 def residual_bytes(analysis: StepAnalysis, part: Partition, stage: int) -> float:
@@ -389,6 +390,20 @@ def _dp_stages(table: _CostTable, grid, num_layers: int, fixed_count: int | None
     """Alpa's stage-mesh DP (:func:`assign_stages`) over every sub-mesh option and layer range."""
     L, N, k, memory_budget = num_layers, grid.size, table.analysis.num_microbatches, table.search.memory_budget
     opts = [o for o in submesh_options(grid.shape) if o.size <= N]
+    limit = math.inf if memory_budget is None else float(memory_budget)
+    sol = _assign(table, opts, L=L, N=N, k=k, limit=limit, fixed_count=fixed_count)
+    if sol is None:
+        raise MeshError(f"no pipeline of {L} layers fits the {N}-device mesh"
+                        + (f" within memory_budget={memory_budget:.4g} bytes" if memory_budget else "")
+                        + ". Fix: more microbatches (smaller activations per stage), a larger memory_budget, "
+                          "or more devices.")
+    chosen = tuple(opts[m] for _, _, m in sol.stages)
+    devices = tuple(d.reshape(-1) for d in allocate(grid, [o.physical for o in chosen]))
+    return _Stages(tuple(sol.stages), chosen, devices)
+
+
+def _assign(table: _CostTable, opts, *, L: int, N: int, k: int, limit: float, fixed_count: int | None):
+    """:func:`assign_stages` over the table's current layer costs."""
     M = len(opts)
     T = np.full((L, L + 1, M), np.inf)
     W = np.zeros((L, L + 1, M))
@@ -401,14 +416,27 @@ def _dp_stages(table: _CostTable, grid, num_layers: int, fixed_count: int | None
                 c = per[j - 1][m]
                 tt, ww, aa = tt + c.time, ww + c.memory - c.activation, aa + c.activation
                 T[i, j, m], W[i, j, m], A[i, j, m] = tt, ww, aa
-    limit = math.inf if memory_budget is None else float(memory_budget)
-    sol = assign_stages(StageProblem(T, tuple(o.size for o in opts), N, k, W, A, limit, fixed_count))
-    if sol is None:
-        raise MeshError(f"no pipeline of {L} layers fits the {N}-device mesh"
-                        + (f" within memory_budget={memory_budget:.4g} bytes" if memory_budget else ""))
-    chosen = tuple(opts[m] for _, _, m in sol.stages)
-    devices = tuple(d.reshape(-1) for d in allocate(grid, [o.physical for o in chosen]))
-    return _Stages(tuple(sol.stages), chosen, devices)
+    return assign_stages(StageProblem(T, tuple(o.size for o in opts), N, k, W, A, limit, fixed_count))
+
+
+def _plan_stage(prog, part, mesh, cluster, search: StageSearch, *, keep: float):
+    """A stage's intra-op plan of one microbatch, within what the memory limit leaves beside the ``keep``
+    bytes of other microbatches' activations the schedule holds (the whole device when that cannot be
+    met: its predicted memory then says by how much it is over)."""
+    options = search.options
+    budget = None if search.memory_budget is None or keep <= 0 else float(search.memory_budget) - keep
+    if budget is not None and budget > 0:
+        try:
+            return plan_boundaries(prog, part, mesh, cluster, options.solver_time_limit, tie_layers=search.tie_layers,
+                                   profile=search.profile, memory_budget=budget)
+        except InfeasibleError as e:
+            warnings.warn(f"a pipeline stage on sub-mesh {mesh_shape(mesh)} has no plan within the {budget:.4g} bytes "
+                          f"per device its in-flight activations ({keep:.4g} bytes) leave ({e.smallest_memory or 0:.4g} "
+                          "is the least found); it is planned for the whole device, and plan.stages[...].memory_bytes "
+                          "says how far over the limit it is. Fix: more microbatches, or a larger memory_budget.",
+                          stacklevel=2)
+    return plan_boundaries(prog, part, mesh, cluster, options.solver_time_limit, tie_layers=search.tie_layers,
+                           profile=search.profile)
 
 
 def _plan_each_stage(analysis, part, stages: _Stages, search: StageSearch, grid_shape):
@@ -419,11 +447,11 @@ def _plan_each_stage(analysis, part, stages: _Stages, search: StageSearch, grid_
     for s, o in enumerate(stages.chosen):
         mesh = submesh(search.mesh, o.logical, AXES, devices=list(stages.devices[s]))
         prog = stage_program(analysis, part, s)
-        plan = plan_boundaries(prog, part, mesh, cluster_for(search.cluster, o, grid_shape), options.solver_time_limit,
-                               tie_layers=search.tie_layers, profile=search.profile) if prog.graph.ops else None
-        search.report(f"stage {s} planned", 2 + s + 1, 2 + S)
         act = residual_bytes(analysis, part, s) / o.size
         live = max_in_flight(orders[s])
+        plan = _plan_stage(prog, part, mesh, cluster_for(search.cluster, o, grid_shape), search,
+                           keep=max(0, live - 1) * act) if prog.graph.ops else None
+        search.report(f"stage {s} planned", 2 + s + 1, 2 + S)
         t = plan.cost.total_seconds if plan is not None else 0.0
         mem = (plan.cost.peak_memory_bytes if plan is not None else 0.0) + max(0, live - 1) * act
         meshes.append(mesh)

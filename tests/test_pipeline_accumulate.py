@@ -35,6 +35,17 @@ def test_mlp_accumulation_equals_full_batch(k):
     _check(get_model("mlp", "tiny", batch_size=16), k)
 
 
+def test_accumulation_without_a_mesh_equals_jit():
+    """mesh=None (the planner picks the mesh) with num_microbatches and no pipeline."""
+    spec = get_model("mlp", "tiny", batch_size=16)
+    state, batch = spec.init_state(jax.random.key(0)), spec.make_batch(jax.random.key(1))
+    ref_state, ref_metrics = jax.jit(spec.train_step)(state, batch)
+    step = autoshard.parallelize(spec.train_step, num_microbatches=4, solver_time_limit=1.0, progress=None)
+    out_state, metrics = step(state, batch)
+    np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
+    assert_trees_close(out_state["params"], ref_state["params"], rtol=1e-5, atol=5e-5, what="params")
+
+
 @pytest.mark.slow
 def test_gpt_accumulation_equals_full_batch():
     step, state, batch = _check(gpt.build(SMALL_GPT, 8), 4)

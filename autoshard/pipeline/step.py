@@ -16,8 +16,8 @@ from typing import Any
 
 import jax
 
-from autoshard.cluster import device_ids, mesh_shape, require_devices
 from autoshard.capture import capture_graph
+from autoshard.cluster import device_ids, mesh_shape, require_devices
 from autoshard.distributed import StepWatchdog
 from autoshard.driver import PlanRequest, default_cluster
 from autoshard.driver import plan as plan_request
@@ -33,13 +33,17 @@ from autoshard.report import planning_progress
 from autoshard.signature import BoundCall, StepCache, StepSignature, output_ties
 
 
-def _resolve_runtime(runtime: str, mesh) -> str:
-    """``PipelineOptions.runtime`` made concrete for ``mesh``: ``"device_put"`` or ``"spmd"``; ``"none"`` on
-    an ``AbstractMesh`` (planned, each stage with its intra-op plan, but not runnable)."""
+def _resolve_runtime(pipeline, mesh) -> str:
+    """The runtime of ``pipeline`` (:class:`PipelineOptions`, or None: microbatches on one mesh, which may
+    be None) on ``mesh``: ``"device_put"`` or ``"spmd"``; ``"none"`` on an ``AbstractMesh`` (planned, each
+    stage with its intra-op plan, but not runnable)."""
     from autoshard.cluster import is_abstract
 
     if is_abstract(mesh):
         return "none"
+    if pipeline is None:
+        return "device_put"
+    runtime = pipeline.runtime
     multi = spans_processes([mesh])
     if runtime == "auto":
         return "spmd" if multi else "device_put"
@@ -134,7 +138,7 @@ class PipelinedStep:
 
         o, t0 = self.options, time.perf_counter()
         mesh = self._mesh()
-        runtime = _resolve_runtime("device_put" if self.pipeline is None else self.pipeline.runtime, mesh)
+        runtime = _resolve_runtime(self.pipeline, mesh)
         if jax.process_count() > 1:
             o.check_runtime("multi-process pipelined")
         abstract = call.abstract() if abstract is None else abstract

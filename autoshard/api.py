@@ -10,7 +10,6 @@ import time
 from typing import Any
 
 import jax
-import numpy as np
 
 from autoshard.distributed import StepWatchdog
 from autoshard.errors import InfeasibleError, InputError, MeshError, PlanError

@@ -10,7 +10,7 @@ import pytest
 
 from autoshard.solver.local import CoreState, min_memory_choice
 from autoshard.solver.memory import MemoryRows
-from autoshard.solver.penalty import range_max, guarded_descent
+from autoshard.solver.penalty import guarded_descent, range_max
 from autoshard.solver.reduce import Reduction
 
 

@@ -423,20 +423,22 @@ def _plan_stage(prog, part, mesh, cluster, search: StageSearch, *, keep: float):
     """A stage's intra-op plan of one microbatch, within what the memory limit leaves beside the ``keep``
     bytes of other microbatches' activations the schedule holds (the whole device when that cannot be
     met: its predicted memory then says by how much it is over)."""
-    options = search.options
-    budget = None if search.memory_budget is None or keep <= 0 else float(search.memory_budget) - keep
-    if budget is not None and budget > 0:
-        try:
-            return plan_boundaries(prog, part, mesh, cluster, options.solver_time_limit, tie_layers=search.tie_layers,
-                                   profile=search.profile, memory_budget=budget)
-        except InfeasibleError as e:
-            warnings.warn(f"a pipeline stage on sub-mesh {mesh_shape(mesh)} has no plan within the {budget:.4g} bytes "
-                          f"per device its in-flight activations ({keep:.4g} bytes) leave ({e.smallest_memory or 0:.4g} "
-                          "is the least found); it is planned for the whole device, and plan.stages[...].memory_bytes "
-                          "says how far over the limit it is. Fix: more microbatches, or a larger memory_budget.",
-                          stacklevel=2)
-    return plan_boundaries(prog, part, mesh, cluster, options.solver_time_limit, tie_layers=search.tie_layers,
-                           profile=search.profile)
+    def planned(budget=None):
+        return plan_boundaries(prog, part, mesh, cluster, search.options.solver_time_limit,
+                               tie_layers=search.tie_layers, profile=search.profile, memory_budget=budget)
+
+    budget = None if search.memory_budget is None else float(search.memory_budget) - keep
+    if budget is None or budget <= 0:
+        return planned()
+    try:
+        return planned(budget)
+    except InfeasibleError as e:
+        warnings.warn(f"a pipeline stage on sub-mesh {mesh_shape(mesh)} has no plan within the {budget:.4g} bytes "
+                      f"per device its in-flight activations ({keep:.4g} bytes) leave ({e.smallest_memory or 0:.4g} "
+                      "is the least found); it is planned for the whole device, and plan.stages[...].memory_bytes "
+                      "says how far over the limit it is. Fix: more microbatches, or a larger memory_budget.",
+                      stacklevel=2)
+        return planned()
 
 
 def _plan_each_stage(analysis, part, stages: _Stages, search: StageSearch, grid_shape):

@@ -475,7 +475,7 @@ def is_abstract(mesh) -> bool:
     return isinstance(mesh, jax.sharding.AbstractMesh)
 
 
-def submesh(like, shape: Sequence[int], names: Sequence[str], devices: Sequence[Any] | None = None):
+def mesh_like(like, shape: Sequence[int], names: Sequence[str], devices: Sequence[Any] | None = None):
     """A mesh of ``shape`` over ``devices`` (see :func:`make_mesh`), or an ``AbstractMesh`` of that shape
     when ``like`` is one: a pipeline stage of an abstract mesh is abstract too (``devices`` are ignored)."""
     import jax

@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from autoshard.capture import CapturedProgram, OpGraph
-from autoshard.cluster import mesh_shape, submesh
+from autoshard.cluster import mesh_like, mesh_shape
 from autoshard.errors import InfeasibleError, InputError, MeshError
 from autoshard.pipeline.accumulate import StepAnalysis
 from autoshard.pipeline.cluster_layers import boundary_layers, cluster_layers, op_flops, repeat_period
@@ -232,6 +232,7 @@ class _CostTable:
         self.programs: dict = {}
         self.fingerprints: dict = {}
         self.plans_made = 0
+        self.plan_seconds = 0.0  # spent in the layer plans
 
     def cost(self, layer: int, option: SubmeshOption) -> _LayerCost:
         parts = [self.layer_cost(i, option) for i in self.members[layer]]
@@ -260,12 +261,15 @@ class _CostTable:
             d = option.logical[0]
             allreduce = 0.0 if d == 1 else 2 * (d - 1) / d * params / min(sub_cluster.bandwidth)
             return _LayerCost(flops / (n * sub_cluster.flops) + allreduce, params * 4 / n + act, act)
-        mesh = submesh(self.search.mesh, option.logical, AXES)
+        mesh = mesh_like(self.search.mesh, option.logical, AXES)
+        t0 = time.perf_counter()
         try:
             plan = plan_boundaries(prog, self.part, mesh, sub_cluster, options.solver_time_limit,
                                    tie_layers=self.search.tie_layers, profile=self.search.profile)
         except (InfeasibleError, MeshError):  # no plan of this layer fits this option (bugs propagate)
             return _LayerCost(math.inf, math.inf, act)
+        finally:
+            self.plan_seconds += time.perf_counter() - t0
         self.plans_made += 1
         return _LayerCost(plan.cost.total_seconds, plan.cost.peak_memory_bytes, act)
 
@@ -447,7 +451,7 @@ def _plan_each_stage(analysis, part, stages: _Stages, search: StageSearch, grid_
     orders = stage_orders(S, analysis.num_microbatches, options.schedule)
     meshes, plans, stage_plans = [], [], []
     for s, o in enumerate(stages.chosen):
-        mesh = submesh(search.mesh, o.logical, AXES, devices=list(stages.devices[s]))
+        mesh = mesh_like(search.mesh, o.logical, AXES, devices=list(stages.devices[s]))
         prog = stage_program(analysis, part, s)
         act = residual_bytes(analysis, part, s) / o.size
         live = max_in_flight(orders[s])
@@ -510,6 +514,7 @@ def plan_stages(analysis: StepAnalysis, mesh, cluster, options: PipelineOptions,
         step_time_s=float(sum(times) + (k - 1) * max(times)), simulated_step_s=sim.makespan,
         bubble_fraction=sim.bubble_fraction,
         stats={"search_s": search_s, "total_s": time.perf_counter() - t0, "layer_plans": table.plans_made,
+               "layer_plans_s": table.plan_seconds,
                "num_layers": L, "costed_layers": len(group), "manual_cut": manual,
                "distinct_layers": len(set(table.fingerprints.values()))},
         cut_sources=tuple(first.get(s, "<none>") for s in range(S)))

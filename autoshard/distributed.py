@@ -257,24 +257,22 @@ def _local_shapes(key, leaves):
 # ---- one plan for every process --------------------------------------------------------------------
 
 
-def broadcast_plan(make_plan, program, mesh):
-    """Process 0 calls ``make_plan()``; every process returns that plan.
+def broadcast_from_first(make, encode, decode):
+    """Process 0 calls ``make()``; every process returns its result: process 0 the object itself, the others
+    ``decode(text)`` of the ``encode(result)`` text it sends them through a collective.
 
-    The others receive its JSON (``Plan.to_json``) through a collective, load it onto ``mesh`` and
-    check that it was made for the program they captured themselves. When planning fails on
-    process 0 (say ``InfeasibleError``), every process raises that error instead of waiting.
-    """
+    When ``make`` fails on process 0 (say ``InfeasibleError``), every process raises that error instead
+    of waiting."""
     from jax.experimental import multihost_utils
 
     from autoshard import errors
-    from autoshard.plan import Plan
 
     source = jax.process_index() == 0
-    plan, failure = None, None
+    made, failure = None, None
     if source:
         try:
-            plan = make_plan()
-            payload = {"plan": plan.to_json()}
+            made = make()
+            payload = {"text": encode(made)}
         except Exception as e:  # noqa: BLE001 - the others learn of it below, then it is raised here
             failure = e
             payload = {"error": type(e).__name__, "message": str(e)}
@@ -285,19 +283,36 @@ def broadcast_plan(make_plan, program, mesh):
     if failure is not None:
         raise failure
     if source:
-        return plan
+        return made
     received = json.loads(buf.tobytes().decode())
     if "error" in received:
         kind = getattr(errors, received["error"], None)
         kind = kind if isinstance(kind, type) and issubclass(kind, errors.AutoshardError) else errors.PlanError
         prefix = "" if kind.__name__ == received["error"] else f"{received['error']}: "
         raise kind(f"planning failed on process 0: {prefix}{received['message']}")
-    plan = Plan.from_json(received["plan"], mesh=mesh)
+    return decode(received["text"])
+
+
+def different_program(fingerprint: str, captured: str) -> PlanError:
+    """The error of a process that captured another program than process 0 planned."""
+    return PlanError(
+        f"process 0 planned a different program (fingerprint {fingerprint}) than process "
+        f"{jax.process_index()} captured ({captured}): the step function or its arguments "
+        "differ between processes. Fix: run the same code with the same argument shapes everywhere.")
+
+
+def broadcast_plan(make_plan, program, mesh):
+    """Process 0 calls ``make_plan()``; every process returns that plan.
+
+    The others receive its JSON (``Plan.to_json``) through a collective, load it onto ``mesh`` and
+    check that it was made for the program they captured themselves. When planning fails on
+    process 0 (say ``InfeasibleError``), every process raises that error instead of waiting.
+    """
+    from autoshard.plan import Plan
+
+    plan = broadcast_from_first(make_plan, lambda p: p.to_json(), lambda text: Plan.from_json(text, mesh=mesh))
     if plan.fingerprint != program.fingerprint():
-        raise PlanError(
-            f"process 0 planned a different program (fingerprint {plan.fingerprint}) than process "
-            f"{jax.process_index()} captured ({program.fingerprint()}): the step function or its arguments "
-            "differ between processes. Fix: run the same code with the same argument shapes everywhere.")
+        raise different_program(plan.fingerprint, program.fingerprint())
     return plan
 
 

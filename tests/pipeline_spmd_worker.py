@@ -86,46 +86,64 @@ def tiny_gpt_step(state, batch, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8):
     return {"params": params, "opt": {"m": m, "v": v, "t": t}}, {"loss": loss}
 
 
-def spmd_options(schedule: str, runtime: str = "spmd", stages: int = 2):
-    """``stages`` stages sharing 8 devices equally (2: one mesh row each), cut into as many layers."""
+def spmd_options(schedule: str, runtime: str = "spmd", stages: int = 2, submesh=None):
+    """``stages`` stages sharing 8 devices equally (default: one mesh row of ``(1, 8 // stages)`` each), cut into
+    as many layers."""
     import autoshard
 
-    return autoshard.PipelineOptions(num_stages=stages, layers=stages, schedule=schedule,
-                                     submeshes=[(1, 8 // stages)] * stages, solver_time_limit=0.2, runtime=runtime)
+    sub = (1, 8 // stages) if submesh is None else tuple(submesh)
+    return autoshard.PipelineOptions(num_stages=stages, layers=stages, schedule=schedule, submeshes=[sub] * stages,
+                                     solver_time_limit=0.2, runtime=runtime)
 
 
-def main(process_id: int, port: int, out_dir: str, layout: str = "rows"):
+LAYOUTS = {   # layout -> (global mesh shape, stage count, stage sub-mesh, device order)
+    "rows": ((2, 4), 2, (1, 4), (0, 1, 2, 3, 4, 5, 6, 7)),
+    "blocks": ((4, 2), 2, (2, 2), (0, 1, 2, 3, 4, 5, 6, 7)),
+    "4stages": ((2, 4), 4, (1, 2), (0, 1, 2, 3, 4, 5, 6, 7)),
+    "straddle": ((2, 4), 2, (1, 4), (0, 1, 4, 5, 2, 3, 6, 7)),
+}
+"""``rows``: a (1, 4) stage per process; ``blocks``: a (2, 2) stage per process; ``4stages``: two (1, 2) stages per
+process; ``straddle``: each (1, 4) stage on 2 devices of both processes."""
+
+
+def main(process_id: int, port: int, out_dir: str, layout: str = "rows", schedule: str = "1f1b"):
     t0 = time.perf_counter()
     import jax
     import numpy as np
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=process_id)
+    from jax.experimental import multihost_utils
+
     import autoshard
+    from autoshard.hlo import collective_stats
     from autoshard.pipeline.spmd import SpmdPipelineExecutable
 
     state, batch = tiny_gpt_init(), tiny_gpt_batch()
-    devices = jax.devices()   # process 0's 4 devices, then process 1's
-    if layout == "straddle":
-        devices = [devices[i] for i in (0, 1, 4, 5, 2, 3, 6, 7)]
-    mesh = autoshard.make_mesh((2, 4), ("data", "model"), devices=devices)
+    shape, stages, sub, order = LAYOUTS[layout]
+    devices = [jax.devices()[i] for i in order]   # process 0's 4 devices, then process 1's
+    mesh = autoshard.make_mesh(shape, ("data", "model"), devices=devices)
     step = autoshard.parallelize(tiny_gpt_step, mesh=mesh, num_microbatches=4,
-                                 pipeline=spmd_options("1f1b", runtime="auto", stages=4 if layout == "4stages" else 2))
+                                 pipeline=spmd_options(schedule, runtime="auto", stages=stages, submesh=sub))
     t1 = time.perf_counter()
     step.plan(state, batch)
     t2 = time.perf_counter()
     new_state, metrics = step(state, batch)
-    new_state, metrics2 = step(new_state, batch)   # the replicated outputs go straight back in
+    new_state, metrics2 = step(new_state, batch)   # the outputs go straight back in, in their layouts
     print(f"worker {process_id}: start {t1 - t0:.1f} s, plan {t2 - t1:.1f} s, compile+run "
           f"{time.perf_counter() - t2:.1f} s", flush=True)
     entry = step.prepared(state, batch)
     exe = entry.executable
     assert isinstance(exe, SpmdPipelineExecutable), type(exe)
-    stage_procs = [sorted({d.process_index for d in row}) for row in exe.mesh.devices]
-    hlo = exe.compiled(jax.tree.leaves((state, batch)))[0].as_text()
-    leaves = [np.asarray(x.addressable_data(0)) for x in jax.tree.leaves(new_state["params"])]
+    stage_procs = [sorted({d.process_index for d in np.asarray(row).flat}) for row in exe.mesh.devices]
+    stats = collective_stats(exe.compiled(jax.tree.leaves((state, batch)))[0])
+    R = exe.mesh.devices[0].size   # replica groups name logical ids: positions in the mesh, stage-major
+    stage_ids = [set(range(s * R, (s + 1) * R)) for s in range(exe.S)]
+    in_loop = [c for c in stats.collectives if c.kind != "collective-permute" and c.multiplicity == exe.num_ticks]
+    within = all(c.groups and all(any(set(g) <= st for st in stage_ids) for g in c.groups) for c in in_loop)
+    leaves = [np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in jax.tree.leaves(new_state["params"])]
     bad = autoshard.parallelize(tiny_gpt_step, mesh=mesh, num_microbatches=4,
-                                pipeline=spmd_options("1f1b", runtime="device_put"))
+                                pipeline=spmd_options(schedule, runtime="device_put", stages=stages, submesh=sub))
     try:
         bad.plan(state, batch)
         refused = ""
@@ -133,8 +151,10 @@ def main(process_id: int, port: int, out_dir: str, layout: str = "rows"):
         refused = str(e)
     losses = [float(np.asarray(m["loss"].addressable_data(0))) for m in (metrics, metrics2)]
     np.savez(os.path.join(out_dir, f"proc{process_id}.npz"), losses=np.asarray(losses), refused=refused,
-             stage_procs=np.asarray(stage_procs), permutes=hlo.count("collective-permute"), dp=exe.dp,
-             runtime=entry.plan.stats["runtime"], **{f"p{i}": x for i, x in enumerate(leaves)})
+             stage_procs=np.asarray(stage_procs), permutes=stats.count("collective-permute"),
+             intra=len(in_loop), within=within, sub=np.asarray(exe.mesh.devices.shape[1:]),
+             stage_plans="\n".join(st.plan.to_json() for st in entry.plan.stages), runtime=entry.plan.stats["runtime"],
+             **{f"p{i}": x for i, x in enumerate(leaves)})
     jax.distributed.shutdown()
 
 

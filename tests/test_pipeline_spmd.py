@@ -3,6 +3,7 @@ on one process and across two processes (2 x 4 CPU devices, gloo collectives).""
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import subprocess
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 import autoshard
+from autoshard.hlo import collective_stats
 from autoshard.pipeline.spmd import SpmdPipelineExecutable, allocate
 from benchmarks.models import mlp
 from benchmarks.models.mlp import MLPConfig
@@ -42,18 +44,16 @@ def _reference(state, batch, train_step, steps):
     return ref, losses
 
 
-# Microbatches of 8 split over a stage's 4 devices (dp=4); of 4, the MLP traces differently at batch 1, so
-# each stage computes replicated (dp=1).
-@pytest.mark.parametrize("family,schedule,batch_size,dp,stages", [
-    ("mlp", "gpipe", 16, 1, 2), ("gpt", "1f1b", 32, 4, 2),
-    pytest.param("mlp", "1f1b", 16, 2, 4, marks=pytest.mark.slow), pytest.param("gpt", "gpipe", 32, 4, 2,
-                                                                                marks=pytest.mark.slow)])
-def test_spmd_pipeline_matches_reference(family, schedule, batch_size, dp, stages, monkeypatch):
+@pytest.mark.parametrize("family,schedule,batch_size,stages", [
+    ("mlp", "gpipe", 16, 2), ("gpt", "1f1b", 32, 2),
+    pytest.param("mlp", "1f1b", 16, 4, marks=pytest.mark.slow), pytest.param("gpt", "gpipe", 32, 2,
+                                                                             marks=pytest.mark.slow)])
+def test_spmd_pipeline_matches_reference(family, schedule, batch_size, stages, monkeypatch):
     state, batch, train_step = _model(family, batch_size)
     ref, ref_losses = _reference(state, batch, train_step, 2)
     step = autoshard.parallelize(train_step, mesh=mesh("2x4"), num_microbatches=4,
                                  pipeline=spmd_options(schedule, stages=stages))
-    # No device_put between stage sub-meshes: arrays are only ever placed on the whole (stage, replica) mesh.
+    # No device_put between stage sub-meshes: arrays are only ever placed on the whole (stage, *sub-mesh) mesh.
     targets = []
     device_put = jax.device_put
     monkeypatch.setattr(jax, "device_put", lambda x, s=None, **kw: targets.append(s) or device_put(x, s, **kw))
@@ -71,10 +71,55 @@ def test_spmd_pipeline_matches_reference(family, schedule, batch_size, dp, stage
     # Activations move inside the one program: collective-permutes over the stage axis, no device_put.
     hlo = exe.compiled(jax.tree.leaves((state, batch)))[0].as_text()
     assert "collective-permute" in hlo
-    assert exe.mesh.devices.shape == (stages, 8 // stages) and exe.dp == dp
+    assert exe.mesh.devices.shape == (stages, 1, 8 // stages) and exe.mesh.axis_names == ("stage", "data", "model")
     assert exe.num_ticks <= 2 * (4 + stages - 1)   # one F and one B tick per microbatch and stage, plus fill
     with pytest.raises(autoshard.InputError, match="runtime='device_put'"):
         step.timeline(state, batch)
+
+
+WIDE_MLP = MLPConfig(num_layers=4, input_dim=16, hidden_dim=256, output_dim=8, loss="ce")
+
+
+def _stage_groups(exe):
+    """Each stage's logical device ids (what HLO replica groups name: positions in the mesh, stage-major)."""
+    R = exe.mesh.devices[0].size
+    return [frozenset(range(s * R, (s + 1) * R)) for s in range(exe.S)]
+
+
+@pytest.mark.parametrize("sub,schedule", [((2, 2), "gpipe"), ((1, 2), "1f1b"),
+                                          pytest.param((2, 2), "1f1b", marks=pytest.mark.slow),
+                                          pytest.param((1, 2), "gpipe", marks=pytest.mark.slow)])
+def test_spmd_stages_run_their_intra_op_plans(sub, schedule):
+    """2 stages x ``sub``: a memory budget that replicated weights exceed makes each stage's plan split them; the
+    one SPMD program takes the weights in those layouts and runs the plan's collectives inside the pipeline loop,
+    over one stage's devices only. Two steps equal jax.jit."""
+    spec = mlp.build(WIDE_MLP, 8)
+    state, batch, train_step = spec.init_state(jax.random.key(0)), spec.make_batch(jax.random.key(1)), spec.train_step
+    ref, ref_losses = _reference(state, batch, train_step, 2)
+    n = 2 * sub[0] * sub[1]
+    devices = mesh("2x4") if n == 8 else autoshard.make_mesh((1, n), ("data", "model"), devices=jax.devices()[:n])
+    opts = autoshard.PipelineOptions(num_stages=2, layers=2, schedule=schedule, submeshes=[sub] * 2,
+                                     solver_time_limit=1.0, runtime="spmd")
+    step = autoshard.parallelize(train_step, mesh=devices, num_microbatches=4, pipeline=opts, memory_budget=480_000)
+    out, losses = state, []
+    for _ in range(2):
+        out, m = step(out, batch)
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(out["params"], ref["params"], rtol=1e-5, atol=5e-5, what="params")
+    exe = step.prepared(state, batch).executable
+    assert exe.mesh.devices.shape == (2, *sub)
+    split = [sh for sh in exe.in_shardings if sh.spec != jax.sharding.PartitionSpec()]
+    assert split, "no stage plan split a weight"
+    # The new state keeps the layout it came in with: the next step takes it as it is.
+    for leaf, sh in zip(jax.tree.leaves(out), exe.out_shardings[:len(jax.tree.leaves(out))], strict=False):
+        assert leaf.sharding.is_equivalent_to(sh, leaf.ndim)
+    stats = collective_stats(exe.compiled(jax.tree.leaves((state, batch)))[0])
+    in_loop = [c for c in stats.collectives if c.kind != "collective-permute" and c.multiplicity == exe.num_ticks]
+    assert in_loop, "no intra-op collective inside the pipeline loop"
+    stages = _stage_groups(exe)
+    for c in in_loop:
+        assert c.groups and all(any(set(g) <= st for st in stages) for g in c.groups), (c, stages)
 
 
 def test_1f1b_stashes_fewer_microbatches_than_gpipe():
@@ -104,7 +149,7 @@ def test_spmd_runtime_errors():
     opts = autoshard.PipelineOptions(num_stages=3, layers=3, submeshes=[(1, 4), (1, 2), (1, 2)], runtime="spmd",
                                      solver_time_limit=0.2)
     step = autoshard.parallelize(train_step, mesh=mesh("2x4"), num_microbatches=4, pipeline=opts)
-    with pytest.raises(autoshard.MeshError, match="same number of devices on every stage"):
+    with pytest.raises(autoshard.MeshError, match="same sub-mesh shape on every stage"):
         step.plan(state, batch)
 
 
@@ -138,12 +183,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("layout,stage_procs,dp", [
-    ("rows", [[0], [1]], 4),
-    pytest.param("4stages", [[0], [0], [1], [1]], 2, marks=pytest.mark.slow),
-    pytest.param("straddle", [[0, 1], [0, 1]], 4, marks=pytest.mark.slow)])
-def test_pipeline_across_processes(tmp_path, layout, stage_procs, dp):
-    """2 stages, one per process (2 processes x 4 CPU devices, gloo), 1F1B, 4 microbatches, two steps.
+@pytest.mark.parametrize("layout,schedule,stage_procs,sub", [
+    ("blocks", "gpipe", [[0], [1]], (2, 2)),
+    ("rows", "1f1b", [[0], [1]], (1, 4)),
+    pytest.param("4stages", "1f1b", [[0], [0], [1], [1]], (1, 2), marks=pytest.mark.slow),
+    pytest.param("straddle", "1f1b", [[0, 1], [0, 1]], (1, 4), marks=pytest.mark.slow)])
+def test_pipeline_across_processes(tmp_path, layout, schedule, stage_procs, sub):
+    """2 stages, one per process (2 processes x 4 CPU devices, gloo), 4 microbatches, two steps, each stage under
+    its intra-op plan (process 0's, received by process 1).
 
     Slow variants: two stages per process; stages whose devices straddle both processes."""
     port = _free_port()
@@ -156,7 +203,7 @@ def test_pipeline_across_processes(tmp_path, layout, stage_procs, dp):
             with open(logs[i], "wb") as log:
                 procs.append(subprocess.Popen(
                     [sys.executable, str(ROOT / "tests" / "pipeline_spmd_worker.py"), str(i), str(port), str(tmp_path),
-                     layout],
+                     layout, schedule],
                     cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
         ref, ref_losses = _reference(tiny_gpt_init(), tiny_gpt_batch(), tiny_gpt_step, 2)   # while they start
         deadline = time.monotonic() + 240
@@ -173,12 +220,31 @@ def test_pipeline_across_processes(tmp_path, layout, stage_procs, dp):
     for i, p in enumerate(procs):
         assert p.returncode == 0, f"worker {i} exited with {p.returncode}:\n{logs[i].read_text(errors='replace')[-4000:]}"
     ref_leaves = jax.tree.leaves(ref["params"])
+    plans = [str(np.load(tmp_path / f"proc{i}.npz")["stage_plans"]) for i in range(2)]
+    assert plans[0] == plans[1]   # one plan everywhere
     for i in range(2):
         out = np.load(tmp_path / f"proc{i}.npz")
         assert str(out["runtime"]) == "spmd"
         assert out["stage_procs"].tolist() == stage_procs   # rows: stage s lives on process s
-        assert int(out["permutes"]) > 0 and int(out["dp"]) == dp   # a stage's devices split its microbatches
+        assert int(out["permutes"]) > 0 and tuple(out["sub"]) == sub
+        # the stage plans' collectives run inside the pipeline loop, over one stage's devices each
+        assert int(out["intra"]) > 0 and bool(out["within"])
         assert "device_put between device sets of different processes" in str(out["refused"])
         np.testing.assert_allclose(out["losses"], ref_losses, rtol=1e-5)
         for j, r in enumerate(ref_leaves):
             np.testing.assert_allclose(out[f"p{j}"], np.asarray(r), rtol=1e-5, atol=5e-5)
+
+
+def test_spmd_stage_search_keeps_one_submesh_shape():
+    """With the sub-meshes left to the stage DP, runtime='spmd' gets stages of one shape (the DP run per shape
+    that tiles the mesh), and the step still equals jax.jit."""
+    state, batch, train_step = _model("gpt")
+    ref, ref_losses = _reference(state, batch, train_step, 1)
+    opts = autoshard.PipelineOptions(num_stages=2, layers=2, runtime="spmd", solver_time_limit=0.2,
+                                     stage_cost="estimate")
+    step = autoshard.parallelize(train_step, mesh=mesh("2x4"), num_microbatches=4, pipeline=opts)
+    shapes = {st.mesh_shape for st in step.plan(state, batch).stages}
+    assert len(shapes) == 1 and math.prod(next(iter(shapes))) == 4
+    out, m = step(state, batch)
+    np.testing.assert_allclose(float(m["loss"]), ref_losses[0], rtol=1e-5)
+    assert_trees_close(out["params"], ref["params"], rtol=1e-5, atol=5e-5, what="params")

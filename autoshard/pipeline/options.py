@@ -32,7 +32,8 @@ class PipelineOptions:
       solver_time_limit: seconds the intra-op solver may spend on each stage candidate.
       runtime: ``"device_put"`` (one jitted program per task, arrays moved between stage
         sub-meshes by ``jax.device_put``: one process only), ``"spmd"`` (the whole pipeline as one
-        SPMD program, ``ppermute`` between stages: works across processes) or ``"auto"``
+        SPMD program over a ``("stage", "data", "model")`` mesh, each stage under its intra-op plan,
+        ``ppermute`` between stages: works across processes; every stage on one sub-mesh shape) or ``"auto"``
         (``"spmd"`` when the stages' devices belong to several processes, else ``"device_put"``).
 
     Example:

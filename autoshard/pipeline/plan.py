@@ -192,15 +192,16 @@ class PipelinePlan(Report):
           the stage plans' predicted bytes per collective kind, against the compiled F and B tasks'.
 
         Raises:
-          InputError: the executable is the SPMD runtime's one program, whose stages have no plans.
+          InputError: the executable is the SPMD runtime's one program, whose stages run as branches of one
+            loop rather than as programs of their own.
         """
         from autoshard.plan import PlanCheck, compiled_bytes_by_kind
 
         compiled_tasks = getattr(executable, "compiled_tasks", None)
         if compiled_tasks is None:
-            raise InputError("PipelinePlan.verify(...) compiles the runtime='device_put' tasks; this step runs as "
-                             "one SPMD program with no intra-op stage plans. Fix: "
-                             "PipelineOptions(runtime='device_put') on one host.")
+            raise InputError("PipelinePlan.verify(...) compiles the runtime='device_put' tasks one by one; this step "
+                             "runs as one SPMD program whose stages are branches of one loop. Fix: "
+                             "PipelineOptions(runtime='device_put') on one host, with the same stage plans.")
         predicted: dict[str, float] = {}
         compiled: dict[str, float] = {}
         for stage in self.stages:

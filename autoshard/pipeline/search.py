@@ -19,6 +19,7 @@ import math
 import time
 import warnings
 
+import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
@@ -390,12 +391,24 @@ def _fixed_submesh_stages(table: _CostTable, grid, num_layers: int, manual: bool
     return _Stages(tuple((bounds[s], bounds[s + 1], s) for s in range(S)), tuple(opts), tuple(devices))
 
 
-def _dp_stages(table: _CostTable, grid, num_layers: int, fixed_count: int | None) -> _Stages:
-    """Alpa's stage-mesh DP (:func:`assign_stages`) over every sub-mesh option and layer range."""
+def _dp_stages(table: _CostTable, grid, num_layers: int, fixed_count: int | None, *, uniform: bool = False) -> _Stages:
+    """Alpa's stage-mesh DP (:func:`assign_stages`) over every sub-mesh option and layer range; ``uniform``:
+    every stage on the same sub-mesh shape (the best such assignment over the shapes that tile the mesh)."""
     L, N, k, memory_budget = num_layers, grid.size, table.analysis.num_microbatches, table.search.memory_budget
     opts = [o for o in submesh_options(grid.shape) if o.size <= N]
     limit = math.inf if memory_budget is None else float(memory_budget)
-    sol = _assign(table, opts, L=L, N=N, k=k, limit=limit, fixed_count=fixed_count)
+    if uniform:
+        sol, best_opts = None, opts
+        for o in opts:
+            count = N // o.size
+            if N % o.size or count > L or (fixed_count is not None and count != fixed_count):
+                continue
+            got = _assign(table, [o], L=L, N=N, k=k, limit=limit, fixed_count=count)
+            if got is not None and (sol is None or got.latency < sol.latency):
+                sol, best_opts = got, [o]
+        opts = best_opts
+    else:
+        sol = _assign(table, opts, L=L, N=N, k=k, limit=limit, fixed_count=fixed_count)
     if sol is None:
         raise MeshError(f"no pipeline of {L} layers fits the {N}-device mesh"
                         + (f" within memory_budget={memory_budget:.4g} bytes" if memory_budget else "")
@@ -470,11 +483,11 @@ def _plan_each_stage(analysis, part, stages: _Stages, search: StageSearch, grid_
 
 
 def plan_stages(analysis: StepAnalysis, mesh, cluster, options: PipelineOptions, memory_budget=None, *,
-                tie_layers="auto", progress=None, profile=None):
+                tie_layers="auto", progress=None, profile=None, uniform=False):
     """Search the pipeline; returns ``(partition, meshes, plans, PipelinePlan)``.
 
     ``progress``: ``callback(stage, done, total)`` after the layer costs, the stage search and each
-    stage's plan."""
+    stage's plan. ``uniform``: every stage on one sub-mesh shape (what ``runtime="spmd"`` runs)."""
     t0 = time.perf_counter()
     # a stage holds its layers' weights and in-flight activations: no more than a device has (as intra-op plans)
     budget = memory_budget if memory_budget is not None else getattr(cluster, "memory", None)
@@ -496,7 +509,7 @@ def plan_stages(analysis: StepAnalysis, mesh, cluster, options: PipelineOptions,
         stages = _fixed_submesh_stages(table, grid, L, manual)
     else:
         fixed = L if manual else (options.num_stages if isinstance(options.num_stages, int) else None)
-        stages = _dp_stages(table, grid, L, fixed)
+        stages = _dp_stages(table, grid, L, fixed, uniform=uniform)
     search_s = time.perf_counter() - t0
     S = len(stages.bounds)
     search.report(f"{S} stages chosen", 2, 2 + S)
@@ -519,3 +532,40 @@ def plan_stages(analysis: StepAnalysis, mesh, cluster, options: PipelineOptions,
                "distinct_layers": len(set(table.fingerprints.values()))},
         cut_sources=tuple(first.get(s, "<none>") for s in range(S)))
     return part, meshes, plans, pplan
+
+
+def restore_stages(analysis: StepAnalysis, mesh, options: PipelineOptions, pplan: PipelinePlan):
+    """``(partition, meshes, plans, pplan)`` of ``pplan``, a plan :func:`plan_stages` made for this step on
+    another process: the layer cut is recomputed (it is deterministic), the stages and their intra-op plans
+    are the saved ones.
+
+    Raises:
+      PlanError: a stage plan was made for another program than this process captured."""
+    from autoshard.distributed import different_program
+
+    cost_layer_of, group, _, _ = _layer_bounds(analysis, options, physical_grid(mesh).size)
+    stage_of_layer = {layer: st.index for st in pplan.stages for layer in range(*st.layers)}
+    part = partition(analysis, lambda p: stage_of_layer[group[cost_layer_of[p]]], len(pplan.stages))
+    by_id = {d.id: d for d in jax.devices()}
+    meshes = []
+    for st in pplan.stages:
+        if st.plan is None:
+            meshes.append(mesh_like(mesh, st.mesh_shape, AXES, devices=[by_id[i] for i in st.devices]))
+            continue
+        captured = stage_program(analysis, part, st.index).fingerprint()
+        if st.plan.fingerprint != captured:
+            raise different_program(st.plan.fingerprint, captured)
+        meshes.append(st.plan.mesh)
+    return part, meshes, [st.plan for st in pplan.stages], pplan
+
+
+def plan_stages_everywhere(make, analysis: StepAnalysis, mesh, options: PipelineOptions):
+    """``make()`` (a :func:`plan_stages` call) on process 0, and the same stages on every process: the others
+    receive process 0's ``PipelinePlan`` and :func:`restore_stages` it, so a search that is not
+    bit-deterministic (time-limited solves) cannot give two processes two programs."""
+    from autoshard.distributed import broadcast_from_first
+
+    if jax.process_count() == 1:
+        return make()
+    got = broadcast_from_first(make, lambda made: made[3].to_json(), PipelinePlan.from_json)
+    return got if isinstance(got, tuple) else restore_stages(analysis, mesh, options, got)

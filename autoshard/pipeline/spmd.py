@@ -1,33 +1,38 @@
-"""Run a partitioned step as ONE SPMD program: stages on a ``"stage"`` mesh axis, ``ppermute`` between them.
+"""Run a partitioned step as ONE SPMD program: stages on a ``"stage"`` mesh axis, each under its intra-op plan.
 
 ``jax.device_put`` between device sets of different processes is refused outside TPU, so the
 single-controller runtime (``runtime.py``) cannot span hosts. This runtime compiles the whole
-pipeline into one ``jax.jit`` over a global mesh of shape ``(S, d)`` (axes ``"stage"``,
-``"replica"``; stage ``s`` owns row ``s``), which every process calls, and moves activations
-and cotangents inside it with ``lax.ppermute`` over ``"stage"``:
+pipeline into one ``jax.jit`` over a global mesh of shape ``(S, *sub)`` (axes ``"stage"`` and the
+stage sub-mesh's own axes, e.g. ``("stage", "data", "model")``; stage ``s`` owns slice ``s``),
+which every process calls. A ``shard_map`` makes only ``"stage"`` manual: inside it, the
+sub-mesh axes stay automatic, so each stage's ops run under the stage's intra-op plan (its
+``with_sharding_constraint`` s name the sub-mesh axes) and XLA partitions them over the stage's
+devices, with the plan's collectives inside the stage.
 
 * The schedule (GPipe or 1F1B, ``schedule.stage_orders``) is list-scheduled with unit task
-  times into *ticks*. The ticks are unrolled in Python; at each tick a ``lax.switch`` on
+  times into *ticks*. A ``lax.scan`` runs the ticks; at each a ``lax.switch`` on
   ``lax.axis_index("stage")`` runs that stage's task (``F(s, m)``, ``B(s, m)`` or nothing),
   then one ``ppermute`` per stage offset carries what was produced to the stages that read it.
 * Stages run different code and hold different values, but ``switch`` branches must agree on
-  types. Every device therefore keeps one flat buffer per dtype (its *memory*) and each stage has
-  its own static layout in it: received activations, residuals stashed from ``F`` for ``B``
-  (no recompute), and the gradient accumulators. Slots are reused once dead (interval
-  allocation over ticks), so 1F1B keeps fewer microbatches alive than GPipe. Messages are
-  packed the same way, padded to the largest sender of that tick.
+  types. Every device therefore keeps one buffer per dtype (its *memory*), of shape
+  ``(R, length)`` with ``R`` the devices of a stage and row ``r`` on the stage's ``r``-th device,
+  and each stage has its own static layout in it: received activations, residuals stashed from
+  ``F`` for ``B`` (no recompute), and the gradient accumulators. A value is stored as each
+  device's own shard, in the layout its producing stage's plan gives it (*its storage layout*):
+  a nested ``shard_map`` over the sub-mesh axes turns the sharded value into rows and back
+  without moving data. A reader whose plan wants another layout reshards it inside its own
+  branch. Slots are reused once dead (interval allocation over ticks), so 1F1B keeps fewer
+  microbatches alive than GPipe. Messages are packed the same way, padded to the largest sender.
 * After the last tick the accumulators (weight gradients, summed loss) leave ``shard_map``
-  stacked over ``"stage"``; the update tasks (``R``) then run in the same jit outside
-  ``shard_map``, on the whole mesh, and every output is replicated, so each process can read
-  the new state and the metrics.
+  stacked over ``"stage"``; the update tasks (``R``) then run in the same jit on the whole mesh,
+  each weight and optimizer state sharded over the sub-mesh axes as its stage's plan lays the
+  weight out (replicated over ``"stage"``). Metrics come out replicated; the new state keeps
+  its input's sharding, so the next call takes it without a copy.
 
-* Inside a stage, the ``d`` devices split every microbatch (data parallelism: the step is captured
-  again at ``k * d`` microbatches, and the gradient sums are ``psum``-ed over ``"replica"``), or,
-  when the microbatch does not split, compute the same thing.
-
-First-version limits: no intra-op plan inside a stage; the state and the batch enter replicated on
-every device (each process passes the full, identical arguments) and the update runs replicated;
-all stages need the same number of devices; a step returning per-example values is refused.
+Limits: all stages need the same sub-mesh shape; the state is replicated over ``"stage"`` (each
+stage's devices hold a shard of every weight, laid out as its owner stage's plan says), and the
+update, sharded inside a stage, runs on every stage; the batch enters replicated (every process
+passes the full, identical arguments); a step returning per-example values is refused.
 """
 
 from __future__ import annotations
@@ -42,12 +47,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from autoshard.capture import OpGraph
 from autoshard.errors import InputError, MeshError
 from autoshard.lower import Evaluator
-from autoshard.pipeline.partition import Partition, partition
+from autoshard.pipeline.partition import Partition
 from autoshard.pipeline.schedule import simulate, stage_orders
 from autoshard.spec import MeshInfo
 
 STAGE_AXIS = "stage"
-REPLICA_AXIS = "replica"
 
 
 def spans_processes(meshes) -> bool:
@@ -56,17 +60,37 @@ def spans_processes(meshes) -> bool:
 
 
 def stage_mesh(meshes):
-    """The global ``(S, d)`` mesh whose row ``s`` holds stage ``s``'s devices."""
+    """The global ``(S, *sub)`` mesh whose slice ``s`` is stage ``s``'s sub-mesh (axes ``"stage"``, then the
+    sub-mesh's own)."""
     from autoshard.cluster import make_mesh
 
-    sizes = [int(np.asarray(m.devices).size) for m in meshes]
-    if len(set(sizes)) != 1:
+    shapes = [tuple(np.asarray(m.devices).shape) for m in meshes]
+    names = {tuple(m.axis_names) for m in meshes}
+    if len(set(shapes)) != 1 or len(names) != 1:
         raise MeshError(
-            f"runtime='spmd' needs the same number of devices on every stage, got {sizes} (stage -> devices). "
-            "All stages are rows of one (stages, devices_per_stage) mesh. Fix: equal sub-meshes, e.g. "
-            f"PipelineOptions(submeshes=[(1, {min(sizes)})] * {len(sizes)}), or runtime='device_put' on one host.")
-    devices = [d for m in meshes for d in np.asarray(m.devices).flat]
-    return make_mesh((len(meshes), sizes[0]), (STAGE_AXIS, REPLICA_AXIS), devices=devices)
+            f"runtime='spmd' needs the same sub-mesh shape on every stage, got {shapes} (stage -> sub-mesh). "
+            "All stages are slices of one (stages, *sub-mesh) mesh. Fix: equal sub-meshes, e.g. "
+            f"PipelineOptions(submeshes=[{shapes[-1]}] * {len(shapes)}), or runtime='device_put' on one host.")
+    (axes,) = names
+    if STAGE_AXIS in axes:
+        raise MeshError(f"a stage sub-mesh has an axis named {STAGE_AXIS!r}, the name runtime='spmd' gives the "
+                        "stage axis. Fix: rename that mesh axis.")
+    devices = np.stack([np.asarray(m.devices) for m in meshes])
+    return make_mesh(devices.shape, (STAGE_AXIS, *axes), devices=list(devices.flat))
+
+
+def local_shape(shape, pspec: PartitionSpec, axis_sizes: dict) -> tuple[int, ...] | None:
+    """The shape of one device's shard of an array of ``shape`` laid out as ``pspec`` (None: a
+    dimension that does not divide evenly, which a ``shard_map`` cannot take)."""
+    entries = tuple(pspec) + (None,) * (len(shape) - len(pspec))
+    out = []
+    for n, e in zip(shape, entries, strict=True):
+        axes = () if e is None else (e,) if isinstance(e, str) else tuple(e)
+        k = math.prod(axis_sizes[a] for a in axes)
+        if n % k:
+            return None
+        out.append(n // k)
+    return tuple(out)
 
 
 def _size(aval) -> int:
@@ -108,31 +132,50 @@ def schedule_ticks(part: Partition, num_microbatches: int, schedule: str) -> dic
     return {(ph, s, m): int(round(start)) for ph, s, m, start, _ in sim.events}
 
 
-def _forward_stage(part: Partition):
-    """The stage of each forward op position in ``part`` (to cut another capture of the step the same way)."""
-    stage = {p: key[1] for p in part.forward for key in part.op_tasks[p] if key[0] == "F"}
-    return stage.__getitem__
+class _Rows:
+    """Values as rows of a stage's buffers and back: row ``r`` is the ``r``-th device of the stage's shard.
+
+    Both directions are a ``shard_map`` over the sub-mesh axes whose body only reshapes the local
+    block, so no data moves. ``mesh``: the global mesh, or None inside the stage ``shard_map`` (which
+    then takes the context's mesh, where ``"stage"`` is manual)."""
+
+    def __init__(self, mesh, sub_axes: tuple[str, ...]):
+        self.sizes = dict(mesh.shape)
+        self.axes = frozenset(sub_axes)
+        self.rows = math.prod(self.sizes[a] for a in sub_axes)
+        self.spec = PartitionSpec(tuple(sub_axes))
+
+    def pack(self, x, pspec: PartitionSpec, mesh=None):
+        """``x`` (laid out as ``pspec``) as ``(rows, local size)``."""
+        return jax.shard_map(lambda xl: xl.reshape(1, -1), mesh=mesh, in_specs=(pspec,), out_specs=self.spec,
+                             axis_names=self.axes, check_vma=False)(x)
+
+    def unpack(self, rows, pspec: PartitionSpec, shape, mesh=None):
+        """The value of global ``shape`` laid out as ``pspec`` whose shards are the rows of ``rows``."""
+        block = local_shape(shape, pspec, self.sizes)
+        return jax.shard_map(lambda r: r.reshape(block), mesh=mesh, in_specs=(self.spec,), out_specs=pspec,
+                             axis_names=self.axes, check_vma=False)(rows)
 
 
 class SpmdPipelineExecutable:
-    """The pipelined step as one jitted SPMD program over a ``(stage, replica)`` mesh (module docstring)."""
+    """The pipelined step as one jitted SPMD program over a ``("stage", *sub-mesh)`` mesh (module docstring).
 
-    def __init__(self, analysis, part: Partition, meshes, schedule: str, reanalyze=None):
+    Args:
+      analysis, part: the step's :class:`~autoshard.pipeline.accumulate.StepAnalysis` and partition.
+      meshes: each stage's sub-mesh (all of one shape and axis names).
+      plans: each stage's intra-op :class:`~autoshard.Plan` of one microbatch (None: replicated).
+      schedule: ``"gpipe"`` or ``"1f1b"``.
+      out_ties: output position -> the input position whose next value it is (it keeps that layout).
+    """
+
+    def __init__(self, analysis, part: Partition, meshes, plans, *, schedule: str, out_ties: dict | None = None):
         self.k = k = analysis.num_microbatches
         self.schedule = schedule
         self.S = S = part.num_stages
         self.mesh = stage_mesh(meshes)
-        per_stage = self.mesh.devices.shape[1]
-        b = analysis.micro.avals[analysis.micro.graph.invars[analysis.batch_inputs[0]]].shape[0]
-        # Data parallelism inside a stage: each of its d devices runs 1/d of every microbatch (the step
-        # captured at k * d microbatches) and the gradient sums are added over "replica" at the end.
-        self.dp = per_stage if reanalyze is not None and per_stage > 1 and b % per_stage == 0 else 1
-        if self.dp > 1:
-            try:
-                analysis = reanalyze(num_microbatches=k * per_stage)
-                part = partition(analysis, _forward_stage(part), S)
-            except InputError:   # e.g. the step traces differently at the smaller batch: replicate instead
-                self.dp = 1
+        self.sub_info = MeshInfo.from_mesh(meshes[0])
+        self.sub_axes = tuple(meshes[0].axis_names)
+        self.rows = _Rows(self.mesh, self.sub_axes)
         self.analysis = analysis
         self.part = part
         full, micro = analysis.full, analysis.micro
@@ -141,6 +184,10 @@ class SpmdPipelineExecutable:
         self.invar_pos = {v: i for i, v in enumerate(full.graph.invars)}
         frontier = part.frontier_values
         self._check_outputs(frontier)
+        # Each stage's ops run under its plan, named on the global mesh by the sub-mesh's axis names.
+        self._evals = [Evaluator(micro, {} if p is None else p.value_specs, {} if p is None else p.operand_specs,
+                                 self.mesh, self.sub_info) for p in plans]
+        self._full_ev = Evaluator(full, {}, {}, self.mesh, MeshInfo.from_mesh(self.mesh))
 
         # Branch 0 of the task switch idles; branch i > 0 runs self.tasks[i - 1] (on its own stage only).
         self.tasks = sorted(key for key in part.tasks if key[0] in ("F", "B"))
@@ -152,16 +199,50 @@ class SpmdPipelineExecutable:
             self.task_table[t, s] = 1 + self.tasks.index((ph, s))
             self.mb_table[t, s] = m
 
+        self._storage_layouts()
         self._plan_memory(frontier)
         self._plan_messages()
-        self._ev = Evaluator(micro, {}, {}, self.mesh, MeshInfo.from_mesh(self.mesh))
-        self._full_ev = Evaluator(full, {}, {}, self.mesh, MeshInfo.from_mesh(self.mesh))
-        self.replicated = NamedSharding(self.mesh, PartitionSpec())
-        self._jit = jax.jit(self._program, out_shardings=self.replicated)
+        self._io_shardings(out_ties or {})
+        self._jit = jax.jit(self._program, out_shardings=self.out_shardings)
         self._compiled: dict = {}
 
+    # ---- layouts ---------------------------------------------------------------------------------------
+    def _pspec(self, stage: int, v) -> PartitionSpec:
+        """Stage ``stage``'s plan's layout of ``v`` as a PartitionSpec, replicated where it has none or
+        the value does not split evenly."""
+        spec = self._evals[stage].value_specs.get(v)
+        shape = getattr(self.analysis.avals[v], "shape", ())
+        if spec is None or len(spec.dims) != len(shape):
+            return PartitionSpec()
+        pspec = spec.to_partition_spec(self.sub_info)
+        return pspec if local_shape(shape, pspec, self.rows.sizes) is not None else PartitionSpec()
+
+    def _storage_layouts(self):
+        """Every task output is stored in the layout its producer's plan writes."""
+        self.store = {}
+        self.local = {}
+        for key in self.tasks:
+            for v in self.part.tasks[key].outvars:
+                self.store[v] = pspec = self._pspec(key[1], v)
+                self.local[v] = math.prod(local_shape(self.analysis.micro.avals[v].shape, pspec, self.rows.sizes))
+
+    def _io_shardings(self, out_ties: dict):
+        """Each weight (and any other non-batch input) enters laid out as the first stage that reads it plans
+        it, replicated over ``"stage"``; the batch enters replicated; a next state leaves as its input."""
+        full = self.analysis.full
+        owner = {}
+        for key in self.tasks:
+            for v in self.part.tasks[key].invars:
+                if v in self.invar_pos and v not in self.batch_values:
+                    owner.setdefault(v, key[1])
+        rep = NamedSharding(self.mesh, PartitionSpec())
+        self.in_shardings = [rep if v not in owner else NamedSharding(self.mesh, self._pspec(owner[v], v))
+                             for v in full.graph.invars]
+        self.out_shardings = [self.in_shardings[out_ties[j]] if j in out_ties else rep
+                              for j in range(len(full.graph.outvars))]
+
     def _plan_memory(self, frontier):
-        """Each stage's layout of its flat buffers: gradient accumulators, then per-microbatch values it
+        """Each stage's layout of its buffers: gradient accumulators, then per-microbatch values it
         keeps (stashed residuals, received activations), reused once dead; and what each task sends."""
         part, micro, k, S, T = self.part, self.analysis.micro, self.k, self.S, self.num_ticks
         # Who reads each task output: F/B tasks on this stage (stash) or on others (a message).
@@ -175,9 +256,9 @@ class SpmdPipelineExecutable:
         for key in self.tasks:
             ph, s = key
             for v in part.tasks[key].outvars:
-                aval = micro.avals[v]
+                dt, n = _dtype(micro.avals[v]), self.local[v]
                 if v in frontier:
-                    items[s].append((("acc", v), _dtype(aval), _size(aval), -1, T))
+                    items[s].append((("acc", v), dt, n, -1, T))
                     continue
                 dests = sorted({rs for _, rs in readers.get(v, ())})
                 self.sends[key] += [(v, rs) for rs in dests if rs != s]
@@ -185,7 +266,7 @@ class SpmdPipelineExecutable:
                     t = self.tick[(ph, s, m)]
                     for rs in dests:
                         last = max(self.tick[(rph, rs2, m)] for rph, rs2 in readers[v] if rs2 == rs)
-                        items[rs].append(((v, m), _dtype(aval), _size(aval), t, last))
+                        items[rs].append(((v, m), dt, n, t, last))
         self.layout, self.mem_len = [], {}
         for s in range(S):
             placed, length = allocate(items[s])
@@ -198,9 +279,10 @@ class SpmdPipelineExecutable:
         for s in range(S):
             for key, off in self.layout[s].items():
                 if key[0] == "acc":
-                    aval = micro.avals[key[1]]
-                    self.acc_of[key[1]] = (s, off)
-                    self.acc_len[_dtype(aval)] = max(self.acc_len.get(_dtype(aval), 0), off + _size(aval))
+                    v = key[1]
+                    dt = _dtype(micro.avals[v])
+                    self.acc_of[v] = (s, off)
+                    self.acc_len[dt] = max(self.acc_len.get(dt, 0), off + self.local[v])
 
     def _plan_messages(self):
         """Per stage offset: the packet length per dtype, and the receive switch's branches and tables."""
@@ -247,10 +329,9 @@ class SpmdPipelineExecutable:
         for v, rs in self.sends[key]:
             if rs - key[1] != delta:
                 continue
-            aval = self.analysis.micro.avals[v]
-            dt = _dtype(aval)
+            dt = _dtype(self.analysis.micro.avals[v])
             out.append((v, dt, used.get(dt, 0)))
-            used[dt] = used.get(dt, 0) + _size(aval)
+            used[dt] = used.get(dt, 0) + self.local[v]
         return out, used
 
     # ---- the traced program --------------------------------------------------------------------------
@@ -258,13 +339,23 @@ class SpmdPipelineExecutable:
         """The offset of microbatch ``m``'s ``v`` in stage ``s``'s memory (``m`` is traced)."""
         return jnp.asarray([self.layout[s][(v, mm)] for mm in range(self.k)], jnp.int32)[m]
 
+    def _zeros(self, n, dt):
+        """A ``(rows, n)`` buffer, row ``r`` on the stage's ``r``-th device."""
+        return jax.lax.with_sharding_constraint(jnp.zeros((self.rows.rows, n), dt), self.rows.spec)
+
+    def _load(self, mem, v, off):
+        """Value ``v`` from its rows at ``off`` (traced) of this stage's memory, in its storage layout."""
+        aval = self.analysis.micro.avals[v]
+        rows = jax.lax.dynamic_slice_in_dim(mem[_dtype(aval)], off, self.local[v], axis=1)
+        return self.rows.unpack(rows, self.store[v], aval.shape).astype(aval.dtype)
+
     def _idle(self, mem, m):
         del m
-        return mem, {d: {dt: jnp.zeros(n, dt) for dt, n in per.items()} for d, per in self.packet_len.items()}
+        return mem, {d: {dt: self._zeros(n, dt) for dt, n in per.items()} for d, per in self.packet_len.items()}
 
     def _task_branch(self, key, args):
         ph, s = key
-        micro = self.analysis.micro
+        micro, ev = self.analysis.micro, self._evals[s]
         task = self.part.tasks[key]
         graph = OpGraph(task.invars, task.ops, task.outvars)
         frontier = set(task.frontier)
@@ -272,34 +363,35 @@ class SpmdPipelineExecutable:
         def run(mem, m):
             env = {}
             for v in task.invars:
-                aval = micro.avals[v]
-                if v in self.batch_values:   # (k, 1, b / dp, ...) here: microbatch m, this device's part
-                    env[v] = jax.lax.dynamic_index_in_dim(args[self.batch_values[v]], m, 0, keepdims=False)[0]
+                if v in self.batch_values:   # (k, b, ...): microbatch m
+                    x = jax.lax.dynamic_index_in_dim(args[self.batch_values[v]], m, 0, keepdims=False)
                 elif v in self.part.producer_task:
-                    off = self._slot(s, v, m)
-                    env[v] = jax.lax.dynamic_slice(mem[_dtype(aval)], (off,), (_size(aval),)).reshape(aval.shape)
+                    x = self._load(mem, v, self._slot(s, v, m))
                 elif v in self.invar_pos:
-                    env[v] = args[self.invar_pos[v]]
+                    x = args[self.invar_pos[v]]
                 else:
-                    env[v] = jnp.asarray(micro.consts[v])
-            outs = dict(zip(task.outvars, self._ev.run(graph, env), strict=True))
+                    x = jnp.asarray(micro.consts[v])
+                env[v] = ev.constrain(x, ev.value_specs.get(v))
+            outs = dict(zip(task.outvars, ev.run(graph, env), strict=True))
             mem = dict(mem)
+            packed = {}
             for v, o in outs.items():
                 dt = _dtype(micro.avals[v])
-                flat = o.reshape(-1).astype(dt)
+                packed[v] = rows = self.rows.pack(o, self.store[v]).astype(dt)
                 if v in frontier:
                     off = self.layout[s][("acc", v)]
-                    mem[dt] = mem[dt].at[off:off + flat.size].add(flat)
+                    acc = jax.lax.slice_in_dim(mem[dt], off, off + rows.shape[1], axis=1)
+                    mem[dt] = jax.lax.dynamic_update_slice_in_dim(mem[dt], acc + rows, off, axis=1)
                 elif (v, 0) in self.layout[s]:
-                    mem[dt] = jax.lax.dynamic_update_slice(mem[dt], flat, (self._slot(s, v, m),))
+                    mem[dt] = jax.lax.dynamic_update_slice_in_dim(mem[dt], rows, self._slot(s, v, m), axis=1)
             packets = {}
             for d, per in self.packet_len.items():
                 layout, _ = self._packet_layout(key, d)
                 packets[d] = {}
                 for dt, n in per.items():
-                    parts = [outs[v].reshape(-1).astype(dt) for v, vdt, _ in layout if vdt == dt]
-                    used = sum(p.size for p in parts)
-                    packets[d][dt] = jnp.concatenate([*parts, jnp.zeros(n - used, dt)])
+                    parts = [packed[v] for v, vdt, _ in layout if vdt == dt]
+                    used = sum(p.shape[1] for p in parts)
+                    packets[d][dt] = jnp.concatenate([*parts, self._zeros(n - used, dt)], axis=1)
             return mem, packets
 
         return run
@@ -311,14 +403,15 @@ class SpmdPipelineExecutable:
         def run(mem, packet, m):
             mem = dict(mem)
             for v, dt, off in layout:
-                x = packet[dt][off:off + _size(self.analysis.micro.avals[v])]
-                mem[dt] = jax.lax.dynamic_update_slice(mem[dt], x, (self._slot(r, v, m),))
+                rows = packet[dt][:, off:off + self.local[v]]
+                mem[dt] = jax.lax.dynamic_update_slice_in_dim(mem[dt], rows, self._slot(r, v, m), axis=1)
             return mem
 
         return run
 
     def _pipeline(self, *args):
-        """The ``shard_map`` body: a scan over ticks; returns the stacked accumulators."""
+        """The ``shard_map`` body (manual over ``"stage"`` only): a scan over ticks; returns the stacked
+        accumulators."""
         stage = jax.lax.axis_index(STAGE_AXIS)
         tasks = [self._idle] + [self._task_branch(key, args) for key in self.tasks]
         receive = {d: [lambda mem, packet, m: mem] + [self._receive_branch(key, d) for key in self.receivers[d]]
@@ -335,31 +428,33 @@ class SpmdPipelineExecutable:
         rows = {"task": jnp.asarray(self.task_table), "mb": jnp.asarray(self.mb_table),
                 "recv": {d: jnp.asarray(self.recv_table[d]) for d in self.offsets},
                 "recv_mb": {d: jnp.asarray(self.recv_mb[d]) for d in self.offsets}}
-        mem = {dt: jnp.zeros(n, dt) for dt, n in sorted(self.mem_len.items())}
+        mem = {dt: self._zeros(n, dt) for dt, n in sorted(self.mem_len.items())}
         mem, _ = jax.lax.scan(tick, mem, rows)
-        accs = {dt: mem[dt][:n] for dt, n in sorted(self.acc_len.items())}
-        if self.dp > 1:
-            accs = {dt: jax.lax.psum(x, REPLICA_AXIS) for dt, x in accs.items()}
-        return {dt: x[None] for dt, x in accs.items()}
+        return {dt: mem[dt][None, :, :n] for dt, n in sorted(self.acc_len.items())}
 
     def _program(self, *flat):
-        # Batch leaves enter as (k, dp, b / dp, ...): microbatch, then the part of each device of a stage.
-        split = PartitionSpec(None, REPLICA_AXIS) if self.dp > 1 else PartitionSpec()
-        args, specs = [], []
-        for i, x in enumerate(flat):
-            if i in self.batch_positions:
-                args.append(x.reshape(self.k, self.dp, x.shape[0] // (self.k * self.dp), *x.shape[1:]))
-                specs.append(split)
-            else:
-                args.append(x)
-                specs.append(PartitionSpec())
-        accs = jax.shard_map(self._pipeline, mesh=self.mesh, in_specs=tuple(specs),
-                             out_specs=PartitionSpec(STAGE_AXIS), check_vma=False)(*args)
-        micro, full = self.analysis.micro, self.analysis.full
-        env = {}
+        # Batch leaves enter as (k, b, ...): microbatch, then its examples.
+        args = [x.reshape(self.k, x.shape[0] // self.k, *x.shape[1:]) if i in self.batch_positions else x
+                for i, x in enumerate(flat)]
+        accs = jax.shard_map(self._pipeline, mesh=self.mesh, in_specs=tuple(PartitionSpec() for _ in args),
+                             out_specs=PartitionSpec(STAGE_AXIS), axis_names=frozenset({STAGE_AXIS}),
+                             check_vma=False)(*args)
+        micro = self.analysis.micro
+        sums = {}
         for v, (s, off) in self.acc_of.items():
             aval = micro.avals[v]
-            env[v] = accs[_dtype(aval)][s, off:off + _size(aval)].reshape(aval.shape)
+            rows = accs[_dtype(aval)][s, :, off:off + self.local[v]]
+            x = self.rows.unpack(rows, self.store[v], aval.shape, mesh=self.mesh).astype(aval.dtype)
+            sums[v] = jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, self.store[v]))
+        # Every stage runs the update (split over its own devices as the layouts propagate): manual over
+        # "stage", so the partitioner cannot split it across stages and gather it back.
+        return jax.shard_map(self._update, mesh=self.mesh, in_specs=PartitionSpec(), out_specs=PartitionSpec(),
+                             axis_names=frozenset({STAGE_AXIS}), check_vma=False)(sums, list(flat))
+
+    def _update(self, sums: dict, flat: list):
+        """The update tasks on the summed gradients; returns the step's flat outputs."""
+        full = self.analysis.full
+        env = dict(sums)
         for task in self.part.update_tasks():
             inner = {}
             for v in task.invars:
@@ -385,17 +480,18 @@ class SpmdPipelineExecutable:
 
     # ---- running -------------------------------------------------------------------------------------
     def global_inputs(self, flat):
-        """Each argument as a replicated global array on the stage mesh (every process passes the same data)."""
+        """Each argument as a global array on the stage mesh in its input layout (every process passes the
+        same full data, or the previous step's outputs)."""
         out = []
-        for x in flat:
+        for x, target in zip(flat, self.in_shardings, strict=True):
             if isinstance(x, jax.Array) and x.sharding.device_set == set(self.mesh.devices.flat) \
-                    and x.sharding.is_equivalent_to(self.replicated, x.ndim):
+                    and x.sharding.is_equivalent_to(target, x.ndim):
                 out.append(x)
             elif jax.process_count() == 1:
-                out.append(jax.device_put(x, self.replicated))
+                out.append(jax.device_put(x, target))
             else:
                 host = np.asarray(x)
-                out.append(jax.make_array_from_callback(host.shape, self.replicated, lambda idx, h=host: h[idx]))
+                out.append(jax.make_array_from_callback(host.shape, target, lambda idx, h=host: h[idx]))
         return out
 
     def compiled(self, flat):
@@ -408,6 +504,6 @@ class SpmdPipelineExecutable:
         return hit, inputs
 
     def run(self, flat):
-        """Run the step on flat arguments; returns flat outputs, replicated on every device."""
+        """Run the step on flat arguments; returns flat outputs (metrics replicated, the state sharded)."""
         compiled, inputs = self.compiled(flat)
         return compiled(*inputs)

@@ -27,7 +27,7 @@ from autoshard.pipeline.accumulate import StepAnalysis, analyze_step, batch_leaf
 from autoshard.pipeline.partition import partition
 from autoshard.pipeline.plan import PipelinePlan, StagePlan
 from autoshard.pipeline.runtime import PipelineExecutable
-from autoshard.pipeline.search import plan_stages, residual_bytes, stage_program
+from autoshard.pipeline.search import plan_stages, plan_stages_everywhere, residual_bytes, stage_program
 from autoshard.pipeline.spmd import SpmdPipelineExecutable, spans_processes
 from autoshard.report import planning_progress
 from autoshard.signature import BoundCall, StepCache, StepSignature, output_ties
@@ -150,28 +150,26 @@ class PipelinedStep:
         batch = self._batch_args(call, abstract, out_shape)
         positions, batch_size = batch_leaf_positions(abstract, batch, self.num_microbatches, in_paths)
         n_out = len(jax.tree_util.tree_leaves(out_shape))
-        analyze = functools.partial(analyze_step, fun, abstract, batch_positions=positions, batch_size=batch_size,
-                                    metric_outputs=[j for j in range(n_out) if j not in ties], in_paths=in_paths,
-                                    full=full)
-        analysis = analyze(num_microbatches=self.num_microbatches)
+        analysis = analyze_step(fun, abstract, num_microbatches=self.num_microbatches, batch_positions=positions,
+                                batch_size=batch_size, metric_outputs=[j for j in range(n_out) if j not in ties],
+                                in_paths=in_paths, full=full)
         capture_s = time.perf_counter() - t0
         progress = planning_progress(o.progress)
         if self.pipeline is None:
             part, meshes, plans, pplan = self._single_stage(analysis, progress)
         else:
             cluster = default_cluster(mesh) if o.cluster is None else o.cluster
-            # The spmd runtime replicates inside a stage: intra-op plans cannot price its cut.
-            opts = self.pipeline if runtime != "spmd" else dataclasses.replace(self.pipeline, stage_cost="estimate")
-            part, meshes, plans, pplan = plan_stages(analysis, mesh, cluster, opts, o.memory_budget,
-                                                     progress=progress, tie_layers=o.tie_layers, profile=o.profile)
+            part, meshes, plans, pplan = plan_stages_everywhere(
+                lambda: plan_stages(analysis, mesh, cluster, self.pipeline, o.memory_budget, progress=progress,
+                                    tie_layers=o.tie_layers, profile=o.profile, uniform=runtime == "spmd"),
+                analysis, mesh, self.pipeline)
         pplan = dataclasses.replace(pplan, stats={**pplan.stats, "capture_s": capture_s,
                                                   "plan_s": time.perf_counter() - t0, "runtime": runtime})
         schedule = "gpipe" if self.pipeline is None else self.pipeline.schedule
         if runtime == "none":
             exe = PlannedOnly(mesh)
         elif runtime == "spmd":
-            # Data parallelism inside a stage captures the step again at microbatch / devices-per-stage.
-            exe = SpmdPipelineExecutable(analysis, part, meshes, schedule, reanalyze=analyze)
+            exe = SpmdPipelineExecutable(analysis, part, meshes, plans, schedule=schedule, out_ties=ties)
         else:
             exe = PipelineExecutable(analysis, part, meshes, plans, schedule=schedule, out_ties=ties)
         return PipelinedProgram(analysis, exe, pplan, analysis.full.out_tree)

@@ -299,11 +299,8 @@ UNSUPPORTED: dict[str, dict[str, tuple[Callable[[Options], bool], str]]] = {
         "hints": (lambda o: bool(o.hints), "pins layouts of the full-batch program only."),
         "accumulate": (lambda o: not o.accumulate, "is False."),
     },
-    "multi-process pipelined": {
-        "batch_argnums": (lambda o: o.batch_argnums is not None,
-                          "names process-local batch slices, and a pipelined step takes the full, identical "
-                          "arguments on every process. Fix: pass the global batch on every process and drop "
-                          "batch_argnums=, or PipelineOptions(batch_argnums=...) to name the batch."),
-    },
+    # runtime='spmd' takes process-local batch slices (batch_argnums=) as the single runtime does; nothing
+    # else differs across processes.
+    "multi-process pipelined": {},
 }
 """Per runtime: option -> (whether it is set, why the runtime cannot honour it, with the fix)."""

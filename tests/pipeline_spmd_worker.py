@@ -106,7 +106,9 @@ LAYOUTS = {   # layout -> (global mesh shape, stage count, stage sub-mesh, devic
 process; ``straddle``: each (1, 4) stage on 2 devices of both processes."""
 
 
-def main(process_id: int, port: int, out_dir: str, layout: str = "rows", schedule: str = "1f1b"):
+def main(process_id: int, port: int, out_dir: str, layout: str = "rows", schedule: str = "1f1b", batch: str = "full"):
+    """``batch``: ``"full"`` (every process passes the whole batch) or ``"local"`` (its own half, named by
+    ``batch_argnums``)."""
     t0 = time.perf_counter()
     import jax
     import numpy as np
@@ -119,11 +121,14 @@ def main(process_id: int, port: int, out_dir: str, layout: str = "rows", schedul
     from autoshard.hlo import collective_stats
     from autoshard.pipeline.spmd import SpmdPipelineExecutable
 
-    state, batch = tiny_gpt_init(), tiny_gpt_batch()
+    state, full_batch = tiny_gpt_init(), tiny_gpt_batch()
+    rows = BATCH // 2
+    local = {k: v[process_id * rows:(process_id + 1) * rows] for k, v in full_batch.items()}
+    batch, argnums = (local, (1,)) if batch == "local" else (full_batch, None)
     shape, stages, sub, order = LAYOUTS[layout]
     devices = [jax.devices()[i] for i in order]   # process 0's 4 devices, then process 1's
     mesh = autoshard.make_mesh(shape, ("data", "model"), devices=devices)
-    step = autoshard.parallelize(tiny_gpt_step, mesh=mesh, num_microbatches=4,
+    step = autoshard.parallelize(tiny_gpt_step, mesh=mesh, num_microbatches=4, batch_argnums=argnums,
                                  pipeline=spmd_options(schedule, runtime="auto", stages=stages, submesh=sub))
     t1 = time.perf_counter()
     step.plan(state, batch)
@@ -136,7 +141,10 @@ def main(process_id: int, port: int, out_dir: str, layout: str = "rows", schedul
     exe = entry.executable
     assert isinstance(exe, SpmdPipelineExecutable), type(exe)
     stage_procs = [sorted({d.process_index for d in np.asarray(row).flat}) for row in exe.mesh.devices]
-    stats = collective_stats(exe.compiled(jax.tree.leaves((state, batch)))[0])
+    flat = jax.tree.leaves((state, batch))
+    if entry.process_local is not None:   # this process's rows -> the global batch the program takes
+        flat = entry.process_local.make_global(flat, exe.in_shardings)
+    stats = collective_stats(exe.compiled(flat)[0])
     R = exe.mesh.devices[0].size   # replica groups name logical ids: positions in the mesh, stage-major
     stage_ids = [set(range(s * R, (s + 1) * R)) for s in range(exe.S)]
     in_loop = [c for c in stats.collectives if c.kind != "collective-permute" and c.multiplicity == exe.num_ticks]
@@ -145,7 +153,7 @@ def main(process_id: int, port: int, out_dir: str, layout: str = "rows", schedul
     bad = autoshard.parallelize(tiny_gpt_step, mesh=mesh, num_microbatches=4,
                                 pipeline=spmd_options(schedule, runtime="device_put", stages=stages, submesh=sub))
     try:
-        bad.plan(state, batch)
+        bad.plan(state, full_batch)
         refused = ""
     except autoshard.InputError as e:
         refused = str(e)

@@ -398,11 +398,10 @@ def test_pipelined_runtime_refuses_what_it_cannot_honour(mesh, option):
     autoshard.parallelize(_sgd_step, mesh=mesh, **option)  # the single program honours it
 
 
-def test_multi_process_pipelines_refuse_process_local_batches():
+def test_multi_process_pipelines_take_process_local_batches():
+    """runtime='spmd' assembles process-local slices (tests/test_pipeline_spmd.py runs it on 2 processes)."""
     o = autoshard.Options(num_microbatches=2, batch_argnums=(1,))
-    assert o.unsupported("pipelined") == []
-    with pytest.raises(InputError, match=r"(?s)multi-process pipelined runtime.*batch_argnums=.*Fix:"):
-        o.check_runtime("multi-process pipelined")
+    assert o.unsupported("pipelined") == [] and o.unsupported("multi-process pipelined") == []
 
 
 def test_pipelined_step_takes_keywords_static_names_progress_and_a_watchdog(mesh, monkeypatch):

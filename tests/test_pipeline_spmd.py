@@ -183,14 +183,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("layout,schedule,stage_procs,sub", [
-    ("blocks", "gpipe", [[0], [1]], (2, 2)),
-    ("rows", "1f1b", [[0], [1]], (1, 4)),
-    pytest.param("4stages", "1f1b", [[0], [0], [1], [1]], (1, 2), marks=pytest.mark.slow),
-    pytest.param("straddle", "1f1b", [[0, 1], [0, 1]], (1, 4), marks=pytest.mark.slow)])
-def test_pipeline_across_processes(tmp_path, layout, schedule, stage_procs, sub):
+@pytest.mark.parametrize("layout,schedule,batch,stage_procs,sub", [
+    ("blocks", "gpipe", "local", [[0], [1]], (2, 2)),
+    ("rows", "1f1b", "full", [[0], [1]], (1, 4)),
+    pytest.param("4stages", "1f1b", "local", [[0], [0], [1], [1]], (1, 2), marks=pytest.mark.slow),
+    pytest.param("straddle", "1f1b", "full", [[0, 1], [0, 1]], (1, 4), marks=pytest.mark.slow)])
+def test_pipeline_across_processes(tmp_path, layout, schedule, batch, stage_procs, sub):
     """2 stages, one per process (2 processes x 4 CPU devices, gloo), 4 microbatches, two steps, each stage under
-    its intra-op plan (process 0's, received by process 1).
+    its intra-op plan (process 0's, received by process 1); ``batch="local"``: each process passes its own half
+    of the batch (batch_argnums).
 
     Slow variants: two stages per process; stages whose devices straddle both processes."""
     port = _free_port()
@@ -203,7 +204,7 @@ def test_pipeline_across_processes(tmp_path, layout, schedule, stage_procs, sub)
             with open(logs[i], "wb") as log:
                 procs.append(subprocess.Popen(
                     [sys.executable, str(ROOT / "tests" / "pipeline_spmd_worker.py"), str(i), str(port), str(tmp_path),
-                     layout, schedule],
+                     layout, schedule, batch],
                     cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
         ref, ref_losses = _reference(tiny_gpt_init(), tiny_gpt_batch(), tiny_gpt_step, 2)   # while they start
         deadline = time.monotonic() + 240

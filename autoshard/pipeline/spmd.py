@@ -31,8 +31,9 @@ devices, with the plan's collectives inside the stage.
 
 Limits: all stages need the same sub-mesh shape; the state is replicated over ``"stage"`` (each
 stage's devices hold a shard of every weight, laid out as its owner stage's plan says), and the
-update, sharded inside a stage, runs on every stage; the batch enters replicated (every process
-passes the full, identical arguments); a step returning per-example values is refused.
+update, sharded inside a stage, runs on every stage; the batch enters replicated, or, where each process
+passes its own rows (``batch_argnums``), split over the mesh axes that span processes; a step returning
+per-example values is refused.
 """
 
 from __future__ import annotations
@@ -166,9 +167,12 @@ class SpmdPipelineExecutable:
       plans: each stage's intra-op :class:`~autoshard.Plan` of one microbatch (None: replicated).
       schedule: ``"gpipe"`` or ``"1f1b"``.
       out_ties: output position -> the input position whose next value it is (it keeps that layout).
+      process_local: flat positions of batch leaves that each process passes its own rows of (they enter split
+        over the mesh axes that span processes, :func:`autoshard.distributed.process_axes`).
     """
 
-    def __init__(self, analysis, part: Partition, meshes, plans, *, schedule: str, out_ties: dict | None = None):
+    def __init__(self, analysis, part: Partition, meshes, plans, *, schedule: str, out_ties: dict | None = None,
+                 process_local=()):
         self.k = k = analysis.num_microbatches
         self.schedule = schedule
         self.S = S = part.num_stages
@@ -202,7 +206,7 @@ class SpmdPipelineExecutable:
         self._storage_layouts()
         self._plan_memory(frontier)
         self._plan_messages()
-        self._io_shardings(out_ties or {})
+        self._io_shardings(out_ties or {}, process_local)
         self._jit = jax.jit(self._program, out_shardings=self.out_shardings)
         self._compiled: dict = {}
 
@@ -226,9 +230,10 @@ class SpmdPipelineExecutable:
                 self.store[v] = pspec = self._pspec(key[1], v)
                 self.local[v] = math.prod(local_shape(self.analysis.micro.avals[v].shape, pspec, self.rows.sizes))
 
-    def _io_shardings(self, out_ties: dict):
+    def _io_shardings(self, out_ties: dict, process_local):
         """Each weight (and any other non-batch input) enters laid out as the first stage that reads it plans
-        it, replicated over ``"stage"``; the batch enters replicated; a next state leaves as its input."""
+        it, replicated over ``"stage"``; the batch enters replicated, or split over the process axes where
+        each process passes its rows; a next state leaves as its input."""
         full = self.analysis.full
         owner = {}
         for key in self.tasks:
@@ -238,6 +243,12 @@ class SpmdPipelineExecutable:
         rep = NamedSharding(self.mesh, PartitionSpec())
         self.in_shardings = [rep if v not in owner else NamedSharding(self.mesh, self._pspec(owner[v], v))
                              for v in full.graph.invars]
+        if process_local:
+            from autoshard.distributed import process_axes
+
+            rows = NamedSharding(self.mesh, PartitionSpec(process_axes(self.mesh)))
+            for i in process_local:
+                self.in_shardings[i] = rows
         self.out_shardings = [self.in_shardings[out_ties[j]] if j in out_ties else rep
                               for j in range(len(full.graph.outvars))]
 

@@ -78,15 +78,20 @@ class PipelinedProgram:
         or a :class:`~autoshard.pipeline.spmd.SpmdPipelineExecutable`.
       plan: the :class:`~autoshard.pipeline.PipelinePlan`.
       out_tree: the pure step's output treedef.
+      process_local: the :class:`~autoshard.distributed.ProcessLocalArgs` of a multi-process step whose
+        processes pass their own rows of the batch, else None.
     """
 
     analysis: StepAnalysis
     executable: Any
     plan: PipelinePlan
     out_tree: Any
+    process_local: Any = None
 
     def run(self, leaves):
         """One step on the flat argument leaves; the outputs in the step's structure."""
+        if self.process_local is not None:
+            leaves = self.process_local.make_global(leaves, self.executable.in_shardings)
         return jax.tree_util.tree_unflatten(self.out_tree, self.executable.run(leaves))
 
 
@@ -142,6 +147,9 @@ class PipelinedStep:
         if jax.process_count() > 1:
             o.check_runtime("multi-process pipelined")
         abstract = call.abstract() if abstract is None else abstract
+        local = self._process_local(call, mesh, runtime, abstract)
+        if local is not None:   # each process passes its rows of the batch: plan the global one
+            abstract = local.global_abstract(abstract)
         fun = with_precision(call.pure_function(), o.precision, mesh)
         in_paths = call.in_paths(abstract)
         full = capture_graph(fun, abstract, in_paths=in_paths)  # the analysis takes it: one trace, not two
@@ -169,10 +177,29 @@ class PipelinedStep:
         if runtime == "none":
             exe = PlannedOnly(mesh)
         elif runtime == "spmd":
-            exe = SpmdPipelineExecutable(analysis, part, meshes, plans, schedule=schedule, out_ties=ties)
+            exe = SpmdPipelineExecutable(analysis, part, meshes, plans, schedule=schedule, out_ties=ties,
+                                         process_local=() if local is None else local.leaves)
         else:
             exe = PipelineExecutable(analysis, part, meshes, plans, schedule=schedule, out_ties=ties)
-        return PipelinedProgram(analysis, exe, pplan, analysis.full.out_tree)
+        return PipelinedProgram(analysis, exe, pplan, analysis.full.out_tree, local)
+
+    def _process_local(self, call: BoundCall, mesh, runtime: str, abstract):
+        """The :class:`~autoshard.distributed.ProcessLocalArgs` of a multi-process call whose
+        ``batch_argnums`` name process-local slices (runtime='spmd' only), else None."""
+        if jax.process_count() == 1 or self.options.batch_argnums is None:
+            return None
+        if runtime != "spmd":
+            raise InputError(
+                f"batch_argnums={self.options.batch_argnums} names process-local batch slices, which only "
+                f"runtime='spmd' assembles (this step runs {runtime!r}). Fix: PipelineOptions(runtime='spmd') "
+                "(or 'auto'), or pass the global batch on every process and name it with "
+                "PipelineOptions(batch_argnums=...).")
+        from autoshard.distributed import ProcessLocalArgs
+
+        labels = call.positional_labels
+        local = ProcessLocalArgs.create(mesh, self.options.batch_argnums, call.dyn, labels, len(labels))
+        local.check_same_everywhere(call.key(abstract))
+        return local
 
     def _mesh(self):
         from autoshard.cluster import make_mesh, resolve_mesh

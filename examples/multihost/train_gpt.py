@@ -36,6 +36,10 @@ def parse_args():
     p.add_argument("--save-every", type=int, default=5)
     p.add_argument("--step-timeout", type=float, default=600,
                    help="seconds a step may run before the job is declared stuck (see step_timeout)")
+    p.add_argument("--pipeline-stages", type=int, default=0,
+                   help="run as a pipeline of this many stages (each under its own intra-op plan on a "
+                        "sub-mesh, one SPMD program across the processes); 0: one sharded program")
+    p.add_argument("--microbatches", type=int, default=4, help="microbatches per step of a pipeline")
     return p.parse_args()
 
 
@@ -55,6 +59,17 @@ def local_batch(spec, step: int, global_batch: int):
     return {k: np.asarray(v)[first:first + rows] for k, v in batch.items()}
 
 
+def restore_target(step, plan, abstract_state, batch):
+    """The state's shapes with the shardings this run's plan gives them (what a checkpoint restores onto)."""
+    if isinstance(plan, autoshard.Plan):
+        return autoshard.apply_plan(plan, abstract_state)
+    # a pipeline: the state enters its one SPMD program in the layouts of the stages that read it
+    shardings = step.prepared(abstract_state, batch).executable.in_shardings
+    leaves, tree = jax.tree.flatten(abstract_state)
+    return jax.tree.unflatten(tree, [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+                                     for a, s in zip(leaves, shardings, strict=False)])
+
+
 def main():
     args = parse_args()
     autoshard.distributed.initialize()
@@ -64,7 +79,12 @@ def main():
     data = data_axis_size(args.data)
     mesh = autoshard.make_mesh((data, jax.device_count() // data), ("data", "model"))
     spec = get_model("gpt", args.config, batch_size=args.global_batch)
-    step = autoshard.parallelize(spec.train_step, mesh=mesh, donate_argnums=(0,), step_timeout=args.step_timeout)
+    if args.pipeline_stages:   # each process still passes only its rows of the batch (argument 1)
+        pipeline = autoshard.PipelineOptions(num_stages=args.pipeline_stages, runtime="auto")
+        step = autoshard.parallelize(spec.train_step, mesh=mesh, num_microbatches=args.microbatches,
+                                     pipeline=pipeline, batch_argnums=(1,), step_timeout=args.step_timeout)
+    else:
+        step = autoshard.parallelize(spec.train_step, mesh=mesh, donate_argnums=(0,), step_timeout=args.step_timeout)
     me = jax.process_index()
 
     abstract_state = jax.eval_shape(spec.init_state, jax.random.key(0))
@@ -77,7 +97,7 @@ def main():
                                      options=ocp.CheckpointManagerOptions(max_to_keep=2))
         if ckpt.latest_step() is not None:  # elastic restart: restore onto this run's plan
             first_step = ckpt.latest_step()
-            target = autoshard.apply_plan(plan, abstract_state)
+            target = restore_target(step, plan, abstract_state, local_batch(spec, 0, args.global_batch))
             state = ckpt.restore(first_step, args=ocp.args.StandardRestore(target))
     if state is None:
         state = spec.init_state(jax.random.key(0))  # the same on every process

@@ -489,6 +489,19 @@ class SpmdPipelineExecutable:
                 outs.append(jnp.asarray(full.consts[v]))
         return outs
 
+    def state_bytes(self) -> float:
+        """Per-device bytes of the arguments other than the batch, in their input layouts (the train state:
+        every stage's weights and optimizer state, on every stage)."""
+        full = self.analysis.full
+        total = 0.0
+        for i, (v, sharding) in enumerate(zip(full.graph.invars, self.in_shardings, strict=True)):
+            if i in self.batch_positions:
+                continue
+            aval = full.avals[v]
+            shape = tuple(getattr(aval, "shape", ()))
+            total += math.prod(sharding.shard_shape(shape)) * aval.dtype.itemsize
+        return total
+
     # ---- running -------------------------------------------------------------------------------------
     def global_inputs(self, flat):
         """Each argument as a global array on the stage mesh in its input layout (every process passes the

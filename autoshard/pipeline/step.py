@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import warnings
 from typing import Any
 
 import jax
@@ -179,6 +180,7 @@ class PipelinedStep:
         elif runtime == "spmd":
             exe = SpmdPipelineExecutable(analysis, part, meshes, plans, schedule=schedule, out_ties=ties,
                                          process_local=() if local is None else local.leaves)
+            pplan = _with_spmd_state(pplan, exe, o.memory_budget or getattr(cluster, "memory", None))
         else:
             exe = PipelineExecutable(analysis, part, meshes, plans, schedule=schedule, out_ties=ties)
         return PipelinedProgram(analysis, exe, pplan, analysis.full.out_tree, local)
@@ -287,6 +289,20 @@ class PipelinedStep:
         entry, call = self.cache.lookup(args, kwargs)
         _need_device_put(entry, "stage_memory")
         return stage_memory(entry.executable, call.leaves())
+
+
+def _with_spmd_state(pplan: PipelinePlan, exe: SpmdPipelineExecutable, limit) -> PipelinePlan:
+    """``pplan`` with ``stats["spmd_state_bytes"]``: what the spmd runtime's state takes per device. It holds
+    every stage's weights and optimizer state on every stage (split over the stage's own devices only), which
+    the stage plans (one stage's weights each) do not count; a warning says when that alone is over ``limit``."""
+    state = exe.state_bytes()
+    if limit and state > float(limit):
+        warnings.warn(
+            f"runtime='spmd' keeps the whole train state on every stage, split over one stage's devices only: "
+            f"{state / 2**30:.3g} GiB per device, more than the {float(limit) / 2**30:.3g} GiB memory limit (the stage "
+            "plans count only their own weights). Fix: more devices per stage (fewer stages), or "
+            "runtime='device_put' on one host, where each stage holds only its own weights.", stacklevel=3)
+    return dataclasses.replace(pplan, stats={**pplan.stats, "spmd_state_bytes": state})
 
 
 def _need_device_put(entry: PipelinedProgram, what: str):

@@ -7,6 +7,8 @@ rules; ``compile_baseline`` compiles the step with them from abstract shapes.
 - ``zero2``: like data parallel, but optimizer state split over every device.
 - ``fsdp``: parameters and optimizer state split over every device (ZeRO-3).
 - ``megatron``: Megatron-LM tensor parallelism on one mesh axis, data parallelism on the other.
+- ``fsdp_tp``: Megatron tensor parallelism on one axis and FSDP (ZeRO-3) over the other: each array's
+  largest dimension that the Megatron rule leaves whole is split over the data axis.
 
 ``MEGATRON_RULES_BY_FAMILY`` extends the GPT rules to MoE experts and Wide-ResNet channels, and
 ``tensor_parallel_meshes`` lists the 2-D factorizations a Megatron sweep tries.
@@ -135,7 +137,32 @@ def megatron(state, batch, mesh, *, tp_axis="model", dp_axis="data", rules=MEGAT
     return jax.tree_util.tree_map_with_path(one, state), batch_shardings(batch, mesh, dp_axis)
 
 
-METHODS = {"data_parallel": data_parallel, "zero2": zero2, "fsdp": fsdp, "megatron": megatron}
+def fsdp_tp(state, batch, mesh, *, tp_axis="model", dp_axis="data", rules=MEGATRON_RULES):
+    """Megatron-LM tensor parallelism on ``tp_axis`` plus FSDP/ZeRO-3 over ``dp_axis`` (2-D sharding).
+
+    Parameters and optimizer state follow ``megatron``'s rules on ``tp_axis``; then the largest
+    dimension the rule left unsplit that ``dp_axis`` divides is split over ``dp_axis`` (arrays no rule
+    matches: their largest such dimension, as ``fsdp`` does). The batch is split over ``dp_axis``.
+    """
+    n_dp = mesh.shape[dp_axis]
+
+    def one(p, x):
+        path, spec = _path(p), P()
+        for pattern, make in rules:
+            if re.search(pattern, path) and _fits(x.shape, make(tp_axis), mesh):
+                spec = make(tp_axis)
+                break
+        entries = list(tuple(spec) + (None,) * (x.ndim - len(spec)))
+        for d in sorted(range(x.ndim), key=lambda d: -x.shape[d]):
+            if entries[d] is None and x.shape[d] % n_dp == 0 and x.shape[d] >= n_dp:
+                entries[d] = dp_axis
+                break
+        return NamedSharding(mesh, P(*entries))
+
+    return jax.tree_util.tree_map_with_path(one, state), batch_shardings(batch, mesh, dp_axis)
+
+
+METHODS = {"data_parallel": data_parallel, "zero2": zero2, "fsdp": fsdp, "megatron": megatron, "fsdp_tp": fsdp_tp}
 
 
 def jit_baseline(train_step, state, batch, mesh, method: str, *, donate: bool = False, **method_kwargs):

@@ -1,0 +1,462 @@
+"""Quality at 16 and 32 devices: autoshard's plan against the best hand-written 3-D configurations (issue 16).
+
+    python -m benchmarks.scale_quality [--rows 2.6B-16] [--methods autoshard,fsdp_tp,megatron3d]
+        [--out benchmarks/results/scale_quality.json] [--timeout 600]
+
+Nothing runs: every program is compiled from ``ShapeDtypeStruct``s on simulated CPU devices, one process
+per job (``XLA_FLAGS`` sets the device count before jax starts), and scored with the formula every
+method of ``benchmarks/README.md`` gets, ``autoshard.hlo.estimate_step_time(compiled, cluster,
+mesh)["time_s"]`` (compute from the compiled flops, alpha-beta time of every compiled collective). A
+plan whose compiled per-device peak (``autoshard.hlo.memory_stats``) exceeds the preset's 80 GiB is a
+failure (OOM). Presets: ``h100-nvlink`` (one NVLink domain) and ``h100-2node-ib`` (mesh axis 0 spans
+2 nodes at 50 GB/s, axis 1 stays in a node; only meshes ``(a, b)`` with ``a`` even are allowed).
+
+Methods, each the best of its sweep:
+
+- ``autoshard``: ``autoshard.parallelize(train_step, mesh=(a, b) of ("data", "model"), cluster=preset,
+  memory_budget=preset.memory, donate_argnums=(0,))`` planned on every factorization the preset allows;
+  the plan autoshard itself predicts fastest (``plan.cost.objective``) is compiled and scored, as in
+  ``benchmarks/suite/measure.py``.
+- ``fsdp_tp``: ``benchmarks.baselines.fsdp_tp`` (Megatron tensor parallelism on ``model``, parameters
+  and optimizer state also split over ``data``, ZeRO-3 style) on every ``(dp, tp)`` factorization; the
+  best measured one that fits.
+- ``megatron3d``: Megatron-LM pipeline x data x tensor parallelism, pp in {2, 4}, tp in {1, 2, 4, 8},
+  dp = N / (pp tp), k microbatches in {pp, 2 pp, 4 pp} with the global batch B divisible by k dp; the
+  best that fits. One pipeline program does not exist as one XLA program, so it is scored from
+  compiled pieces:
+
+  * a stage is a *proxy GPT*: the same width with ``num_layers / pp`` blocks **plus the embedding,
+    positional embedding, final LayerNorm and tied head**. The real first stage has the embedding and
+    the real last stage the head (the heaviest: 2 d V flops per token); the proxy has both, so it is
+    the slowest real stage plus an embedding lookup (a gather, cheap) - every stage is priced as the
+    slowest one, slightly pessimistic for Megatron, as the 1F1B schedule's time is set by its
+    slowest stage. Its memory is the first/last stage's (both hold the vocabulary embedding).
+  * ``t_mb``: one microbatch's forward and backward of the proxy (loss and grad, no optimizer), B/k
+    sequences on a ``(dp, tp)`` mesh with Megatron's rules (``baselines.megatron``). The gradient is
+    computed per data-parallel replica (``vmap`` over a leading ``[dp]`` axis split over ``data``) so
+    this program holds no gradient all-reduce: Megatron accumulates the microbatches' gradients
+    locally and all-reduces once per step.
+  * ``t_update``: the stage's optimizer step, once: the ``[dp]`` gradients summed (the one data-
+    parallel all-reduce) and AdamW applied to the stage's parameters and optimizer state.
+  * ``p2p``: one activation (forward) or activation-gradient (backward) transfer between adjacent
+    stages, ``alpha + (B/k) * seq * d_model * 4 B / (dp * tp) / bw`` per device: each data-parallel
+    replica sends its own B/(k dp) sequences and, with Megatron's scatter-gather optimisation, each of
+    the tp ranks 1/tp of them, all pairs at once.
+  * ``t_tied``: the tied embedding's gradient all-reduced between the first and the last stage once
+    per step, ``alpha + V * d_model * 4 B / tp / bw`` (an all-reduce of 2 ranks).
+
+  Step time = (k + pp - 1) * t_mb + t_update + (k + pp - 1) * 2 * p2p + t_tied.
+
+  Under ``h100-nvlink`` bw = 450 GB/s (alpha 5 us). Under ``h100-2node-ib`` the pp stages are split
+  evenly over the 2 nodes, so every stage's (dp, tp) devices sit inside one node: ``t_mb`` and
+  ``t_update`` are scored with the one-node ``h100-nvlink`` preset, and ``p2p`` and ``t_tied`` use
+  the 50 GB/s inter-node link (alpha 10 us) - the boundary between the nodes is the slowest, and the
+  formula prices every slot at it. Peak memory per device (first stage, 1F1B holds min(k, pp)
+  microbatches): ``peak(t_mb program) + optimizer state + a gradient accumulator + (min(k, pp) - 1)
+  * temp(t_mb program)``, or the update program's peak if larger; ``temp`` holds one microbatch's
+  saved activations and the backward's scratch, so the stash is overestimated.
+
+Output: a table and ``--out`` (every job's candidates; jobs from an earlier run that this one did not
+repeat are kept, so pieces can be measured one at a time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+GiB = 2**30
+PRESETS = {"h100-nvlink": 1, "h100-2node-ib": 2}  # preset -> nodes (mesh axis 0 spans the nodes)
+ONE_NODE = "h100-nvlink"  # the preset a pipeline stage inside one node is scored with
+METHODS = ("autoshard", "fsdp_tp", "megatron3d")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """A GPT config at global batch ``batch`` on ``devices`` simulated devices."""
+
+    name: str
+    config: str
+    batch: int
+    devices: int
+
+
+ROWS = (
+    Row("2.6B-16", "2.6B", 32, 16),
+    Row("6.7B-32", "6.7B", 64, 32),
+    Row("tiny-16", "tiny", 32, 16),  # smoke test of the machinery, not in the default rows
+)
+DEFAULT_ROWS = ("2.6B-16",)
+
+
+def factorizations(n: int, nodes: int = 1) -> list[tuple[int, int]]:
+    """``(a, b)`` with ``a * b == n`` and ``a`` a multiple of ``nodes``, ``b`` ascending."""
+    return [(n // b, b) for b in range(1, n + 1) if n % b == 0 and (n // b) % nodes == 0]
+
+
+def megatron3d_shapes(row: Row, config) -> list[tuple[int, int, int]]:
+    """``(pp, dp, tp)`` of the sweep: pp in {2, 4}, tp in {1, 2, 4, 8}, the layers split evenly."""
+    out = []
+    for pp in (2, 4):
+        for tp in (1, 2, 4, 8):
+            if row.devices % (pp * tp) == 0 and config.num_layers % pp == 0 and config.hidden % tp == 0:
+                out.append((pp, row.devices // (pp * tp), tp))
+    return out
+
+
+def jobs_for(row: Row, methods) -> list[str]:
+    from benchmarks.models.gpt import CONFIGS
+
+    jobs = []
+    if "autoshard" in methods:
+        jobs += [f"{row.name}:autoshard:{p}" for p in PRESETS]
+    if "fsdp_tp" in methods:
+        jobs += [f"{row.name}:fsdp_tp:{a}x{b}" for a, b in factorizations(row.devices)]
+    if "megatron3d" in methods:
+        jobs += [f"{row.name}:megatron3d:{pp}x{dp}x{tp}" for pp, dp, tp in megatron3d_shapes(row, CONFIGS[row.config])]
+    return jobs
+
+
+# ---- measuring, inside a job's process ---------------------------------------------------------------
+
+
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+def _mesh(shape):
+    import jax
+
+    import autoshard
+
+    return autoshard.make_mesh(shape, ("data", "model"), devices=jax.devices()[: shape[0] * shape[1]])
+
+
+def _scored(compiled, shape, presets) -> dict:
+    """Peak memory and the step-time formula under each preset of ``presets``."""
+    import autoshard
+    from autoshard.hlo import estimate_step_time, memory_stats
+
+    mem = memory_stats(compiled)
+    scores = {}
+    for p in presets:
+        est = estimate_step_time(compiled, autoshard.cluster_preset(p), shape)
+        scores[p] = {k: est[k] for k in ("time_s", "compute_s", "communication_s")}
+    return {"peak_bytes": mem["peak"], "temp_bytes": mem["temp"], "scores": scores}
+
+
+def autoshard_job(row: Row, preset: str) -> dict:
+    """Plan on every mesh the preset allows; compile and score the one autoshard predicts fastest."""
+    import gc
+
+    import autoshard
+    from benchmarks.models import get_model
+
+    spec = get_model("gpt", row.config, row.batch)
+    state, batch = spec.abstract_state(), spec.abstract_batch()
+    cluster = autoshard.cluster_preset(preset)
+    planned, best = [], None
+    for shape in factorizations(row.devices, PRESETS[preset]):
+        step = autoshard.parallelize(spec.train_step, mesh=_mesh(shape), cluster=cluster, donate_argnums=(0,),
+                                     memory_budget=cluster.memory, progress=None)
+        t0 = time.perf_counter()
+        try:
+            plan = step.plan(state, batch)
+        except Exception as e:  # noqa: BLE001 - e.g. an infeasible mesh is a result
+            planned.append({"mesh": list(shape), "error": _error(e), "planning_s": time.perf_counter() - t0})
+            continue
+        planned.append({"mesh": list(shape), "objective_s": plan.cost.objective, "planning_s": time.perf_counter() - t0,
+                        "predicted_peak_bytes": plan.cost.peak_memory_bytes, "optimal": plan.stats.get("optimal")})
+        if best is None or plan.cost.objective < best[2].cost.objective:
+            best = (shape, step, plan)
+        gc.collect()
+    out = {"planned": planned}
+    if best is None:
+        return {**out, "error": "no mesh could be planned"}
+    shape, step, plan = best
+    t0 = time.perf_counter()
+    compiled = step.lower(state, batch).compile()
+    check = plan.verify(compiled)
+    scored = _scored(compiled, shape, [preset])
+    return {**out, "mesh": list(shape), "compile_s": time.perf_counter() - t0, "peak_bytes": scored["peak_bytes"],
+            "step_time_s": scored["scores"][preset]["time_s"], "score": scored["scores"][preset],
+            "predicted_objective_s": plan.cost.objective, "comm_ratio": check.ratio}
+
+
+def fsdp_tp_job(row: Row, shape: tuple[int, int]) -> dict:
+    """Compile ``baselines.fsdp_tp`` on one ``(dp, tp)`` mesh; score it under every preset allowing it."""
+    from benchmarks import baselines
+    from benchmarks.models import get_model
+
+    spec = get_model("gpt", row.config, row.batch)
+    state, batch = spec.abstract_state(), spec.abstract_batch()
+    t0 = time.perf_counter()
+    compiled = baselines.compile_baseline(spec.train_step, state, batch, _mesh(shape), "fsdp_tp", donate=True)
+    presets = [p for p, nodes in PRESETS.items() if shape[0] % nodes == 0]
+    return {"mesh": list(shape), "compile_s": time.perf_counter() - t0, **_scored(compiled, shape, presets)}
+
+
+def _with(tree, shardings):
+    import jax
+
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _per_device_bytes(tree, shardings) -> float:
+    import jax
+    import numpy as np
+
+    sizes = jax.tree.map(lambda x, s: math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize, tree, shardings)
+    return float(sum(jax.tree.leaves(sizes)))
+
+
+def _stage_programs(spec, mesh, dp: int):
+    """``(forward_backward, update)`` jitted for one stage under Megatron's rules on ``mesh``."""
+    import jax
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from benchmarks import baselines
+
+    state = spec.abstract_state()
+    st_sh, _ = baselines.megatron(state, spec.abstract_batch(), mesh)
+    stacked_sh = jax.tree.map(lambda s: NamedSharding(mesh, P("data", *s.spec)), st_sh["params"])
+
+    def forward_backward(params, batch):
+        def one(b):
+            return jax.grad(lambda p: spec.loss_fn({"params": p, "model_state": {}}, b)[0])(params)
+
+        return jax.vmap(one)(batch)  # per data-parallel replica: no all-reduce here
+
+    def update(state, stacked):
+        grads = jax.tree.map(lambda g: g.sum(0) / dp, stacked)  # the one data-parallel all-reduce
+        updates, opt_state = spec.optimizer.update(grads, state["opt_state"], state["params"])
+        return {**state, "params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
+                "step": state["step"] + 1}
+
+    fb = jax.jit(forward_backward, in_shardings=(st_sh["params"], NamedSharding(mesh, P("data"))),
+                 out_shardings=stacked_sh)
+    up = jax.jit(update, in_shardings=(st_sh, stacked_sh), out_shardings=st_sh, donate_argnums=(0,))
+    return fb, up, state, st_sh, stacked_sh
+
+
+def _link(preset: str) -> tuple[float, float]:
+    """(bandwidth, latency) of the slowest link between pipeline stages under ``preset``."""
+    import autoshard
+
+    c = autoshard.cluster_preset(preset)
+    bw = c.bandwidth if isinstance(c.bandwidth, tuple) else (c.bandwidth,)
+    lat = c.latency if isinstance(c.latency, tuple) else (c.latency,) * len(bw)
+    i = min(range(len(bw)), key=lambda j: bw[j])
+    return bw[i], lat[i]
+
+
+def _replica_batch(batch, mesh, dp: int):
+    """``[mb, ...]`` leaves as ``[dp, mb / dp, ...]``, the leading axis split over ``data``."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    sh = NamedSharding(mesh, P("data"))
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((dp, x.shape[0] // dp, *x.shape[1:]), x.dtype, sharding=sh),
+                        batch)
+
+
+def megatron3d_job(row: Row, pp: int, dp: int, tp: int) -> dict:
+    """Compile one (pp, dp, tp) stage's update once and its microbatch program for every k; score each k."""
+    import jax
+
+    from benchmarks.models import gpt
+
+    full = gpt.CONFIGS[row.config]
+    config = dataclasses.replace(full, num_layers=full.num_layers // pp)
+    mesh = _mesh((dp, tp))
+    ks = [k for k in (pp, 2 * pp, 4 * pp) if row.batch % (k * dp) == 0]
+    out = {"pp": pp, "dp": dp, "tp": tp, "stage_layers": config.num_layers, "candidates": []}
+    if not ks:
+        return {**out, "error": f"no k in {{pp, 2pp, 4pp}} with B={row.batch} divisible by k*dp"}
+    t0 = time.perf_counter()
+    spec = gpt.build(config, row.batch // ks[0])
+    fb, up, state, st_sh, stacked_sh = _stage_programs(spec, mesh, dp)
+    stacked = jax.tree.map(lambda x: jax.ShapeDtypeStruct((dp, *x.shape), x.dtype), state["params"])
+    update = _scored(up.lower(_with(state, st_sh), _with(stacked, stacked_sh)).compile(), (dp, tp), [ONE_NODE])
+    opt_bytes = _per_device_bytes(state["opt_state"], st_sh["opt_state"])
+    grad_bytes = _per_device_bytes(state["params"], st_sh["params"])
+    out.update(update=update, update_compile_s=time.perf_counter() - t0, opt_state_bytes=opt_bytes,
+               grad_bytes=grad_bytes)
+    for k in ks:
+        mb = row.batch // k
+        t0 = time.perf_counter()
+        spec = gpt.build(config, mb)
+        fb, *_ = _stage_programs(spec, mesh, dp)
+        batch = _replica_batch(spec.abstract_batch(), mesh, dp)
+        stage = _scored(fb.lower(_with(state["params"], st_sh["params"]), batch).compile(), (dp, tp), [ONE_NODE])
+        inflight = min(k, pp)
+        peak = max(stage["peak_bytes"] + opt_bytes + grad_bytes + (inflight - 1) * stage["temp_bytes"],
+                   update["peak_bytes"])
+        cand = {"pp": pp, "dp": dp, "tp": tp, "k": k, "microbatch": mb, "compile_s": time.perf_counter() - t0,
+                "stage": stage, "peak_bytes": peak, "step_time_s": {}, "terms": {}}
+        for preset in PRESETS:
+            bw, lat = _link(preset)
+            t_mb, t_up = stage["scores"][ONE_NODE]["time_s"], update["scores"][ONE_NODE]["time_s"]
+            p2p = lat + mb * config.seq_len * config.hidden * 4 / (dp * tp) / bw
+            tied = lat + config.vocab_size * config.hidden * 4 / tp / bw
+            slots = k + pp - 1
+            cand["terms"][preset] = {"t_mb": t_mb, "t_update": t_up, "p2p": p2p, "t_tied": tied, "slots": slots}
+            cand["step_time_s"][preset] = slots * t_mb + t_up + slots * 2 * p2p + tied
+        out["candidates"].append(cand)
+    return out
+
+
+def run_job(name: str) -> dict:
+    row_name, method, arg = name.split(":")
+    row = next(r for r in ROWS if r.name == row_name)
+    base = {"job": name, "row": row.name, "method": method, "devices": row.devices, "batch": row.batch}
+    try:
+        if method == "autoshard":
+            return {**base, "preset": arg, **autoshard_job(row, arg)}
+        if method == "fsdp_tp":
+            return {**base, **fsdp_tp_job(row, tuple(int(x) for x in arg.split("x")))}
+        pp, dp, tp = (int(x) for x in arg.split("x"))
+        return {**base, **megatron3d_job(row, pp, dp, tp)}
+    except Exception as e:  # noqa: BLE001 - a job that fails is reported, never dropped
+        return {**base, "error": _error(e)}
+
+
+# ---- the driver: one process per job, then the table ---------------------------------------------------
+
+
+def launch(name: str, devices: int, timeout: float) -> dict:
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+    t0 = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, "-m", "benchmarks.scale_quality", "--one", name], env=env,
+                              capture_output=True, text=True, timeout=timeout)
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+    except subprocess.TimeoutExpired:
+        result = {"job": name, "error": f"timeout after {timeout:.0f} s (dropped)"}
+    except (IndexError, json.JSONDecodeError):
+        result = {"job": name, "error": done.stderr.strip()[-300:]}
+    result["wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def best_of(jobs: dict, row: Row, preset: str) -> dict:
+    """The row's best candidate per method under ``preset`` (fitting in memory), with every candidate."""
+    limit = 80 * GiB
+    out = {}
+    for method in METHODS:
+        cands = []
+        for r in jobs.values():
+            if r.get("row") != row.name or r.get("method") != method:
+                continue
+            if method == "autoshard" and r.get("preset") == preset:
+                cands.append({"mesh": r.get("mesh"), "step_time_s": r.get("step_time_s"),
+                              "peak_bytes": r.get("peak_bytes"), "error": r.get("error")})
+            elif method == "fsdp_tp" and preset in r.get("scores", {}):
+                cands.append({"mesh": r["mesh"], "step_time_s": r["scores"][preset]["time_s"],
+                              "peak_bytes": r["peak_bytes"]})
+            elif method == "fsdp_tp" and r.get("error"):
+                mesh = [int(x) for x in r["job"].split(":")[-1].split("x")]
+                if mesh[0] % PRESETS[preset] == 0:
+                    cands.append({"mesh": mesh, "step_time_s": None, "error": r["error"]})
+            elif method == "megatron3d":
+                cands += [{"config": f"pp{c['pp']} dp{c['dp']} tp{c['tp']} k{c['k']}",
+                           "step_time_s": c["step_time_s"][preset], "peak_bytes": c["peak_bytes"]}
+                          for c in r.get("candidates", [])]
+                if r.get("error"):
+                    cands.append({"config": r["job"].split(":")[-1], "step_time_s": None, "error": r["error"]})
+        for c in cands:
+            c["oom"] = c.get("peak_bytes") is not None and c["peak_bytes"] > limit
+        fits = [c for c in cands if c.get("step_time_s") is not None and not c["oom"]]
+        out[method] = {"best": min(fits, key=lambda c: c["step_time_s"], default=None), "candidates": cands}
+    return out
+
+
+def summarize(jobs: dict, rows) -> list[dict]:
+    out = []
+    for row in rows:
+        for preset in PRESETS:
+            methods = best_of(jobs, row, preset)
+            if not any(m["candidates"] for m in methods.values()):
+                continue
+            t = {m: (v["best"] or {}).get("step_time_s") for m, v in methods.items()}
+            baseline = min((t[m] for m in ("fsdp_tp", "megatron3d") if t[m] is not None), default=None)
+            out.append({"row": row.name, "config": row.config, "batch": row.batch, "devices": row.devices,
+                        "preset": preset, "methods": methods,
+                        "best_baseline_over_autoshard": baseline / t["autoshard"] if baseline and t["autoshard"] else None})
+    return out
+
+
+def _cell(best: dict | None) -> str:
+    if best is None:
+        return "-"
+    where = best.get("config") or "x".join(str(x) for x in best["mesh"])
+    return f"{best['step_time_s'] * 1e3:.1f} ({where})"
+
+
+def table(summary: list[dict]) -> str:
+    lines = ["| row | preset | autoshard ms (mesh) | FSDP+TP ms (dp x tp) | Megatron 3-D ms | best baseline / autoshard |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for s in summary:
+        m = s["methods"]
+        ratio = s["best_baseline_over_autoshard"]
+        lines.append(f"| {s['row']} (B={s['batch']}) | {s['preset']} | {_cell(m['autoshard']['best'])} | "
+                     f"{_cell(m['fsdp_tp']['best'])} | {_cell(m['megatron3d']['best'])} | "
+                     f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/results/scale_quality.json")
+    ap.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma-separated, of {[r.name for r in ROWS]}")
+    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated, of autoshard,fsdp_tp,megatron3d")
+    ap.add_argument("--jobs", default=None, help="comma-separated job names (ROW:METHOD:ARG) instead of --methods")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per job's process")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one job in this process
+    args = ap.parse_args(argv)
+    if args.one is not None:
+        print(json.dumps(run_job(args.one)))
+        return 0
+    rows = [r for r in ROWS if r.name in args.rows.split(",")]
+    names = args.jobs.split(",") if args.jobs else [j for r in rows for j in jobs_for(r, args.methods.split(","))]
+    jobs = {}
+    if args.out and os.path.exists(args.out):
+        with open(args.out) as f:
+            jobs = {j["job"]: j for j in json.load(f).get("jobs", [])}
+    for name in names:
+        row = next(r for r in ROWS if r.name == name.split(":")[0])
+        jobs[name] = launch(name, row.devices, args.timeout)
+        r = jobs[name]
+        print(f"{name}: {r.get('error') or 'ok'} ({r['wall_s']:.0f} s)", flush=True)
+        if args.out:
+            _write(args.out, jobs)
+    summary = summarize(jobs, [r for r in ROWS if any(j.startswith(r.name + ":") for j in jobs)])
+    print(table(summary))
+    if args.out:
+        _write(args.out, jobs)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _write(path: str, jobs: dict) -> None:
+    import jax
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    rows = [r for r in ROWS if any(j.startswith(r.name + ":") for j in jobs)]
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"jax": jax.__version__, "commit": commit, "cpus": os.cpu_count(), "summary": summarize(jobs, rows),
+                   "jobs": list(jobs.values())}, f, indent=1)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

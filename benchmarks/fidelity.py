@@ -8,8 +8,9 @@ set before jax starts). Nothing runs; everything is compiled from ``ShapeDtypeSt
 - ``single`` rows plan a GPT train step (AdamW, fp32) on a concrete ``(data, model)`` mesh under the
   ``h100-nvlink`` preset and compile the plan (``step.lower(...).compile()``);
 - the ``stage`` row plans GPT-39B on an ``AbstractMesh`` (8, 8) with ``num_stages="auto"`` (the
-  planning-at-scale row of ``benchmarks.scale``), then compiles its first stage's intra-op plan (one
-  microbatch's forward and backward) on a concrete sub-mesh of that stage's shape.
+  planning-at-scale row of ``benchmarks.scale``, with the CPU backend profile, since XLA:CPU compiles
+  it here), then compiles its first stage's intra-op plan (one microbatch's forward and backward) on
+  a concrete sub-mesh of that stage's shape.
 
 Per row: the predicted per-device peak (``plan.cost.peak_memory_bytes``) against XLA's
 (``autoshard.hlo.memory_stats``: argument + output + temp - alias), and the predicted communication
@@ -103,8 +104,10 @@ def stage_row(row: Row) -> dict:
     state, batch = spec.abstract_state(), spec.abstract_batch()
     options = autoshard.PipelineOptions(num_stages="auto")
     mesh = AbstractMesh(row.mesh, AXES)
+    # an AbstractMesh has no platform: plan for the backend the stage is compiled on here (XLA:CPU)
     step = autoshard.parallelize(spec.train_step, mesh=mesh, cluster=autoshard.cluster_preset(row.cluster),
-                                 num_microbatches=row.microbatches, progress=None, pipeline=options)
+                                 num_microbatches=row.microbatches, progress=None, pipeline=options,
+                                 profile=autoshard.backends.CPU)
     t0 = time.perf_counter()
     entry = step.prepared(state, batch)
     t1 = time.perf_counter()

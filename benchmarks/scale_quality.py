@@ -189,17 +189,55 @@ def autoshard_job(row: Row, preset: str) -> dict:
             "predicted_objective_s": plan.cost.objective, "comm_ratio": check.ratio}
 
 
+def fsdp_tp_step(spec, gathered, sharded):
+    """The train step with FSDP made explicit: each parameter is all-gathered over ``data`` to its
+    Megatron layout (``gathered``) before the forward, and its gradient constrained back to the FSDP+TP
+    layout (``sharded``: a reduce-scatter) before AdamW updates the shards, as ZeRO-3 does."""
+    import jax
+    import optax
+
+    wsc = jax.lax.with_sharding_constraint
+
+    def step(state, batch):
+        def loss(p):
+            return spec.loss_fn({"params": p, "model_state": state["model_state"]}, batch)[0]
+
+        value, grads = jax.value_and_grad(loss)(wsc(state["params"], gathered))
+        grads = wsc(grads, sharded)
+        updates, opt_state = spec.optimizer.update(grads, state["opt_state"], state["params"])
+        new = {**state, "params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
+               "step": state["step"] + 1}
+        return new, {"loss": value}
+
+    return step
+
+
 def fsdp_tp_job(row: Row, shape: tuple[int, int]) -> dict:
-    """Compile ``baselines.fsdp_tp`` on one ``(dp, tp)`` mesh; score it under every preset allowing it."""
+    """Compile FSDP+TP on one ``(dp, tp)`` mesh two ways, score both under every preset allowing the mesh:
+    ``propagated`` (``baselines.fsdp_tp``'s shardings on the model's own step, XLA propagates the rest)
+    and ``gathered`` (:func:`fsdp_tp_step`, the gathers and reduce-scatters pinned)."""
+    import jax
+
     from benchmarks import baselines
     from benchmarks.models import get_model
 
     spec = get_model("gpt", row.config, row.batch)
     state, batch = spec.abstract_state(), spec.abstract_batch()
-    t0 = time.perf_counter()
-    compiled = baselines.compile_baseline(spec.train_step, state, batch, _mesh(shape), "fsdp_tp", donate=True)
+    mesh = _mesh(shape)
     presets = [p for p, nodes in PRESETS.items() if shape[0] % nodes == 0]
-    return {"mesh": list(shape), "compile_s": time.perf_counter() - t0, **_scored(compiled, shape, presets)}
+    out = {"mesh": list(shape), "variants": {}}
+    t0 = time.perf_counter()
+    compiled = baselines.compile_baseline(spec.train_step, state, batch, mesh, "fsdp_tp", donate=True)
+    out["variants"]["propagated"] = {"compile_s": time.perf_counter() - t0, **_scored(compiled, shape, presets)}
+    del compiled
+    st_sh, b_sh = baselines.fsdp_tp(state, batch, mesh)
+    gathered = baselines.megatron(state, batch, mesh)[0]["params"]
+    step = jax.jit(fsdp_tp_step(spec, gathered, st_sh["params"]), in_shardings=(st_sh, b_sh),
+                   out_shardings=(st_sh, None), donate_argnums=(0,))
+    t0 = time.perf_counter()
+    compiled = step.lower(_with(state, st_sh), _with(batch, b_sh)).compile()
+    out["variants"]["gathered"] = {"compile_s": time.perf_counter() - t0, **_scored(compiled, shape, presets)}
+    return out
 
 
 def _with(tree, shardings):
@@ -360,9 +398,10 @@ def best_of(jobs: dict, row: Row, preset: str) -> dict:
             if method == "autoshard" and r.get("preset") == preset:
                 cands.append({"mesh": r.get("mesh"), "step_time_s": r.get("step_time_s"),
                               "peak_bytes": r.get("peak_bytes"), "error": r.get("error")})
-            elif method == "fsdp_tp" and preset in r.get("scores", {}):
-                cands.append({"mesh": r["mesh"], "step_time_s": r["scores"][preset]["time_s"],
-                              "peak_bytes": r["peak_bytes"]})
+            elif method == "fsdp_tp" and r.get("variants"):
+                cands += [{"mesh": r["mesh"], "variant": name, "step_time_s": v["scores"][preset]["time_s"],
+                           "peak_bytes": v["peak_bytes"]}
+                          for name, v in r["variants"].items() if preset in v["scores"]]
             elif method == "fsdp_tp" and r.get("error"):
                 mesh = [int(x) for x in r["job"].split(":")[-1].split("x")]
                 if mesh[0] % PRESETS[preset] == 0:
@@ -399,6 +438,8 @@ def _cell(best: dict | None) -> str:
     if best is None:
         return "-"
     where = best.get("config") or "x".join(str(x) for x in best["mesh"])
+    if best.get("variant"):
+        where += f", {best['variant']}"
     return f"{best['step_time_s'] * 1e3:.1f} ({where})"
 
 

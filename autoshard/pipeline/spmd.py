@@ -23,17 +23,24 @@ devices, with the plan's collectives inside the stage.
   without moving data. A reader whose plan wants another layout reshards it inside its own
   branch. Slots are reused once dead (interval allocation over ticks), so 1F1B keeps fewer
   microbatches alive than GPipe. Messages are packed the same way, padded to the largest sender.
+* Between steps the train state is split over ``"stage"`` as well as over a stage's devices: each
+  weight in the layout its first reader stage plans over the sub-mesh axes, and along one more
+  dimension (one that layout leaves whole and the stage count divides) over ``"stage"``; optimizer
+  state takes the layout of the weight of its shape. At the start of the program one
+  ``all_to_all`` over ``"stage"`` gives every stage the weights it reads, whole over ``"stage"``
+  (:meth:`SpmdPipelineExecutable._gather_weights`): during the pipeline a device holds its own
+  stage's weights and 1/S of the rest of the state.
 * After the last tick the accumulators (weight gradients, summed loss) leave ``shard_map``
   stacked over ``"stage"``; the update tasks (``R``) then run in the same jit on the whole mesh,
-  each weight and optimizer state sharded over the sub-mesh axes as its stage's plan lays the
-  weight out (replicated over ``"stage"``). Metrics come out replicated; the new state keeps
-  its input's sharding, so the next call takes it without a copy.
+  on the state in its between-steps layout (so the update is split over every device). Metrics
+  come out replicated; the new state keeps its input's sharding, so the next call takes it
+  without a copy.
 
-Limits: all stages need the same sub-mesh shape; the state is replicated over ``"stage"`` (each
-stage's devices hold a shard of every weight, laid out as its owner stage's plan says), and the
-update, sharded inside a stage, runs on every stage; the batch enters replicated, or, where each process
-passes its own rows (``batch_argnums``), split over the mesh axes that span processes; a step returning
-per-example values is refused.
+Limits: all stages need the same sub-mesh shape; a state leaf with no dimension to split over
+``"stage"`` stays whole over it; the gradients reach the update whole over ``"stage"`` (broadcast from
+their stage) before it splits them; the update is not part of the stage plans; the batch enters
+replicated, or, where each process passes its own rows (``batch_argnums``), split over the mesh axes
+that span processes; a step returning per-example values is refused.
 """
 
 from __future__ import annotations
@@ -206,6 +213,7 @@ class SpmdPipelineExecutable:
         self._storage_layouts()
         self._plan_memory(frontier)
         self._plan_messages()
+        self._state_layouts()
         self._io_shardings(out_ties or {}, process_local)
         self._jit = jax.jit(self._program, out_shardings=self.out_shardings)
         self._compiled: dict = {}
@@ -230,19 +238,79 @@ class SpmdPipelineExecutable:
                 self.store[v] = pspec = self._pspec(key[1], v)
                 self.local[v] = math.prod(local_shape(self.analysis.micro.avals[v].shape, pspec, self.rows.sizes))
 
-    def _io_shardings(self, out_ties: dict, process_local):
-        """Each weight (and any other non-batch input) enters laid out as the first stage that reads it plans
-        it, replicated over ``"stage"``; the batch enters replicated, or split over the process axes where
-        each process passes its rows; a next state leaves as its input."""
-        full = self.analysis.full
-        owner = {}
+    def _state_layouts(self):
+        """Where the train state lives between steps: split over ``"stage"`` as well as over a stage's devices.
+
+        A weight keeps the layout its first reader stage plans for it over the sub-mesh axes and is also
+        split over ``"stage"`` along its first dimension that layout leaves whole and ``S`` divides; an input
+        no task reads (optimizer state) takes the layout of the first weight of its shape and dtype. Inside
+        the program every stage gathers the weights it reads with one ``all_to_all`` over ``"stage"``
+        (:meth:`_gather_weights`): each device holds 1/S of the state and, during the pipeline, its own
+        stage's weights. An input with no such dimension stays whole over ``"stage"``."""
+        full, S = self.analysis.full, self.S
+        readers: dict = {}
         for key in self.tasks:
             for v in self.part.tasks[key].invars:
                 if v in self.invar_pos and v not in self.batch_values:
-                    owner.setdefault(v, key[1])
+                    readers.setdefault(v, set()).add(key[1])
+        self.state_readers = {v: sorted(st) for v, st in readers.items()}
+        by_shape = {}
+        self.state_pspec, self.split_dim = {}, {}
+        for v, st in self.state_readers.items():
+            self.state_pspec[v] = self._pspec(st[0], v)
+            aval = full.avals[v]
+            by_shape.setdefault((tuple(aval.shape), _dtype(aval)), self.state_pspec[v])
+        for i, v in enumerate(full.graph.invars):
+            if i in self.batch_positions:
+                continue
+            aval = full.avals[v]
+            shape = tuple(getattr(aval, "shape", ()))
+            pspec = self.state_pspec.setdefault(v, by_shape.get((shape, _dtype(aval)), PartitionSpec()))
+            entries = tuple(pspec) + (None,) * (len(shape) - len(pspec))
+            self.split_dim[v] = next((d for d, (n, e) in enumerate(zip(shape, entries, strict=True))
+                                      if e is None and n % S == 0 and n >= S), None) if S > 1 else None
+        # Per destination stage, the packing of what every stage sends it (each sends its 1/S of each weight
+        # the destination reads), and each stage's layout of its gathered weights.
+        self.gather_layout = [[] for _ in range(S)]   # stage -> [(value, dtype, offset in the packet)]
+        self.gather_len: dict = {}
+        self.weight_layout = [{} for _ in range(S)]   # stage -> value -> offset in its weight buffer
+        self.weight_len: dict = {}
+        for s in range(S):
+            used, wused = {}, {}
+            for v, st in self.state_readers.items():
+                if s not in st or self.split_dim[v] is None:
+                    continue
+                dt, n = _dtype(full.avals[v]), self._local_size(v)
+                self.gather_layout[s].append((v, dt, used.get(dt, 0)))
+                used[dt] = used.get(dt, 0) + n // S
+                self.weight_layout[s][v] = wused.get(dt, 0)
+                wused[dt] = wused.get(dt, 0) + n
+            for dt, n in used.items():
+                self.gather_len[dt] = max(self.gather_len.get(dt, 0), n)
+            for dt, n in wused.items():
+                self.weight_len[dt] = max(self.weight_len.get(dt, 0), n)
+
+    def _local_size(self, v) -> int:
+        """One device's elements of state input ``v`` in its sub-mesh layout (whole over ``"stage"``)."""
+        return math.prod(local_shape(self.analysis.full.avals[v].shape, self.state_pspec[v], self.rows.sizes))
+
+    def _state_spec(self, v) -> PartitionSpec:
+        """``v``'s layout between steps: its sub-mesh layout, and ``"stage"`` on its split dimension."""
+        pspec, d = self.state_pspec[v], self.split_dim[v]
+        if d is None:
+            return pspec
+        entries = list(tuple(pspec) + (None,) * (d + 1 - len(pspec)))
+        entries[d] = STAGE_AXIS
+        return PartitionSpec(*entries)
+
+    def _io_shardings(self, out_ties: dict, process_local):
+        """The state enters (and its next value leaves) in its :meth:`_state_layouts` layout; the batch enters
+        replicated, or split over the process axes where each process passes its rows; metrics leave
+        replicated."""
+        full = self.analysis.full
         rep = NamedSharding(self.mesh, PartitionSpec())
-        self.in_shardings = [rep if v not in owner else NamedSharding(self.mesh, self._pspec(owner[v], v))
-                             for v in full.graph.invars]
+        self.in_shardings = [rep if i in self.batch_positions else NamedSharding(self.mesh, self._state_spec(v))
+                             for i, v in enumerate(full.graph.invars)]
         if process_local:
             from autoshard.distributed import process_axes
 
@@ -364,7 +432,46 @@ class SpmdPipelineExecutable:
         del m
         return mem, {d: {dt: self._zeros(n, dt) for dt, n in per.items()} for d, per in self.packet_len.items()}
 
-    def _task_branch(self, key, args):
+    def _gather_weights(self, args) -> dict:
+        """Inside the stage ``shard_map``: each stage's weights, whole over ``"stage"`` in their sub-mesh layout,
+        as ``dtype -> (rows, length)`` buffers laid out by ``weight_layout[stage]``. Every stage packs its 1/S of
+        the weights each stage reads into that stage's row of a packet; one ``all_to_all`` over ``"stage"`` hands
+        every stage its rows, and each stage joins the parts of its own weights."""
+        if not self.gather_len:
+            return {}
+        full, S = self.analysis.full, self.S
+        packets = {}
+        for dt, n in sorted(self.gather_len.items()):
+            rows = []
+            for s in range(S):
+                parts = [self.rows.pack(args[self.invar_pos[v]], self.state_pspec[v]).astype(dt)
+                         for v, vdt, _ in self.gather_layout[s] if vdt == dt]
+                used = sum(p.shape[1] for p in parts)
+                rows.append(jnp.concatenate([*parts, self._zeros(n - used, dt)], axis=1))
+            packets[dt] = jax.lax.all_to_all(jnp.stack(rows), STAGE_AXIS, 0, 0)
+
+        def join(s):
+            def run(got):
+                out = {}
+                for dt, n in sorted(self.weight_len.items()):
+                    pieces = []
+                    for v, vdt, off in self.gather_layout[s]:
+                        if vdt != dt:
+                            continue
+                        aval, d = full.avals[v], self.split_dim[v]
+                        block = local_shape(aval.shape, self.state_pspec[v], self.rows.sizes)
+                        part = (*block[:d], block[d] // S, *block[d + 1:])
+                        m = math.prod(part)
+                        shards = [got[dt][j, :, off:off + m].reshape(self.rows.rows, *part) for j in range(S)]
+                        pieces.append(jnp.concatenate(shards, axis=1 + d).reshape(self.rows.rows, -1))
+                    used = sum(p.shape[1] for p in pieces)
+                    out[dt] = jnp.concatenate([*pieces, self._zeros(n - used, dt)], axis=1)
+                return out
+            return run
+
+        return jax.lax.switch(jax.lax.axis_index(STAGE_AXIS), [join(s) for s in range(S)], packets)
+
+    def _task_branch(self, key, args, weights):
         ph, s = key
         micro, ev = self.analysis.micro, self._evals[s]
         task = self.part.tasks[key]
@@ -378,6 +485,11 @@ class SpmdPipelineExecutable:
                     x = jax.lax.dynamic_index_in_dim(args[self.batch_values[v]], m, 0, keepdims=False)
                 elif v in self.part.producer_task:
                     x = self._load(mem, v, self._slot(s, v, m))
+                elif v in self.weight_layout[s]:   # gathered for this stage (split over "stage" between steps)
+                    aval = self.analysis.full.avals[v]
+                    rows = jax.lax.slice_in_dim(weights[_dtype(aval)], self.weight_layout[s][v],
+                                                self.weight_layout[s][v] + self._local_size(v), axis=1)
+                    x = self.rows.unpack(rows, self.state_pspec[v], aval.shape)
                 elif v in self.invar_pos:
                     x = args[self.invar_pos[v]]
                 else:
@@ -424,7 +536,8 @@ class SpmdPipelineExecutable:
         """The ``shard_map`` body (manual over ``"stage"`` only): a scan over ticks; returns the stacked
         accumulators."""
         stage = jax.lax.axis_index(STAGE_AXIS)
-        tasks = [self._idle] + [self._task_branch(key, args) for key in self.tasks]
+        weights = self._gather_weights(args)
+        tasks = [self._idle] + [self._task_branch(key, args, weights) for key in self.tasks]
         receive = {d: [lambda mem, packet, m: mem] + [self._receive_branch(key, d) for key in self.receivers[d]]
                    for d in self.offsets}
 
@@ -447,7 +560,11 @@ class SpmdPipelineExecutable:
         # Batch leaves enter as (k, b, ...): microbatch, then its examples.
         args = [x.reshape(self.k, x.shape[0] // self.k, *x.shape[1:]) if i in self.batch_positions else x
                 for i, x in enumerate(flat)]
-        accs = jax.shard_map(self._pipeline, mesh=self.mesh, in_specs=tuple(PartitionSpec() for _ in args),
+        specs = []   # over "stage" only (the manual axis): a state input split over it arrives as its 1/S part
+        for i, v in enumerate(self.analysis.full.graph.invars):
+            d = None if i in self.batch_positions else self.split_dim[v]
+            specs.append(PartitionSpec() if d is None else PartitionSpec(*([None] * d), STAGE_AXIS))
+        accs = jax.shard_map(self._pipeline, mesh=self.mesh, in_specs=tuple(specs),
                              out_specs=PartitionSpec(STAGE_AXIS), axis_names=frozenset({STAGE_AXIS}),
                              check_vma=False)(*args)
         micro = self.analysis.micro
@@ -457,10 +574,8 @@ class SpmdPipelineExecutable:
             rows = accs[_dtype(aval)][s, :, off:off + self.local[v]]
             x = self.rows.unpack(rows, self.store[v], aval.shape, mesh=self.mesh).astype(aval.dtype)
             sums[v] = jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, self.store[v]))
-        # Every stage runs the update (split over its own devices as the layouts propagate): manual over
-        # "stage", so the partitioner cannot split it across stages and gather it back.
-        return jax.shard_map(self._update, mesh=self.mesh, in_specs=PartitionSpec(), out_specs=PartitionSpec(),
-                             axis_names=frozenset({STAGE_AXIS}), check_vma=False)(sums, list(flat))
+        # The update runs on the whole mesh, each state value split as it is between steps.
+        return self._update(sums, list(flat))
 
     def _update(self, sums: dict, flat: list):
         """The update tasks on the summed gradients; returns the step's flat outputs."""
@@ -490,8 +605,8 @@ class SpmdPipelineExecutable:
         return outs
 
     def state_bytes(self) -> float:
-        """Per-device bytes of the arguments other than the batch, in their input layouts (the train state:
-        every stage's weights and optimizer state, on every stage)."""
+        """Per-device bytes of the arguments other than the batch, in their input layouts (the train state,
+        split over ``"stage"`` and the sub-mesh axes between steps, :meth:`_state_layouts`)."""
         full = self.analysis.full
         total = 0.0
         for i, (v, sharding) in enumerate(zip(full.graph.invars, self.in_shardings, strict=True)):

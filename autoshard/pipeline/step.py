@@ -292,16 +292,17 @@ class PipelinedStep:
 
 
 def _with_spmd_state(pplan: PipelinePlan, exe: SpmdPipelineExecutable, limit) -> PipelinePlan:
-    """``pplan`` with ``stats["spmd_state_bytes"]``: what the spmd runtime's state takes per device. It holds
-    every stage's weights and optimizer state on every stage (split over the stage's own devices only), which
-    the stage plans (one stage's weights each) do not count; a warning says when that alone is over ``limit``."""
+    """``pplan`` with ``stats["spmd_state_bytes"]``: what the spmd runtime's train state takes per device between
+    steps (split over ``"stage"`` where a dimension allows, :meth:`SpmdPipelineExecutable.state_bytes`), which
+    the stage plans (one stage's weights each) do not count; a warning says when that alone is over
+    ``limit``."""
     state = exe.state_bytes()
     if limit and state > float(limit):
         warnings.warn(
-            f"runtime='spmd' keeps the whole train state on every stage, split over one stage's devices only: "
-            f"{state / 2**30:.3g} GiB per device, more than the {float(limit) / 2**30:.3g} GiB memory limit (the stage "
-            "plans count only their own weights). Fix: more devices per stage (fewer stages), or "
-            "runtime='device_put' on one host, where each stage holds only its own weights.", stacklevel=3)
+            f"runtime='spmd' holds {state / 2**30:.3g} GiB of train state per device between steps, more than the "
+            f"{float(limit) / 2**30:.3g} GiB memory limit the stage plans were made for (they count only their "
+            "own stage's weights; the state is split over the stages only along dimensions the stage count "
+            "divides). Fix: more devices, fewer stages, or a larger memory_budget.", stacklevel=3)
     return dataclasses.replace(pplan, stats={**pplan.stats, "spmd_state_bytes": state})
 
 

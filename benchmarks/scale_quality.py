@@ -56,6 +56,16 @@ Methods, each the best of its sweep:
   * temp(t_mb program)``, or the update program's peak if larger; ``temp`` holds one microbatch's
   saved activations and the backward's scratch, so the stash is overestimated.
 
+- ``autoshard_pipeline`` (``--methods ...,autoshard_pipeline``): autoshard's own pipeline,
+  ``PipelineOptions(num_stages="auto", runtime="device_put")`` with k = 8 microbatches on the whole
+  ``(2, N/2)`` mesh. Every task is compiled (``step.prepared(...).executable.compiled_tasks()``) and
+  scored on its stage's sub-mesh (with the one-node preset when the stage's devices share a node);
+  t_mb = max over stages of (its F + B tasks), t_update = max over stages of its R (update) tasks,
+  p2p as above with the smallest stage's device count, and the same step time
+  (k + S - 1) * t_mb + t_update + (k + S - 1) * 2 * p2p (no tied-embedding term: whatever autoshard's
+  stages exchange besides the boundary activations is not priced). Peak: the largest compiled task
+  peak of a stage + (in_flight - 1) x the planner's per-microbatch activation bytes.
+
 Output: a table and ``--out`` (every job's candidates; jobs from an earlier run that this one did not
 repeat are kept, so pieces can be measured one at a time).
 """
@@ -74,7 +84,9 @@ import time
 GiB = 2**30
 PRESETS = {"h100-nvlink": 1, "h100-2node-ib": 2}  # preset -> nodes (mesh axis 0 spans the nodes)
 ONE_NODE = "h100-nvlink"  # the preset a pipeline stage inside one node is scored with
-METHODS = ("autoshard", "fsdp_tp", "megatron3d")
+METHODS = ("autoshard", "fsdp_tp", "megatron3d", "autoshard_pipeline")
+DEFAULT_METHODS = METHODS[:3]
+PIPELINE_MICROBATCHES = (8,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +132,8 @@ def jobs_for(row: Row, methods) -> list[str]:
         jobs += [f"{row.name}:fsdp_tp:{a}x{b}" for a, b in factorizations(row.devices)]
     if "megatron3d" in methods:
         jobs += [f"{row.name}:megatron3d:{pp}x{dp}x{tp}" for pp, dp, tp in megatron3d_shapes(row, CONFIGS[row.config])]
+    if "autoshard_pipeline" in methods:
+        jobs += [f"{row.name}:autoshard_pipeline:{p}@{k}" for p in PRESETS for k in PIPELINE_MICROBATCHES]
     return jobs
 
 
@@ -353,6 +367,61 @@ def megatron3d_job(row: Row, pp: int, dp: int, tp: int) -> dict:
     return out
 
 
+def _stage_cluster(devices, n: int, preset: str) -> str:
+    """The preset a stage on ``devices`` is scored with: one node's if its devices share a node."""
+    nodes = PRESETS[preset]
+    return ONE_NODE if len({d // (n // nodes) for d in devices}) == 1 else preset
+
+
+def autoshard_pipeline_job(row: Row, preset: str, k: int) -> dict:
+    """``PipelineOptions(num_stages="auto")`` on the whole ``(2, N/2)`` mesh with k microbatches: compile
+    every task (``compiled_tasks``) and score it on its stage's sub-mesh; step time by the pipeline formula."""
+    import autoshard
+    from autoshard.hlo import estimate_step_time, memory_stats
+    from benchmarks.models import get_model
+
+    spec = get_model("gpt", row.config, row.batch)
+    state, batch = spec.abstract_state(), spec.abstract_batch()
+    cluster = autoshard.cluster_preset(preset)
+    step = autoshard.parallelize(spec.train_step, mesh=_mesh((2, row.devices // 2)), cluster=cluster,
+                                 memory_budget=cluster.memory, donate_argnums=(0,), num_microbatches=k,
+                                 progress=None, pipeline=autoshard.PipelineOptions(num_stages="auto",
+                                                                                   runtime="device_put"))
+    t0 = time.perf_counter()
+    entry = step.prepared(state, batch)
+    pplan, plan_s = entry.plan, time.perf_counter() - t0
+    t0 = time.perf_counter()
+    tasks = entry.executable.compiled_tasks()
+    stages = [{"mesh": list(st.mesh_shape), "layers": list(st.layers), "devices": len(st.devices),
+               "predicted_time_s": st.time_s, "predicted_memory_bytes": st.memory_bytes, "in_flight": st.in_flight,
+               "cluster": _stage_cluster(st.devices, row.devices, preset), "tasks": {}} for st in pplan.stages]
+    for key, compiled in tasks.items():
+        st = stages[key[1]]
+        est = estimate_step_time(compiled, autoshard.cluster_preset(st["cluster"]), tuple(st["mesh"]))
+        st["tasks"]["".join(str(x) for x in key)] = {"phase": key[0], "time_s": est["time_s"],
+                                                     "peak_bytes": memory_stats(compiled)["peak"]}
+    for st, plan_st in zip(stages, pplan.stages, strict=True):
+        by = {ph: sum(t["time_s"] for t in st["tasks"].values() if t["phase"] == ph) for ph in "FBR"}
+        st.update(t_mb=by["F"] + by["B"], t_update=by["R"])
+        st["peak_bytes"] = (max(t["peak_bytes"] for t in st["tasks"].values())
+                            + (plan_st.in_flight - 1) * plan_st.activation_bytes)
+    S, cfg = len(stages), spec_config(row)
+    bw, lat = _link(preset) if S > 1 else (1.0, 0.0)
+    p2p = 0.0 if S == 1 else lat + (row.batch // k) * cfg.seq_len * cfg.hidden * 4 / min(st["devices"] for st in stages) / bw
+    t_mb, t_up = max(st["t_mb"] for st in stages), max(st["t_update"] for st in stages)
+    step_time = (k + S - 1) * t_mb + t_up + (k + S - 1) * 2 * p2p
+    return {"preset": preset, "k": k, "num_stages": S, "plan_s": plan_s, "compile_s": time.perf_counter() - t0,
+            "predicted_step_s": pplan.step_time_s, "stages": stages, "step_time_s": step_time,
+            "terms": {"t_mb": t_mb, "t_update": t_up, "p2p": p2p, "slots": k + S - 1},
+            "peak_bytes": max(st["peak_bytes"] for st in stages)}
+
+
+def spec_config(row: Row):
+    from benchmarks.models.gpt import CONFIGS
+
+    return CONFIGS[row.config]
+
+
 def run_job(name: str) -> dict:
     row_name, method, arg = name.split(":")
     row = next(r for r in ROWS if r.name == row_name)
@@ -360,6 +429,9 @@ def run_job(name: str) -> dict:
     try:
         if method == "autoshard":
             return {**base, "preset": arg, **autoshard_job(row, arg)}
+        if method == "autoshard_pipeline":
+            preset, k = arg.split("@")
+            return {**base, **autoshard_pipeline_job(row, preset, int(k))}
         if method == "fsdp_tp":
             return {**base, **fsdp_tp_job(row, tuple(int(x) for x in arg.split("x")))}
         pp, dp, tp = (int(x) for x in arg.split("x"))
@@ -395,7 +467,11 @@ def best_of(jobs: dict, row: Row, preset: str) -> dict:
         for r in jobs.values():
             if r.get("row") != row.name or r.get("method") != method:
                 continue
-            if method == "autoshard" and r.get("preset") == preset:
+            if method == "autoshard_pipeline" and r["job"].split(":")[-1].startswith(preset + "@"):
+                cands.append({"config": f"{r.get('num_stages')} stages k{r['job'].split('@')[-1]}",
+                              "step_time_s": r.get("step_time_s"), "peak_bytes": r.get("peak_bytes"),
+                              "error": r.get("error")})
+            elif method == "autoshard" and r.get("preset") == preset:
                 cands.append({"mesh": r.get("mesh"), "step_time_s": r.get("step_time_s"),
                               "peak_bytes": r.get("peak_bytes"), "error": r.get("error")})
             elif method == "fsdp_tp" and r.get("variants"):
@@ -428,9 +504,11 @@ def summarize(jobs: dict, rows) -> list[dict]:
                 continue
             t = {m: (v["best"] or {}).get("step_time_s") for m, v in methods.items()}
             baseline = min((t[m] for m in ("fsdp_tp", "megatron3d") if t[m] is not None), default=None)
+            ours = min((t[m] for m in ("autoshard", "autoshard_pipeline") if t[m] is not None), default=None)
             out.append({"row": row.name, "config": row.config, "batch": row.batch, "devices": row.devices,
                         "preset": preset, "methods": methods,
-                        "best_baseline_over_autoshard": baseline / t["autoshard"] if baseline and t["autoshard"] else None})
+                        "best_baseline_over_autoshard": baseline / t["autoshard"] if baseline and t["autoshard"] else None,
+                        "best_baseline_over_best_autoshard": baseline / ours if baseline and ours else None})
     return out
 
 
@@ -444,14 +522,16 @@ def _cell(best: dict | None) -> str:
 
 
 def table(summary: list[dict]) -> str:
-    lines = ["| row | preset | autoshard ms (mesh) | FSDP+TP ms (dp x tp) | Megatron 3-D ms | best baseline / autoshard |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| row | preset | autoshard ms (mesh) | FSDP+TP ms (dp x tp) | Megatron 3-D ms | "
+             "autoshard pipeline ms | best baseline / autoshard | best baseline / best autoshard |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for s in summary:
         m = s["methods"]
-        ratio = s["best_baseline_over_autoshard"]
+        ratios = [s["best_baseline_over_autoshard"], s["best_baseline_over_best_autoshard"]]
         lines.append(f"| {s['row']} (B={s['batch']}) | {s['preset']} | {_cell(m['autoshard']['best'])} | "
                      f"{_cell(m['fsdp_tp']['best'])} | {_cell(m['megatron3d']['best'])} | "
-                     f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
+                     f"{_cell(m['autoshard_pipeline']['best'])} | "
+                     + " | ".join("-" if r is None else f"{r:.2f}x" for r in ratios) + " |")
     return "\n".join(lines)
 
 
@@ -459,8 +539,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/scale_quality.json")
     ap.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma-separated, of {[r.name for r in ROWS]}")
-    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated, of autoshard,fsdp_tp,megatron3d")
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma-separated, of {METHODS}")
     ap.add_argument("--jobs", default=None, help="comma-separated job names (ROW:METHOD:ARG) instead of --methods")
+    ap.add_argument("--no-run", action="store_true", help="only rebuild the table and --out from --out's jobs")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per job's process")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: run one job in this process
     args = ap.parse_args(argv)
@@ -468,7 +549,7 @@ def main(argv=None) -> int:
         print(json.dumps(run_job(args.one)))
         return 0
     rows = [r for r in ROWS if r.name in args.rows.split(",")]
-    names = args.jobs.split(",") if args.jobs else [j for r in rows for j in jobs_for(r, args.methods.split(","))]
+    names = [] if args.no_run else args.jobs.split(",") if args.jobs else [j for r in rows for j in jobs_for(r, args.methods.split(","))]
     jobs = {}
     if args.out and os.path.exists(args.out):
         with open(args.out) as f:

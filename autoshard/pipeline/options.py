@@ -20,7 +20,8 @@ class PipelineOptions:
         pipeline latency. Ignored when the step calls :func:`autoshard.pipeline_boundary`
         (the boundaries fix the cut).
       layers: how many layers the forward pass is clustered into before stages are formed
-        (Alpa's layer clustering); ``"auto"`` picks a few per stage.
+        (Alpa's layer clustering); ``"auto"`` picks a few per stage (with ``num_stages="auto"``: 8 up to
+        256 devices, then more as the mesh grows, :func:`autoshard.pipeline.search.auto_layer_count`).
       schedule: ``"1f1b"`` (PipeDream-flush: at most ``num_stages - s`` microbatches alive on
         stage ``s``) or ``"gpipe"`` (all forwards, then all backwards).
       submeshes: one logical mesh shape per stage, e.g. ``[(2, 2), (2, 2)]``; devices are handed

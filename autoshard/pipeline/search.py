@@ -46,8 +46,14 @@ AXES = ("data", "model")
 
 
 def stage_program(analysis: StepAnalysis, part: Partition, stage: int) -> CapturedProgram:
-    """One microbatch's forward + backward of ``stage`` as a program the intra-op planner takes."""
-    tasks = part.micro_tasks(stage)
+    """One microbatch's forward + backward of ``stage``, then the update of what the stage owns, as a program
+    the intra-op planner takes.
+
+    The update (the ``R`` tasks of the stage) is in it so that the stage's plan lays out its optimizer state
+    and counts it: a stage holds its weights' optimizer state for the whole step. It reads one microbatch's
+    gradients where the runtime reads their sum (the same shapes)."""
+    micro = part.micro_tasks(stage)
+    tasks = [*micro, *(t for t in part.update_tasks() if t.key[1] == stage)]
     ops, produced, invars = [], set(), []
     for t in tasks:
         for op in t.ops:
@@ -60,8 +66,8 @@ def stage_program(analysis: StepAnalysis, part: Partition, stage: int) -> Captur
             if isinstance(x, int) and x not in produced and x not in invars:
                 invars.append(x)
     internal = set()
-    if len(tasks) == 2:
-        f, b = tasks
+    if len(micro) == 2:
+        f, b = micro
         others = [t for k, t in part.tasks.items() if k not in (f.key, b.key)]
         read_elsewhere = {v for t in others for v in t.invars}
         outs = set(analysis.full.graph.outvars)
@@ -118,7 +124,7 @@ def boundary_ties(program: CapturedProgram, part: Partition) -> dict[int, int]:
     free = [i for i, p in enumerate(program.in_paths) if is_boundary(p)]
     ties = {}
     for j, v in enumerate(program.graph.outvars):
-        if not isinstance(v, int) or v in part.frontier_values:
+        if not isinstance(v, int) or v in part.frontier_values or part.producer_task.get(v, ("R",))[0] == "R":
             continue
         a = program.avals[v]
         for i in free:
@@ -311,6 +317,13 @@ def group_layers(flops, num_groups: int) -> list[int]:
     return group
 
 
+def auto_layer_count(num_devices: int) -> int:
+    """How many layers the stage DP cuts the forward pass into with ``num_stages="auto"`` (the most stages it
+    can make): 8 up to 256 devices, then half the square root of the device count (16 at 1,024, 32 at 4,096),
+    so that a stage's weights shrink as the mesh grows while the DP stays small."""
+    return max(8, min(32, math.isqrt(max(num_devices, 1)) // 2))
+
+
 def _layer_bounds(analysis, options: PipelineOptions, num_devices: int):
     """``(op position -> cost layer, cost layer -> DP layer, DP layer flops, manual)``: the forward ops cut
     into layers that are costed one by one, and grouped into the layers the stage DP cuts."""
@@ -327,7 +340,7 @@ def _layer_bounds(analysis, options: PipelineOptions, num_devices: int):
     else:
         S = options.num_stages
         if options.layers == "auto":
-            L = min(len(fops), 8 if S == "auto" else max(S, min(16, 2 * S)))
+            L = min(len(fops), auto_layer_count(num_devices) if S == "auto" else max(S, min(16, 2 * S)))
         else:
             L = options.layers
         if isinstance(S, int) and S > L:

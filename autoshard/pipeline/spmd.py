@@ -243,7 +243,8 @@ class SpmdPipelineExecutable:
 
         A weight keeps the layout its first reader stage plans for it over the sub-mesh axes and is also
         split over ``"stage"`` along its first dimension that layout leaves whole and ``S`` divides; an input
-        no task reads (optimizer state) takes the layout of the first weight of its shape and dtype. Inside
+        only the update reads (optimizer state) takes the layout its stage's plan gives it (the plan covers the
+        update), else that of the first weight of its shape and dtype. Inside
         the program every stage gathers the weights it reads with one ``all_to_all`` over ``"stage"``
         (:meth:`_gather_weights`): each device holds 1/S of the state and, during the pipeline, its own
         stage's weights. An input with no such dimension stays whole over ``"stage"``."""
@@ -254,12 +255,20 @@ class SpmdPipelineExecutable:
                 if v in self.invar_pos and v not in self.batch_values:
                     readers.setdefault(v, set()).add(key[1])
         self.state_readers = {v: sorted(st) for v, st in readers.items()}
+        updated = {}   # state the update alone reads (optimizer state): its stage plans it with the update
+        for task in self.part.update_tasks():
+            for v in task.invars:
+                if v in self.invar_pos and v not in self.batch_values and v not in readers:
+                    updated.setdefault(v, task.key[1])
         by_shape = {}
         self.state_pspec, self.split_dim = {}, {}
         for v, st in self.state_readers.items():
             self.state_pspec[v] = self._pspec(st[0], v)
             aval = full.avals[v]
             by_shape.setdefault((tuple(aval.shape), _dtype(aval)), self.state_pspec[v])
+        for v, st in updated.items():
+            if self._evals[st].value_specs.get(v) is not None:
+                self.state_pspec[v] = self._pspec(st, v)
         for i, v in enumerate(full.graph.invars):
             if i in self.batch_positions:
                 continue

@@ -58,7 +58,7 @@ Methods, each the best of its sweep:
 
 - ``autoshard_pipeline`` (``--methods ...,autoshard_pipeline``): autoshard's own pipeline,
   ``PipelineOptions(num_stages="auto", runtime="device_put")`` with k = 8 microbatches on the whole
-  ``(2, N/2)`` mesh. Every task is compiled (``step.prepared(...).executable.compiled_tasks()``) and
+  ``(2, N/2)`` mesh, and with ``num_stages=2`` forced (Megatron's best pp). Every task is compiled (``step.prepared(...).executable.compiled_tasks()``) and
   scored on its stage's sub-mesh (with the one-node preset when the stage's devices share a node);
   t_mb = max over stages of (its F + B tasks), t_update = max over stages of its R (update) tasks,
   p2p as above with the smallest stage's device count, and the same step time
@@ -87,6 +87,7 @@ ONE_NODE = "h100-nvlink"  # the preset a pipeline stage inside one node is score
 METHODS = ("autoshard", "fsdp_tp", "megatron3d", "autoshard_pipeline")
 DEFAULT_METHODS = METHODS[:3]
 PIPELINE_MICROBATCHES = (8,)
+PIPELINE_STAGES = ("auto", 2)  # "auto": the stage search picks; 2: forced, to compare with Megatron's pp = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +134,8 @@ def jobs_for(row: Row, methods) -> list[str]:
     if "megatron3d" in methods:
         jobs += [f"{row.name}:megatron3d:{pp}x{dp}x{tp}" for pp, dp, tp in megatron3d_shapes(row, CONFIGS[row.config])]
     if "autoshard_pipeline" in methods:
-        jobs += [f"{row.name}:autoshard_pipeline:{p}@{k}" for p in PRESETS for k in PIPELINE_MICROBATCHES]
+        jobs += [f"{row.name}:autoshard_pipeline:{p}@{k}" + ("" if n == "auto" else f"@{n}")
+                 for p in PRESETS for k in PIPELINE_MICROBATCHES for n in PIPELINE_STAGES]
     return jobs
 
 
@@ -373,7 +375,7 @@ def _stage_cluster(devices, n: int, preset: str) -> str:
     return ONE_NODE if len({d // (n // nodes) for d in devices}) == 1 else preset
 
 
-def autoshard_pipeline_job(row: Row, preset: str, k: int) -> dict:
+def autoshard_pipeline_job(row: Row, preset: str, k: int, stages="auto") -> dict:
     """``PipelineOptions(num_stages="auto")`` on the whole ``(2, N/2)`` mesh with k microbatches: compile
     every task (``compiled_tasks``) and score it on its stage's sub-mesh; step time by the pipeline formula."""
     import autoshard
@@ -385,7 +387,7 @@ def autoshard_pipeline_job(row: Row, preset: str, k: int) -> dict:
     cluster = autoshard.cluster_preset(preset)
     step = autoshard.parallelize(spec.train_step, mesh=_mesh((2, row.devices // 2)), cluster=cluster,
                                  memory_budget=cluster.memory, donate_argnums=(0,), num_microbatches=k,
-                                 progress=None, pipeline=autoshard.PipelineOptions(num_stages="auto",
+                                 progress=None, pipeline=autoshard.PipelineOptions(num_stages=stages,
                                                                                    runtime="device_put"))
     t0 = time.perf_counter()
     entry = step.prepared(state, batch)
@@ -410,7 +412,7 @@ def autoshard_pipeline_job(row: Row, preset: str, k: int) -> dict:
     p2p = 0.0 if S == 1 else lat + (row.batch // k) * cfg.seq_len * cfg.hidden * 4 / min(st["devices"] for st in stages) / bw
     t_mb, t_up = max(st["t_mb"] for st in stages), max(st["t_update"] for st in stages)
     step_time = (k + S - 1) * t_mb + t_up + (k + S - 1) * 2 * p2p
-    return {"preset": preset, "k": k, "num_stages": S, "plan_s": plan_s, "compile_s": time.perf_counter() - t0,
+    return {"preset": preset, "k": k, "num_stages": S, "stages_asked": stages, "plan_s": plan_s, "compile_s": time.perf_counter() - t0,
             "predicted_step_s": pplan.step_time_s, "stages": stages, "step_time_s": step_time,
             "terms": {"t_mb": t_mb, "t_update": t_up, "p2p": p2p, "slots": k + S - 1},
             "peak_bytes": max(st["peak_bytes"] for st in stages)}
@@ -430,8 +432,8 @@ def run_job(name: str) -> dict:
         if method == "autoshard":
             return {**base, "preset": arg, **autoshard_job(row, arg)}
         if method == "autoshard_pipeline":
-            preset, k = arg.split("@")
-            return {**base, **autoshard_pipeline_job(row, preset, int(k))}
+            preset, k, *stages = arg.split("@")
+            return {**base, **autoshard_pipeline_job(row, preset, int(k), int(stages[0]) if stages else "auto")}
         if method == "fsdp_tp":
             return {**base, **fsdp_tp_job(row, tuple(int(x) for x in arg.split("x")))}
         pp, dp, tp = (int(x) for x in arg.split("x"))
@@ -468,7 +470,9 @@ def best_of(jobs: dict, row: Row, preset: str) -> dict:
             if r.get("row") != row.name or r.get("method") != method:
                 continue
             if method == "autoshard_pipeline" and r["job"].split(":")[-1].startswith(preset + "@"):
-                cands.append({"config": f"{r.get('num_stages')} stages k{r['job'].split('@')[-1]}",
+                forced = r.get("stages_asked", "auto") != "auto"
+                cands.append({"config": f"{r.get('num_stages')} stages k{r['job'].split('@')[1]}"
+                                        + (" forced" if forced else ""),
                               "step_time_s": r.get("step_time_s"), "peak_bytes": r.get("peak_bytes"),
                               "error": r.get("error")})
             elif method == "autoshard" and r.get("preset") == preset:

@@ -28,6 +28,8 @@ import subprocess
 import sys
 import time
 
+from benchmarks.output import finish
+
 
 @dataclasses.dataclass(frozen=True)
 class Row:
@@ -178,17 +180,7 @@ def main(argv=None) -> int:
         result["wall_s"] = time.perf_counter() - t0
         results.append(result)
         print(table(results[-1:]).splitlines()[-1], flush=True)
-    print()
-    print(table(results))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    if args.out:
-        import jax
-
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"jax": jax.__version__, "commit": commit, "cpus": os.cpu_count(),
-                       "load_average": os.getloadavg(), "rows": results}, f, indent=1)
-        print(f"wrote {args.out}")
+    finish(results, table, args.out)
     return 0
 
 

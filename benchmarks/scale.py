@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import time
+
+from benchmarks.output import finish
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,10 +114,6 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default=",".join(r.name for r in ROWS), help="comma-separated row names")
     args = ap.parse_args(argv)
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    import subprocess
-
-    import jax
-
     wanted = args.rows.split(",")
     unknown = sorted(set(wanted) - {r.name for r in ROWS})
     if unknown:
@@ -126,15 +123,7 @@ def main(argv=None) -> int:
         if row.name in wanted:
             results.append(plan_row(row))
             print(table(results[-1:]).splitlines()[-1], flush=True)
-    print()
-    print(table(results))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"jax": jax.__version__, "commit": commit, "cpus": os.cpu_count(),
-                       "load_average": os.getloadavg(), "rows": results}, f, indent=1)
-        print(f"wrote {args.out}")
+    finish(results, table, args.out)
     return 0
 
 

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.output import finish
+from benchmarks.output import chosen_rows, finish, row_arguments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,22 +152,14 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="benchmarks/results/fidelity.json")
-    ap.add_argument("--rows", default=",".join(r.name for r in ROWS), help="comma-separated row names")
+    ap = row_arguments(__doc__, "benchmarks/results/fidelity.json", ROWS)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)   # internal: run one row in this process
     args = ap.parse_args(argv)
     if args.one is not None:
         print(json.dumps(run_one(args.one)))
         return 0
-    wanted = args.rows.split(",")
-    unknown = sorted(set(wanted) - {r.name for r in ROWS})
-    if unknown:
-        ap.error(f"unknown rows {unknown}; expected some of {[r.name for r in ROWS]}")
     results = []
-    for row in ROWS:
-        if row.name not in wanted:
-            continue
+    for row in chosen_rows(ap, args.rows, ROWS):
         env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={row.devices}",
                "JAX_PLATFORMS": "cpu"}
         t0 = time.perf_counter()

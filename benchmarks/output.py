@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -21,3 +22,20 @@ def finish(rows: list[dict], table, out: str | None) -> None:
             json.dump({"jax": jax.__version__, "commit": commit, "cpus": os.cpu_count(),
                        "load_average": os.getloadavg(), "rows": rows}, f, indent=1)
         print(f"wrote {out}")
+
+
+def row_arguments(doc: str, default_out: str, rows) -> argparse.ArgumentParser:
+    """A parser with ``--out`` (the JSON path) and ``--rows`` (comma-separated names of ``rows``, default all)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=default_out)
+    ap.add_argument("--rows", default=",".join(r.name for r in rows), help="comma-separated row names")
+    return ap
+
+
+def chosen_rows(ap: argparse.ArgumentParser, names: str, rows) -> list:
+    """The rows ``names`` picks, in ``rows`` order; a parser error names the unknown ones."""
+    wanted = names.split(",")
+    unknown = sorted(set(wanted) - {r.name for r in rows})
+    if unknown:
+        ap.error(f"unknown rows {unknown}; expected some of {[r.name for r in rows]}")
+    return [r for r in rows if r.name in wanted]

@@ -23,12 +23,11 @@ Targets (issue 16): GPT-39B on 64 devices in <= 60 s (Alpa: 2,393 s, OSDI'22 Tab
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import time
 
-from benchmarks.output import finish
+from benchmarks.output import chosen_rows, finish, row_arguments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,20 +108,13 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="benchmarks/results/scale.json")
-    ap.add_argument("--rows", default=",".join(r.name for r in ROWS), help="comma-separated row names")
+    ap = row_arguments(__doc__, "benchmarks/results/scale.json", ROWS)
     args = ap.parse_args(argv)
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    wanted = args.rows.split(",")
-    unknown = sorted(set(wanted) - {r.name for r in ROWS})
-    if unknown:
-        ap.error(f"unknown rows {unknown}; expected some of {[r.name for r in ROWS]}")
     results = []
-    for row in ROWS:
-        if row.name in wanted:
-            results.append(plan_row(row))
-            print(table(results[-1:]).splitlines()[-1], flush=True)
+    for row in chosen_rows(ap, args.rows, ROWS):
+        results.append(plan_row(row))
+        print(table(results[-1:]).splitlines()[-1], flush=True)
     finish(results, table, args.out)
     return 0
 

@@ -57,7 +57,7 @@ Methods, each the best of its sweep:
   saved activations and the backward's scratch, so the stash is overestimated.
 
 - ``autoshard_pipeline`` (``--methods ...,autoshard_pipeline``): autoshard's own pipeline,
-  ``PipelineOptions(num_stages="auto", runtime="device_put")`` with k = 8 microbatches on the whole
+  ``PipelineOptions(num_stages="auto", runtime="device_put")`` with k in {4, 8} microbatches on the whole
   ``(2, N/2)`` mesh, and with ``num_stages=2`` forced (Megatron's best pp). Every task is compiled (``step.prepared(...).executable.compiled_tasks()``) and
   scored on its stage's sub-mesh (with the one-node preset when the stage's devices share a node);
   t_mb = max over stages of (its F + B tasks), t_update = max over stages of its R (update) tasks,
@@ -86,7 +86,7 @@ PRESETS = {"h100-nvlink": 1, "h100-2node-ib": 2}  # preset -> nodes (mesh axis 0
 ONE_NODE = "h100-nvlink"  # the preset a pipeline stage inside one node is scored with
 METHODS = ("autoshard", "fsdp_tp", "megatron3d", "autoshard_pipeline")
 DEFAULT_METHODS = METHODS[:3]
-PIPELINE_MICROBATCHES = (8,)
+PIPELINE_MICROBATCHES = (4, 8)
 PIPELINE_STAGES = ("auto", 2)  # "auto": the stage search picks; 2: forced, to compare with Megatron's pp = 2
 
 

@@ -214,6 +214,7 @@ class SpmdPipelineExecutable:
         self._plan_memory(frontier)
         self._plan_messages()
         self._state_layouts()
+        self._scatter_layouts()
         self._io_shardings(out_ties or {}, process_local)
         self._jit = jax.jit(self._program, out_shardings=self.out_shardings)
         self._compiled: dict = {}
@@ -441,6 +442,14 @@ class SpmdPipelineExecutable:
         del m
         return mem, {d: {dt: self._zeros(n, dt) for dt, n in per.items()} for d, per in self.packet_len.items()}
 
+    def _exchange(self, packets):
+        """``all_to_all`` over ``"stage"`` of ``(S, rows, length)`` packets (packet ``j`` goes to stage ``j``), each
+        device keeping its own row: the rows stay split over the sub-mesh axes, before and after."""
+        # Manual over the sub-mesh axes too: with them automatic, the partitioner gathers the rows first.
+        rows = PartitionSpec(None, *self.rows.spec)
+        return jax.shard_map(lambda p: jax.lax.all_to_all(p, STAGE_AXIS, 0, 0), in_specs=(rows,), out_specs=rows,
+                             axis_names=self.rows.axes, check_vma=False)(packets)
+
     def _gather_weights(self, args) -> dict:
         """Inside the stage ``shard_map``: each stage's weights, whole over ``"stage"`` in their sub-mesh layout,
         as ``dtype -> (rows, length)`` buffers laid out by ``weight_layout[stage]``. Every stage packs its 1/S of
@@ -457,7 +466,7 @@ class SpmdPipelineExecutable:
                          for v, vdt, _ in self.gather_layout[s] if vdt == dt]
                 used = sum(p.shape[1] for p in parts)
                 rows.append(jnp.concatenate([*parts, self._zeros(n - used, dt)], axis=1))
-            packets[dt] = jax.lax.all_to_all(jnp.stack(rows), STAGE_AXIS, 0, 0)
+            packets[dt] = self._exchange(jnp.stack(rows))
 
         def join(s):
             def run(got):
@@ -542,8 +551,8 @@ class SpmdPipelineExecutable:
         return run
 
     def _pipeline(self, *args):
-        """The ``shard_map`` body (manual over ``"stage"`` only): a scan over ticks; returns the stacked
-        accumulators."""
+        """The ``shard_map`` body (manual over ``"stage"`` only): a scan over ticks; returns the summed gradients
+        (and loss): ``(value -> its owner's rows, stacked over "stage"; value -> its 1/S part)``."""
         stage = jax.lax.axis_index(STAGE_AXIS)
         weights = self._gather_weights(args)
         tasks = [self._idle] + [self._task_branch(key, args, weights) for key in self.tasks]
@@ -563,7 +572,12 @@ class SpmdPipelineExecutable:
                 "recv_mb": {d: jnp.asarray(self.recv_mb[d]) for d in self.offsets}}
         mem = {dt: self._zeros(n, dt) for dt, n in sorted(self.mem_len.items())}
         mem, _ = jax.lax.scan(tick, mem, rows)
-        return {dt: mem[dt][None, :, :n] for dt, n in sorted(self.acc_len.items())}
+        # A sum not scattered leaves as its owner's rows (stacked over "stage": the other stages' rows are unused).
+        whole = {}
+        for v, (_, off) in self.acc_of.items():
+            if v not in self.sum_split:
+                whole[v] = mem[_dtype(self.analysis.micro.avals[v])][None, :, off:off + self.local[v]]
+        return whole, self._scatter_sums(mem)
 
     def _program(self, *flat):
         # Batch leaves enter as (k, b, ...): microbatch, then its examples.
@@ -573,18 +587,97 @@ class SpmdPipelineExecutable:
         for i, v in enumerate(self.analysis.full.graph.invars):
             d = None if i in self.batch_positions else self.split_dim[v]
             specs.append(PartitionSpec() if d is None else PartitionSpec(*([None] * d), STAGE_AXIS))
-        accs = jax.shard_map(self._pipeline, mesh=self.mesh, in_specs=tuple(specs),
-                             out_specs=PartitionSpec(STAGE_AXIS), axis_names=frozenset({STAGE_AXIS}),
-                             check_vma=False)(*args)
+        split_specs = {v: PartitionSpec(*([None] * d), STAGE_AXIS) for v, d in self.sum_split.items()}
+        accs, sums = jax.shard_map(self._pipeline, mesh=self.mesh, in_specs=tuple(specs),
+                                   out_specs=(PartitionSpec(STAGE_AXIS), split_specs),
+                                   axis_names=frozenset({STAGE_AXIS}), check_vma=False)(*args)
         micro = self.analysis.micro
-        sums = {}
-        for v, (s, off) in self.acc_of.items():
+        sums = {v: jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, self._sum_spec(v)))
+                for v, x in sums.items()}
+        for v, stacked in accs.items():
+            s = self.acc_of[v][0]
             aval = micro.avals[v]
-            rows = accs[_dtype(aval)][s, :, off:off + self.local[v]]
+            rows = stacked[s]
             x = self.rows.unpack(rows, self.store[v], aval.shape, mesh=self.mesh).astype(aval.dtype)
-            sums[v] = jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, self.store[v]))
+            sums[v] = jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, self._sum_spec(v)))
         # The update runs on the whole mesh, each state value split as it is between steps.
         return self._update(sums, list(flat))
+
+    def _weight_of(self, v):
+        """The state input a summed gradient ``v`` meets in the update: one of its shape, dtype and sub-mesh
+        layout that is split over ``"stage"`` (None: none is)."""
+        aval = self.analysis.micro.avals[v]
+        for u, pspec in self.state_pspec.items():
+            a = self.analysis.full.avals[u]
+            if (pspec == self.store[v] and self.split_dim[u] is not None and tuple(a.shape) == tuple(aval.shape)
+                    and a.dtype == aval.dtype):
+                return u
+        return None
+
+    def _sum_spec(self, v) -> PartitionSpec:
+        """The layout a summed gradient ``v`` meets the update in: its weight's between-steps layout (the update
+        then needs only its 1/S), else its stage's layout, whole over ``"stage"``."""
+        u = self._weight_of(v)
+        return self.store[v] if u is None else self._state_spec(u)
+
+    def _scatter_layouts(self):
+        """Per stage, the packing of the 1/S parts of its summed gradients that it hands every stage (along the
+        dimension their weights are split over ``"stage"``), for :meth:`_scatter_sums`."""
+        self.sum_split = {}
+        self.scatter_layout = [[] for _ in range(self.S)]   # stage -> [(value, dtype, offset in a packet)]
+        self.scatter_len: dict = {}
+        for v, (s, _) in sorted(self.acc_of.items()):
+            u = self._weight_of(v)
+            if u is None:
+                continue
+            self.sum_split[v] = self.split_dim[u]
+            dt = _dtype(self.analysis.micro.avals[v])
+            used = sum(self.local[w] // self.S for w, wdt, _ in self.scatter_layout[s] if wdt == dt)
+            self.scatter_layout[s].append((v, dt, used))
+            self.scatter_len[dt] = max(self.scatter_len.get(dt, 0), used + self.local[v] // self.S)
+
+    def _scatter_sums(self, mem) -> dict:
+        """Inside the stage ``shard_map``, after the last tick: every summed gradient's 1/S part on each stage
+        (the part of the update that stage runs), by one ``all_to_all`` over ``"stage"`` from the stage that
+        summed it. Returns value -> its part (the global array leaves split over ``"stage"``)."""
+        if not self.scatter_len:
+            return {}
+        micro, S = self.analysis.micro, self.S
+
+        def parts(v, rows):
+            """The ``S`` parts of ``v``'s rows along its split dimension, each as rows."""
+            block = local_shape(micro.avals[v].shape, self.store[v], self.rows.sizes)
+            d, x = self.sum_split[v], rows.reshape(self.rows.rows, *block)
+            step = block[d] // S
+            return [jax.lax.slice_in_dim(x, j * step, (j + 1) * step, axis=1 + d).reshape(self.rows.rows, -1)
+                    for j in range(S)]
+
+        def pack(s):
+            def run(mem):
+                out = {}
+                for dt, n in sorted(self.scatter_len.items()):
+                    per_dest = [[] for _ in range(S)]
+                    for v, vdt, _ in self.scatter_layout[s]:
+                        if vdt == dt:
+                            off = self.layout[s][("acc", v)]
+                            for j, part in enumerate(parts(v, jax.lax.slice_in_dim(mem[dt], off, off + self.local[v],
+                                                                                   axis=1))):
+                                per_dest[j].append(part)
+                    out[dt] = jnp.stack([jnp.concatenate([*p, self._zeros(n - sum(x.shape[1] for x in p), dt)], axis=1)
+                                         for p in per_dest])
+                return out
+            return run
+
+        packets = jax.lax.switch(jax.lax.axis_index(STAGE_AXIS), [pack(s) for s in range(S)], mem)
+        got = {dt: self._exchange(x) for dt, x in packets.items()}
+        out = {}
+        for s in range(S):
+            for v, dt, off in self.scatter_layout[s]:
+                aval, d = micro.avals[v], self.sum_split[v]
+                shape = (*aval.shape[:d], aval.shape[d] // S, *aval.shape[d + 1:])
+                rows = got[dt][s, :, off:off + self.local[v] // S]
+                out[v] = self.rows.unpack(rows, self.store[v], shape).astype(aval.dtype)
+        return out
 
     def _update(self, sums: dict, flat: list):
         """The update tasks on the summed gradients; returns the step's flat outputs."""

@@ -375,7 +375,7 @@ def _stage_cluster(devices, n: int, preset: str) -> str:
     return ONE_NODE if len({d // (n // nodes) for d in devices}) == 1 else preset
 
 
-def autoshard_pipeline_job(row: Row, preset: str, k: int, stages="auto") -> dict:
+def autoshard_pipeline_job(row: Row, preset: str, k: int, num_stages="auto") -> dict:
     """``PipelineOptions(num_stages="auto")`` on the whole ``(2, N/2)`` mesh with k microbatches: compile
     every task (``compiled_tasks``) and score it on its stage's sub-mesh; step time by the pipeline formula."""
     import autoshard
@@ -387,7 +387,7 @@ def autoshard_pipeline_job(row: Row, preset: str, k: int, stages="auto") -> dict
     cluster = autoshard.cluster_preset(preset)
     step = autoshard.parallelize(spec.train_step, mesh=_mesh((2, row.devices // 2)), cluster=cluster,
                                  memory_budget=cluster.memory, donate_argnums=(0,), num_microbatches=k,
-                                 progress=None, pipeline=autoshard.PipelineOptions(num_stages=stages,
+                                 progress=None, pipeline=autoshard.PipelineOptions(num_stages=num_stages,
                                                                                    runtime="device_put"))
     t0 = time.perf_counter()
     entry = step.prepared(state, batch)
@@ -412,7 +412,7 @@ def autoshard_pipeline_job(row: Row, preset: str, k: int, stages="auto") -> dict
     p2p = 0.0 if S == 1 else lat + (row.batch // k) * cfg.seq_len * cfg.hidden * 4 / min(st["devices"] for st in stages) / bw
     t_mb, t_up = max(st["t_mb"] for st in stages), max(st["t_update"] for st in stages)
     step_time = (k + S - 1) * t_mb + t_up + (k + S - 1) * 2 * p2p
-    return {"preset": preset, "k": k, "num_stages": S, "stages_asked": stages, "plan_s": plan_s, "compile_s": time.perf_counter() - t0,
+    return {"preset": preset, "k": k, "num_stages": S, "stages_asked": num_stages, "plan_s": plan_s, "compile_s": time.perf_counter() - t0,
             "predicted_step_s": pplan.step_time_s, "stages": stages, "step_time_s": step_time,
             "terms": {"t_mb": t_mb, "t_update": t_up, "p2p": p2p, "slots": k + S - 1},
             "peak_bytes": max(st["peak_bytes"] for st in stages)}
@@ -470,7 +470,7 @@ def best_of(jobs: dict, row: Row, preset: str) -> dict:
             if r.get("row") != row.name or r.get("method") != method:
                 continue
             if method == "autoshard_pipeline" and r["job"].split(":")[-1].startswith(preset + "@"):
-                forced = r.get("stages_asked", "auto") != "auto"
+                forced = len(r["job"].split("@")) == 3  # ROW:autoshard_pipeline:PRESET@K@STAGES
                 cands.append({"config": f"{r.get('num_stages')} stages k{r['job'].split('@')[1]}"
                                         + (" forced" if forced else ""),
                               "step_time_s": r.get("step_time_s"), "peak_bytes": r.get("peak_bytes"),

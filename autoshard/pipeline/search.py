@@ -530,9 +530,11 @@ def plan_stages(analysis: StepAnalysis, mesh, cluster, options: PipelineOptions,
     part = partition(analysis, lambda p: stage_of_layer[layer_of[p]], S)
     meshes, plans, stage_plans = _plan_each_stage(analysis, part, stages, search, grid.shape)
     times = [sp.time_s for sp in stage_plans]
-    first = {}
+    first = {}   # each stage's first op with a known source line (the first op may be a jax internal)
     for p_ in sorted(layer_of):
-        first.setdefault(stage_of_layer[layer_of[p_]], analysis.full.graph.ops[p_].source())
+        where = analysis.full.graph.ops[p_].source()
+        if where != "<unknown>":
+            first.setdefault(stage_of_layer[layer_of[p_]], where)
     orders = stage_orders(S, k, options.schedule)
     sim = simulate(orders, [t / 3 for t in times], [2 * t / 3 for t in times], chain_deps(S))
     pplan = PipelinePlan(

@@ -173,9 +173,7 @@ class Parallelized:
 
             if mesh is None:
                 mesh = make_mesh((jax.process_count(), jax.local_device_count()), ("data", "model"))
-            labels = call.positional_labels
-            local = distributed.ProcessLocalArgs.create(mesh, o.batch_argnums, call.dyn, labels, len(labels))
-            local.check_same_everywhere(call.key(abstract))
+            local = distributed.ProcessLocalArgs.for_call(mesh, o.batch_argnums, call, abstract)
             abstract, hints = local.global_abstract(abstract), local.hints(hints)
         program = _capture(with_precision(call.pure_function(), o.precision, mesh), abstract,
                            call.in_paths(abstract), mesh)

@@ -195,6 +195,15 @@ class ProcessLocalArgs:
                 "autoshard.make_mesh((jax.process_count(), jax.local_device_count()), ('data', 'model')).")
         return cls(mesh, process_axes(mesh), jax.process_count(), tuple(leaves), tuple(paths))
 
+    @classmethod
+    def for_call(cls, mesh, batch_argnums, call, abstract) -> ProcessLocalArgs:
+        """The process-local leaves of a bound call (:class:`autoshard.signature.BoundCall`) whose arguments
+        are ``abstract``, checked to have the same shapes on every process."""
+        labels = call.positional_labels
+        local = cls.create(mesh, batch_argnums, call.dyn, labels, len(labels))
+        local.check_same_everywhere(call.key(abstract))
+        return local
+
     def global_abstract(self, abstract):
         """Abstract arguments with each process-local leaf's leading dim times the process count."""
         flat, tree = jax.tree_util.tree_flatten(abstract)

@@ -98,8 +98,9 @@ def test_spmd_stages_run_their_intra_op_plans(sub, schedule):
     ref, ref_losses = _reference(state, batch, train_step, 2)
     n = 2 * sub[0] * sub[1]
     devices = mesh("2x4") if n == 8 else autoshard.make_mesh((1, n), ("data", "model"), devices=jax.devices()[:n])
+    # a limit no stage solve reaches (each is proven optimal first), so load cannot leave a stage unsplit
     opts = autoshard.PipelineOptions(num_stages=2, layers=2, schedule=schedule, submeshes=[sub] * 2,
-                                     solver_time_limit=1.0, runtime="spmd")
+                                     solver_time_limit=10.0, runtime="spmd")
     step = autoshard.parallelize(train_step, mesh=devices, num_microbatches=4, pipeline=opts, memory_budget=480_000)
     # the budget binds the stage plans; the state the runtime holds besides is over it, and the step says so
     with pytest.warns(UserWarning, match="of train state per device between steps"):
@@ -262,3 +263,27 @@ def test_spmd_stage_search_keeps_one_submesh_shape():
     out, m = step(state, batch)
     np.testing.assert_allclose(float(m["loss"]), ref_losses[0], rtol=1e-5)
     assert_trees_close(out["params"], ref["params"], rtol=1e-5, atol=5e-5, what="params")
+
+
+def _keyed_step(state, batch):
+    def loss_fn(p):
+        return jnp.mean((jnp.tanh(batch["x"] @ p["w1"]) @ p["w2"]) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(state["p"])
+    params = jax.tree.map(lambda w, g: w - 0.1 * g, state["p"], grads)
+    return {"p": params, "rng": jax.random.fold_in(state["rng"], 1)}, {"loss": loss}
+
+
+def test_spmd_state_may_hold_a_typed_prng_key():
+    """A typed key in the state (as nnx's Rngs carry) has no numeric buffer to split over the stages: it stays whole
+    and comes out as jax.jit makes it."""
+    state = {"p": {"w1": jnp.full((8, 16), 0.1), "w2": jnp.full((16, 4), 0.1)}, "rng": jax.random.key(0)}
+    batch = {"x": jnp.arange(16 * 8, dtype=jnp.float32).reshape(16, 8) / 100}
+    opts = autoshard.PipelineOptions(num_stages=2, layers=2, submeshes=[(1, 4)] * 2, solver_time_limit=10.0,
+                                     runtime="spmd")
+    step = autoshard.parallelize(_keyed_step, mesh=mesh("2x4"), num_microbatches=4, pipeline=opts)
+    out, m = step(state, batch)
+    ref, ref_m = jax.jit(_keyed_step)(state, batch)
+    np.testing.assert_allclose(float(m["loss"]), float(ref_m["loss"]), rtol=1e-5)
+    assert_trees_close(out["p"], ref["p"], rtol=1e-5, atol=1e-6, what="params")
+    np.testing.assert_array_equal(jax.random.key_data(out["rng"]), jax.random.key_data(ref["rng"]))

@@ -36,11 +36,16 @@ devices, with the plan's collectives inside the stage.
   come out replicated; the new state keeps its input's sharding, so the next call takes it
   without a copy.
 
+* A summed gradient goes to the update as its weight is split: one more ``all_to_all`` hands each
+  stage its 1/S part (:meth:`SpmdPipelineExecutable._scatter_sums`).
+
 Limits: all stages need the same sub-mesh shape; a state leaf with no dimension to split over
-``"stage"`` stays whole over it; the gradients reach the update whole over ``"stage"`` (broadcast from
-their stage) before it splits them; the update is not part of the stage plans; the batch enters
-replicated, or, where each process passes its own rows (``batch_argnums``), split over the mesh axes
-that span processes; a step returning per-example values is refused.
+``"stage"`` (or a typed PRNG key) stays whole over it, and a gradient with no such weight reaches the
+update whole over ``"stage"``; the stage plans cover the update, but the update here runs unconstrained
+on the split state; every stage's backward all-reduces its own microbatch's gradients (once per
+microbatch); the batch enters replicated, or, where each process passes its own rows
+(``batch_argnums``), split over the mesh axes that span processes; a step returning per-example values
+is refused.
 """
 
 from __future__ import annotations
@@ -99,10 +104,6 @@ def local_shape(shape, pspec: PartitionSpec, axis_sizes: dict) -> tuple[int, ...
             return None
         out.append(n // k)
     return tuple(out)
-
-
-def _size(aval) -> int:
-    return int(math.prod(getattr(aval, "shape", ())))
 
 
 def _dtype(aval) -> str:
@@ -185,8 +186,7 @@ class SpmdPipelineExecutable:
         self.S = S = part.num_stages
         self.mesh = stage_mesh(meshes)
         self.sub_info = MeshInfo.from_mesh(meshes[0])
-        self.sub_axes = tuple(meshes[0].axis_names)
-        self.rows = _Rows(self.mesh, self.sub_axes)
+        self.rows = _Rows(self.mesh, tuple(meshes[0].axis_names))
         self.analysis = analysis
         self.part = part
         full, micro = analysis.full, analysis.micro
@@ -266,7 +266,7 @@ class SpmdPipelineExecutable:
         for v, st in self.state_readers.items():
             self.state_pspec[v] = self._pspec(st[0], v)
             aval = full.avals[v]
-            by_shape.setdefault((tuple(aval.shape), _dtype(aval)), self.state_pspec[v])
+            by_shape.setdefault((tuple(aval.shape), str(aval.dtype)), self.state_pspec[v])
         for v, st in updated.items():
             if self._evals[st].value_specs.get(v) is not None:
                 self.state_pspec[v] = self._pspec(st, v)
@@ -275,10 +275,12 @@ class SpmdPipelineExecutable:
                 continue
             aval = full.avals[v]
             shape = tuple(getattr(aval, "shape", ()))
-            pspec = self.state_pspec.setdefault(v, by_shape.get((shape, _dtype(aval)), PartitionSpec()))
+            pspec = self.state_pspec.setdefault(v, by_shape.get((shape, str(aval.dtype)), PartitionSpec()))
             entries = tuple(pspec) + (None,) * (len(shape) - len(pspec))
+            # a typed PRNG key has no numeric buffer to exchange: it stays whole over "stage"
+            splittable = S > 1 and not jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended)
             self.split_dim[v] = next((d for d, (n, e) in enumerate(zip(shape, entries, strict=True))
-                                      if e is None and n % S == 0 and n >= S), None) if S > 1 else None
+                                      if e is None and n % S == 0 and n >= S), None) if splittable else None
         # Per destination stage, the packing of what every stage sends it (each sends its 1/S of each weight
         # the destination reads), and each stage's layout of its gathered weights.
         self.gather_layout = [[] for _ in range(S)]   # stage -> [(value, dtype, offset in the packet)]
@@ -432,6 +434,10 @@ class SpmdPipelineExecutable:
         """A ``(rows, n)`` buffer, row ``r`` on the stage's ``r``-th device."""
         return jax.lax.with_sharding_constraint(jnp.zeros((self.rows.rows, n), dt), self.rows.spec)
 
+    def _padded(self, parts, n, dt):
+        """``parts`` (rows) side by side, padded with zeros to ``n`` columns: one packet or buffer of a layout."""
+        return jnp.concatenate([*parts, self._zeros(n - sum(p.shape[1] for p in parts), dt)], axis=1)
+
     def _load(self, mem, v, off):
         """Value ``v`` from its rows at ``off`` (traced) of this stage's memory, in its storage layout."""
         aval = self.analysis.micro.avals[v]
@@ -462,10 +468,8 @@ class SpmdPipelineExecutable:
         for dt, n in sorted(self.gather_len.items()):
             rows = []
             for s in range(S):
-                parts = [self.rows.pack(args[self.invar_pos[v]], self.state_pspec[v]).astype(dt)
-                         for v, vdt, _ in self.gather_layout[s] if vdt == dt]
-                used = sum(p.shape[1] for p in parts)
-                rows.append(jnp.concatenate([*parts, self._zeros(n - used, dt)], axis=1))
+                rows.append(self._padded([self.rows.pack(args[self.invar_pos[v]], self.state_pspec[v]).astype(dt)
+                                          for v, vdt, _ in self.gather_layout[s] if vdt == dt], n, dt))
             packets[dt] = self._exchange(jnp.stack(rows))
 
         def join(s):
@@ -482,8 +486,7 @@ class SpmdPipelineExecutable:
                         m = math.prod(part)
                         shards = [got[dt][j, :, off:off + m].reshape(self.rows.rows, *part) for j in range(S)]
                         pieces.append(jnp.concatenate(shards, axis=1 + d).reshape(self.rows.rows, -1))
-                    used = sum(p.shape[1] for p in pieces)
-                    out[dt] = jnp.concatenate([*pieces, self._zeros(n - used, dt)], axis=1)
+                    out[dt] = self._padded(pieces, n, dt)
                 return out
             return run
 
@@ -530,9 +533,7 @@ class SpmdPipelineExecutable:
                 layout, _ = self._packet_layout(key, d)
                 packets[d] = {}
                 for dt, n in per.items():
-                    parts = [packed[v] for v, vdt, _ in layout if vdt == dt]
-                    used = sum(p.shape[1] for p in parts)
-                    packets[d][dt] = jnp.concatenate([*parts, self._zeros(n - used, dt)], axis=1)
+                    packets[d][dt] = self._padded([packed[v] for v, vdt, _ in layout if vdt == dt], n, dt)
             return mem, packets
 
         return run
@@ -617,17 +618,18 @@ class SpmdPipelineExecutable:
     def _sum_spec(self, v) -> PartitionSpec:
         """The layout a summed gradient ``v`` meets the update in: its weight's between-steps layout (the update
         then needs only its 1/S), else its stage's layout, whole over ``"stage"``."""
-        u = self._weight_of(v)
+        u = self.sum_weight[v]
         return self.store[v] if u is None else self._state_spec(u)
 
     def _scatter_layouts(self):
         """Per stage, the packing of the 1/S parts of its summed gradients that it hands every stage (along the
         dimension their weights are split over ``"stage"``), for :meth:`_scatter_sums`."""
+        self.sum_weight = {v: self._weight_of(v) for v in self.acc_of}
         self.sum_split = {}
         self.scatter_layout = [[] for _ in range(self.S)]   # stage -> [(value, dtype, offset in a packet)]
         self.scatter_len: dict = {}
         for v, (s, _) in sorted(self.acc_of.items()):
-            u = self._weight_of(v)
+            u = self.sum_weight[v]
             if u is None:
                 continue
             self.sum_split[v] = self.split_dim[u]
@@ -663,8 +665,7 @@ class SpmdPipelineExecutable:
                             for j, part in enumerate(parts(v, jax.lax.slice_in_dim(mem[dt], off, off + self.local[v],
                                                                                    axis=1))):
                                 per_dest[j].append(part)
-                    out[dt] = jnp.stack([jnp.concatenate([*p, self._zeros(n - sum(x.shape[1] for x in p), dt)], axis=1)
-                                         for p in per_dest])
+                    out[dt] = jnp.stack([self._padded(p, n, dt) for p in per_dest])
                 return out
             return run
 
@@ -738,7 +739,7 @@ class SpmdPipelineExecutable:
     def compiled(self, flat):
         """The compiled program for ``flat``'s shapes (``.as_text()`` shows the collective-permutes)."""
         inputs = self.global_inputs(flat)
-        key = tuple((np.shape(x), np.dtype(x.dtype).name) for x in inputs)
+        key = tuple((np.shape(x), str(x.dtype)) for x in inputs)
         hit = self._compiled.get(key)
         if hit is None:
             hit = self._compiled[key] = self._jit.lower(*inputs).compile()

@@ -198,10 +198,7 @@ class PipelinedStep:
                 "PipelineOptions(batch_argnums=...).")
         from autoshard.distributed import ProcessLocalArgs
 
-        labels = call.positional_labels
-        local = ProcessLocalArgs.create(mesh, self.options.batch_argnums, call.dyn, labels, len(labels))
-        local.check_same_everywhere(call.key(abstract))
-        return local
+        return ProcessLocalArgs.for_call(mesh, self.options.batch_argnums, call, abstract)
 
     def _mesh(self):
         from autoshard.cluster import make_mesh, resolve_mesh

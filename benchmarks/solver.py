@@ -50,6 +50,7 @@ def run(directory: Path, time_scale: float, only: set[str] | None, seed: int, wo
             "time_limit": limit,
             "bound": sol.stats.get("bound", math.nan),
             "gap": sol.stats.get("gap", math.nan),
+            "first_fit": sol.stats.get("first_fit", math.nan),
             "stop": sol.stats.get("stop"),
             "stats": {k: v for k, v in sol.stats.items() if isinstance(v, (int, float, str))},
         }
@@ -61,7 +62,8 @@ def run(directory: Path, time_scale: float, only: set[str] | None, seed: int, wo
 def _fmt(r: dict) -> str:
     return (
         f"{r['problem']:<24} {r['nodes']:>7} {r['edges']:>7} {r['cost']:>18.6g} {r['best_known']:>14.6g} "
-        f"{r['ratio']:>8.4f} {r['feasible']!s:>8} {r['seconds']:>8.1f} {r['gap']:>8.4f} {r['stop']}"
+        f"{r['ratio']:>8.4f} {r['feasible']!s:>8} {r['seconds']:>8.1f} {r['first_fit']:>8.2f} {r['gap']:>8.4f} "
+        f"{r['stop']}"
     )
 
 
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     only = {s.strip() for s in args.only.split(",") if s.strip()} or None
     print(f"{'problem':<24} {'nodes':>7} {'edges':>7} {'cost':>18} {'best known':>14} {'ratio':>8} "
-          f"{'feasible':>8} {'seconds':>8} {'gap':>8} stop")
+          f"{'feasible':>8} {'seconds':>8} {'1st fit':>8} {'gap':>8} stop")
     rows = run(args.iopddl_dir, args.time_scale, only, args.seed, args.workers)
     ratios = [r["ratio"] for r in rows]
     geo = math.exp(sum(math.log(x) for x in ratios) / len(ratios)) if ratios and all(map(math.isfinite, ratios)) else math.inf

@@ -8,6 +8,7 @@ solver's own clock (``stats["elapsed"]``, ``stats["stop"]``), never by the test'
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -151,3 +152,70 @@ def test_planner_problem_of_a_tiny_gpt_is_solved_exactly():
     assert sol.optimal and sol.stats["stop"] == "optimal"
     assert sol.cost == pytest.approx(p.cost(sol.choice))
     assert sol.stats["bound"] == pytest.approx(sol.cost, rel=1e-9)
+
+
+def _forbidden_memory_problem(seed: int, n: int = 4000) -> ShardingProblem:
+    """A large core whose least-memory choice breaks many forbidden pairs (layouts that must agree)."""
+    rng = np.random.default_rng(seed)
+    k = 6
+    costs = [rng.random(k) * 10 for _ in range(n)]
+    memory = [10.0 - c + rng.random(k) * 3 for c in costs]
+    edges = [(i, i + 1) for i in range(n - 1)]
+    # within each run of 40 consecutive nodes (a "layer"), chain neighbours must agree on a layout class
+    agree = np.equal.outer(np.arange(k) % 3, np.arange(k) % 3)
+    mats = [np.where(agree | (d != 1) | (u % 40 == 39), 1.0, np.inf) * rng.random((k, k)) * 5
+            for (u, v), d in ((e, e[1] - e[0]) for e in edges)]
+    starts = np.arange(n)
+    intervals = np.stack([starts, starts + rng.integers(5, 30, n)], axis=1)
+    free = ShardingProblem(node_costs=costs, edges=np.array(edges), edge_costs=mats, node_memory=memory,
+                           intervals=intervals)
+    # room for the least-memory choice that keeps every layout in one class (so that one fits)
+    agreeing = free.peak_memory([int(np.argmin(np.where(np.arange(k) % 3 == 0, m, np.inf))) for m in memory])
+    return ShardingProblem(node_costs=costs, edges=np.array(edges), edge_costs=mats, node_memory=memory,
+                           intervals=intervals, memory_limit=1.3 * agreeing)
+
+
+def _softened_core(p: ShardingProblem):
+    from autoshard.solver.local import CoreState, min_memory_choice
+    from autoshard.solver.memory import memory_rows
+    from autoshard.solver.penalty import soften
+    from autoshard.solver.reduce import reduce_problem
+
+    red = soften(reduce_problem(p, with_memory=True))
+    rows = memory_rows(p.intervals, p.memory_limit, red.core_nodes, red.base_usage, True)
+    return CoreState(red, rows, min_memory_choice(red))
+
+
+def test_forbidden_pairs_of_the_least_memory_start_are_cleared():
+    from autoshard.solver.penalty import clear_forbidden, violations
+
+    start = _softened_core(_forbidden_memory_problem(0))
+    assert start.red.num_core > 3000 and len(violations(start)) > 500 and start.overflow() <= 0
+    # the deadline is far: the clearing stops itself once no forbidden pair is left
+    out = clear_forbidden(start, deadline=time.perf_counter() + 600, seed=0)
+    assert len(violations(out)) == 0 and out.overflow() <= 0
+    assert np.isfinite(out.total_cost()) and out.total_cost() < out.red.forbidden
+
+
+def test_large_memory_core_reports_its_first_fit():
+    p = _forbidden_memory_problem(1)
+    sol = solve(p, time_limit=8.0, workers=1)
+    assert sol.feasible and sol.peak_memory <= p.memory_limit
+    assert 0.0 < sol.stats["first_fit"] <= sol.stats["elapsed"]
+    assert sol.cost == pytest.approx(p.cost(sol.choice))
+
+
+@pytest.mark.parametrize("name", ["A", "M", "S"])
+def test_contest_least_memory_starts_are_cleared(name):
+    """The first feasible answer of the large contest cores: no forbidden pair left, the limit kept."""
+    from autoshard.solver.penalty import clear_forbidden, violations
+
+    path = SHARED / f"asplos-2025-iopddl-{name}.json.gz"
+    if not path.exists():
+        pytest.skip(f"{path} not present")
+    p = read_iopddl(path)
+    start = _softened_core(p)
+    out = clear_forbidden(start, deadline=time.perf_counter() + 600, seed=0)
+    assert len(violations(start)) > 1000 and len(violations(out)) == 0 and out.overflow() <= 0
+    full = out.red.expand(out.choice, p.num_nodes)
+    assert p.is_feasible(full) and np.isfinite(p.cost(full))

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from autoshard.solver.local import CoreState
+from autoshard.solver.local import CoreState, FlatCosts
 from autoshard.solver.memory import MemoryRows
 from autoshard.solver.reduce import Reduction
 
@@ -113,16 +113,24 @@ def search_in_workers(
 ) -> dict:
     """Search the core in ``count`` worker processes; the fields of the solver's core answer.
 
-    ``fallback`` is the answer when no worker has a cheaper one by the deadline.
+    ``fallback`` (sent to the workers as their first incumbent when it is feasible)
+    is the answer when no worker has a cheaper one by the deadline.
 
     Worker ``k`` runs with seed ``seed + k`` and variant ``k``. The answer is the
     cheapest any worker found; its ``stats`` go into ``stats``, with ``workers``
     and each worker's final cost (``worker_costs``).
     """
-    workers = _start_workers(red, rows, deadline, seed=seed, count=count, verbose=verbose)
+    hard = FlatCosts(red)  # forbidden pairs infinite (the workers' costs price them)
     best_cost, best_choice, answers, errors = np.inf, None, {}, []
+    first = None
     if fallback is not None:
         best_cost, best_choice = fallback.total_cost(), fallback.choice.copy()
+        if np.isfinite(hard.cost(best_choice)) and (rows is None or fallback.overflow() <= 0):
+            stats.setdefault("first_fit_at", time.perf_counter())
+            first = encode(("incumbent", best_cost, best_choice.astype(np.int32)))
+    workers = _start_workers(red, rows, deadline, seed=seed, count=count, verbose=verbose)
+    for _, box, _ in workers if first is not None else ():
+        box.put(first)
     try:
         while len(answers) + len(errors) < count and time.perf_counter() < deadline:
             live = {w[0].stdout.fileno(): k for k, w in enumerate(workers) if k not in answers}
@@ -136,6 +144,8 @@ def search_in_workers(
                 for msg in workers[k][2].feed(data):
                     if msg[0] == "incumbent" and msg[1] < best_cost:
                         best_cost, best_choice = msg[1], msg[2].astype(np.int64)
+                        if np.isfinite(hard.cost(best_choice)):
+                            stats.setdefault("first_fit_at", time.perf_counter())
                         for j, (_, box, _) in enumerate(workers):
                             if j != k and j not in answers:
                                 box.put(encode(msg))
@@ -192,7 +202,7 @@ def _combined_answer(done: list, errors: list, *, best_cost: float, best_choice,
     win = min(done, key=lambda a: a["cost"]) if done else None
     if win is not None and win["cost"] <= best_cost:
         best_cost, best_choice = win["cost"], win["choice"]
-        stats.update(win["stats"])
+        stats.update({k: v for k, v in win["stats"].items() if k != "first_fit_at"})  # another process's clock
     if best_choice is None:
         detail = errors[0] if errors else "no worker answered before the deadline"
         raise RuntimeError(f"every solver worker failed: {detail}. Fix: pass workers=1 to search in this process")

@@ -51,6 +51,8 @@ class Reduction:
       base_usage: per original node, usage already committed (constant usages).
       records: elimination records, undone in reverse order by :meth:`expand`.
       stats: counts of each reduction applied.
+      forbidden: the price of a forbidden pair in ``edge_costs``: infinite, or the
+        finite price :func:`autoshard.solver.penalty.soften` gave them.
     """
 
     core_nodes: np.ndarray
@@ -62,6 +64,7 @@ class Reduction:
     base_usage: np.ndarray
     records: tuple
     stats: dict
+    forbidden: float = np.inf
 
     @property
     def num_core(self) -> int:

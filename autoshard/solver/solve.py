@@ -34,7 +34,7 @@ from autoshard.solver.memory import MemoryRows, memory_rows
 from autoshard.solver.milp import promising, restrict, solve_milp
 from autoshard.solver.parallel import MIN_PARALLEL_SECONDS, default_workers, search_in_workers
 from autoshard.solver.penalty import (
-    FORBIDDEN,
+    clear_forbidden,
     guarded_descent,
     lagrangian_bp,
     lagrangian_descent,
@@ -97,6 +97,9 @@ _MID_DESCENT_SHARE = 0.15
 _RESTRICT_WIDTH = 4
 _RESTRICT_SHARE = 0.3
 _MID_WINDOW_SHARE = 0.3
+# Large memory cores: at most this share of the time goes to clearing the least-memory
+# start's forbidden pairs (it stops when none is left: 1.5-3 s on contest A, M, S).
+_CLEAR_SHARE = 0.25
 
 
 def solve(
@@ -131,7 +134,9 @@ def solve(
       bound on the cost: the MILP's, or belief propagation's dual bound with
       memory ignored) and ``stats["gap"]`` (``(cost - bound) / cost``) come with
       every answer that has a finite cost; ``stats["elapsed"]`` is the time the
-      solve took by its own clock and ``stats["time_limit"]`` the limit it had.
+      solve took by its own clock, ``stats["time_limit"]`` the limit it had, and
+      ``stats["first_fit"]`` (feasible answers) when the search first held a
+      feasible choice.
 
     Raises:
       InfeasibleError: a node has no finite-cost strategy, the infinite edge
@@ -176,6 +181,9 @@ def solve(
         raise _memory_error(problem, peak, exact=True)
     log(f"cost {cost:.6g}, peak memory {peak:.6g}, feasible {feasible}, optimal {optimal and feasible}")
     seconds = time.perf_counter() - start
+    first = stats.pop("first_fit_at", None)
+    if feasible and np.isfinite(cost):
+        stats.update(first_fit=seconds if first is None else min(first - start, seconds))
     stats.update(elapsed=seconds, time_limit=float(time_limit))
     return ShardingSolution(choice=choice, cost=cost, peak_memory=peak, feasible=feasible,
                             optimal=bool(optimal and feasible), seconds=seconds, stats=stats)
@@ -202,9 +210,15 @@ def _answer_core(red: Reduction, rows: MemoryRows | None, deadline: float, *, se
                  stats: dict, verbose: bool, log) -> CoreAnswer:
     """The core searched in ``count`` worker processes when it is big and time allows, else in this one."""
     if count > 1 and red.num_core and is_big(red) and deadline - time.perf_counter() > MIN_PARALLEL_SECONDS:
-        # the workers' answer, or at worst the least-memory choice (what a single search starts from)
-        fallback = CoreState(soften(red), rows, min_memory_choice(red)) if rows is not None else \
-            CoreState(red, None, np.array([int(np.argmin(c)) for c in red.node_costs]))
+        # the workers' answer, or at worst the least-memory choice cleared of forbidden pairs (found
+        # here first: the workers take seconds to start, and this is the first feasible answer)
+        if rows is None:
+            fallback = CoreState(red, None, np.array([int(np.argmin(c)) for c in red.node_costs]))
+        else:
+            soft = soften(red)
+            now = time.perf_counter()
+            fallback = clear_forbidden(CoreState(soft, rows, min_memory_choice(soft)),
+                                       now + _CLEAR_SHARE * max(deadline - now, 0.0), seed, log)
         return CoreAnswer(**search_in_workers(red, rows, deadline, seed=seed, count=count, stats=stats,
                                               fallback=fallback, verbose=verbose, log=log))
     return search_core(red, rows, deadline, seed=seed, log=log, stats=stats)
@@ -294,13 +308,8 @@ def search_core(
     if rows is None and big:
         answer = _memory_free_large(search)
     else:
-        # a memory-constrained large core's bound comes from belief propagation, first (building
-        # it takes a while on big matrices; at the end that could overrun the deadline)
-        lb = np.nan
-        if big and (variant or 0) == 0:
-            lb = _bp_bound(soften(red), start_time + min(_BOUND_SHARE * max(deadline - start_time, 0.0),
-                                                         _BOUND_SECONDS))
         answer = _memory_core(search, start_time)
+        lb = stats.pop("large_bound", np.nan)
         if np.isfinite(lb) and not answer.optimal and not answer.infeasible:
             if not np.isfinite(answer.bound) or lb > answer.bound:
                 answer = dataclasses.replace(answer, bound=lb)
@@ -370,17 +379,29 @@ def _memory_core(s: Search, start_time: float) -> CoreAnswer:
         # Start memory-feasible and let the searches price out forbidden pairs.
         s = dataclasses.replace(s, red=soften(s.red))
         state = CoreState(s.red, s.rows, min_memory_choice(s.red))
+        shared = s.share.poll()  # the parent's first answer, when it has sent one yet
+        if shared is not None and not len(violations(cand := CoreState(s.red, s.rows, shared))) \
+                and cand.overflow() <= 0:
+            state = cand
+        elif not s.variant:  # worker 0 (or the one process) holds the first answer; the others search
+            state = clear_forbidden(state, now + _CLEAR_SHARE * max(s.deadline - now, 0.0), s.seed, s.log)
     else:
         state = greedy(s.red, s.rows, now + 0.1 * max(s.deadline - now, 0.0), s.seed)
     feasible = state.overflow() <= 0 and np.isfinite(state.total_cost())
-    s.log(f"greedy: cost {state.total_cost():.6g}, feasible {feasible}")
+    s.log(f"{'least memory' if large else 'greedy'}: cost {state.total_cost():.6g}, feasible {feasible}")
     if large:
         if state.overflow() <= 0:
-            s.share.post(state)  # something to answer with, should this worker be cut off
+            _post(s, state)  # something to answer with, should this worker be cut off
+        if not s.variant:
+            # the bound next, after the first answer (building it takes a while on big
+            # matrices; at the end it could overrun the deadline)
+            now = time.perf_counter()
+            s.stats["large_bound"] = _bp_bound(s.red, now + min(_BOUND_SHARE * max(s.deadline - now, 0.0),
+                                                                _BOUND_SECONDS))
         state = _large_start(s, state, start_time)
         feasible = state.overflow() <= 0
     if feasible:
-        s.share.post(state)
+        _post(s, state)
     bound = np.nan
     mid = large and s.red.num_core <= _FULL_MILP_NODES
     if mid and feasible:
@@ -401,6 +422,13 @@ def _memory_core(s: Search, start_time: float) -> CoreAnswer:
         if s.stats.get("stop") == "optimal":
             return CoreAnswer(state.choice, state.total_cost(), True, state.total_cost())
     return CoreAnswer(state.choice, state.total_cost(), False, bound)
+
+
+def _post(s: Search, state: CoreState) -> None:
+    """Offer the fitting ``state`` to the other searches; the first one free of forbidden pairs is timed."""
+    s.share.post(state)
+    if not len(violations(state)):
+        s.stats.setdefault("first_fit_at", time.perf_counter())
 
 
 def _full_milp(s: Search, state: CoreState, feasible: bool):
@@ -424,7 +452,7 @@ def _full_milp(s: Search, state: CoreState, feasible: bool):
         cand = CoreState(s.red, s.rows, res.choice)
         if not feasible or cand.total_cost() <= state.total_cost():
             state, feasible = cand, True
-            s.share.post(state)
+            _post(s, state)
         if res.status == "optimal":
             s.stats.update(stop="optimal")
             return CoreAnswer(state.choice, state.total_cost(), True, bound), state, feasible, bound
@@ -464,7 +492,7 @@ def _restricted_milps(s: Search, hard: Reduction, state: CoreState) -> CoreState
             cand = CoreState(s.red, s.rows, choice)
             if cand.overflow() <= 0 and cand.total_cost() < state.total_cost():
                 state = cand
-                s.share.post(state)
+                _post(s, state)
         if full:
             s.stats.update(milp_status=res.status, milp_bound=res.bound)
             if res.status == "optimal" and res.choice is not None:
@@ -523,7 +551,7 @@ def _large_start(s: Search, state: CoreState, start_time: float) -> CoreState:
     huge = red.num_core > _FULL_MILP_NODES
     if huge:
         cand = _two_lagrangian_starts(s, now)
-    if cand is None or cand.total_cost() >= FORBIDDEN:
+    if cand is None or len(violations(cand)):
         # nothing fits yet, or only with forbidden pairs: the uniform search
         # goes on until something fits
         now = time.perf_counter()

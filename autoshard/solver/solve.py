@@ -133,10 +133,9 @@ def solve(
       1e-6; also ``optimal``) or ``"time_limit"``. ``stats["bound"]`` (a lower
       bound on the cost: the MILP's, or belief propagation's dual bound with
       memory ignored) and ``stats["gap"]`` (``(cost - bound) / cost``) come with
-      every answer that has a finite cost; ``stats["elapsed"]`` is the time the
-      solve took by its own clock, ``stats["time_limit"]`` the limit it had, and
-      ``stats["first_fit"]`` (feasible answers) when the search first held a
-      feasible choice.
+      every answer that has a finite cost; ``stats["elapsed"]`` (the solve's own
+      clock), ``stats["time_limit"]`` and ``stats["first_fit"]`` (when a feasible
+      choice was first held) are seconds.
 
     Raises:
       InfeasibleError: a node has no finite-cost strategy, the infinite edge
@@ -180,13 +179,19 @@ def solve(
         # Every usage left is strategy-independent, so this peak is the least one.
         raise _memory_error(problem, peak, exact=True)
     log(f"cost {cost:.6g}, peak memory {peak:.6g}, feasible {feasible}, optimal {optimal and feasible}")
-    seconds = time.perf_counter() - start
-    first = stats.pop("first_fit_at", None)
-    if feasible and np.isfinite(cost):
-        stats.update(first_fit=seconds if first is None else min(first - start, seconds))
-    stats.update(elapsed=seconds, time_limit=float(time_limit))
+    seconds = _clock_stats(stats, start, time_limit, feasible and np.isfinite(cost))
     return ShardingSolution(choice=choice, cost=cost, peak_memory=peak, feasible=feasible,
                             optimal=bool(optimal and feasible), seconds=seconds, stats=stats)
+
+
+def _clock_stats(stats: dict, start: float, time_limit: float, feasible: bool) -> float:
+    """Record ``elapsed``, ``time_limit`` and (feasible answers) ``first_fit``; the seconds since ``start``."""
+    seconds = time.perf_counter() - start
+    first = stats.pop("first_fit_at", None)
+    if feasible:
+        stats.update(first_fit=seconds if first is None else min(first - start, seconds))
+    stats.update(elapsed=seconds, time_limit=float(time_limit))
+    return seconds
 
 
 def _empty_solution(time_limit: float) -> ShardingSolution:

@@ -163,8 +163,7 @@ def _forbidden_memory_problem(seed: int, n: int = 4000) -> ShardingProblem:
     edges = [(i, i + 1) for i in range(n - 1)]
     # within each run of 40 consecutive nodes (a "layer"), chain neighbours must agree on a layout class
     agree = np.equal.outer(np.arange(k) % 3, np.arange(k) % 3)
-    mats = [np.where(agree | (d != 1) | (u % 40 == 39), 1.0, np.inf) * rng.random((k, k)) * 5
-            for (u, v), d in ((e, e[1] - e[0]) for e in edges)]
+    mats = [np.where(agree | (u % 40 == 39), 1.0, np.inf) * rng.random((k, k)) * 5 for u, _ in edges]
     starts = np.arange(n)
     intervals = np.stack([starts, starts + rng.integers(5, 30, n)], axis=1)
     free = ShardingProblem(node_costs=costs, edges=np.array(edges), edge_costs=mats, node_memory=memory,
@@ -176,13 +175,15 @@ def _forbidden_memory_problem(seed: int, n: int = 4000) -> ShardingProblem:
 
 
 def _softened_core(p: ShardingProblem):
+    """The reduced, softened core at its least-memory choice: where a large memory search starts."""
     from autoshard.solver.local import CoreState, min_memory_choice
     from autoshard.solver.memory import memory_rows
     from autoshard.solver.penalty import soften
     from autoshard.solver.reduce import reduce_problem
 
     red = soften(reduce_problem(p, with_memory=True))
-    rows = memory_rows(p.intervals, p.memory_limit, red.core_nodes, red.base_usage, True)
+    nonnegative = all((m >= 0).all() for m in p.node_memory)
+    rows = memory_rows(p.intervals, p.memory_limit, red.core_nodes, red.base_usage, nonnegative)
     return CoreState(red, rows, min_memory_choice(red))
 
 

@@ -220,10 +220,7 @@ def _answer_core(red: Reduction, rows: MemoryRows | None, deadline: float, *, se
         if rows is None:
             fallback = CoreState(red, None, np.array([int(np.argmin(c)) for c in red.node_costs]))
         else:
-            soft = soften(red)
-            now = time.perf_counter()
-            fallback = clear_forbidden(CoreState(soft, rows, min_memory_choice(soft)),
-                                       now + _CLEAR_SHARE * max(deadline - now, 0.0), seed, log)
+            fallback = _cleared_start(soften(red), rows, deadline, seed, log)
         return CoreAnswer(**search_in_workers(red, rows, deadline, seed=seed, count=count, stats=stats,
                                               fallback=fallback, verbose=verbose, log=log))
     return search_core(red, rows, deadline, seed=seed, log=log, stats=stats)
@@ -383,13 +380,14 @@ def _memory_core(s: Search, start_time: float) -> CoreAnswer:
     if large:
         # Start memory-feasible and let the searches price out forbidden pairs.
         s = dataclasses.replace(s, red=soften(s.red))
-        state = CoreState(s.red, s.rows, min_memory_choice(s.red))
         shared = s.share.poll()  # the parent's first answer, when it has sent one yet
-        if shared is not None and not len(violations(cand := CoreState(s.red, s.rows, shared))) \
-                and cand.overflow() <= 0:
+        cand = None if shared is None else CoreState(s.red, s.rows, shared)
+        if cand is not None and not len(violations(cand)) and cand.overflow() <= 0:
             state = cand
         elif not s.variant:  # worker 0 (or the one process) holds the first answer; the others search
-            state = clear_forbidden(state, now + _CLEAR_SHARE * max(s.deadline - now, 0.0), s.seed, s.log)
+            state = _cleared_start(s.red, s.rows, s.deadline, s.seed, s.log)
+        else:
+            state = CoreState(s.red, s.rows, min_memory_choice(s.red))
     else:
         state = greedy(s.red, s.rows, now + 0.1 * max(s.deadline - now, 0.0), s.seed)
     feasible = state.overflow() <= 0 and np.isfinite(state.total_cost())
@@ -427,6 +425,13 @@ def _memory_core(s: Search, start_time: float) -> CoreAnswer:
         if s.stats.get("stop") == "optimal":
             return CoreAnswer(state.choice, state.total_cost(), True, state.total_cost())
     return CoreAnswer(state.choice, state.total_cost(), False, bound)
+
+
+def _cleared_start(soft: Reduction, rows: MemoryRows, deadline: float, seed: int, log) -> CoreState:
+    """The :func:`soften`-ed core's least-memory choice, cleared of forbidden pairs in ``_CLEAR_SHARE`` of the time."""
+    now = time.perf_counter()
+    return clear_forbidden(CoreState(soft, rows, min_memory_choice(soft)),
+                           now + _CLEAR_SHARE * max(deadline - now, 0.0), seed, log)
 
 
 def _post(s: Search, state: CoreState) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from autoshard.backends import BackendProfile, resolve_profile
 from autoshard.capture import CapturedProgram, Const, OpGraph
@@ -40,10 +40,13 @@ class Evaluator:
       mesh: the ``jax.sharding.Mesh``; ``info`` its :class:`MeshInfo` (derived when None).
       remat_groups: the :class:`~autoshard.remat.RematGroup` s of a rematerialised program.
       profile: the backend profile (:mod:`autoshard.backends`); None: the mesh's platform's.
+      partials: op index -> the :class:`~autoshard.pipeline.deferred.PartialSum` it makes: the op's output
+        is left as its per-device partial sums, stacked on a new leading dimension (a pipeline's
+        gradients, reduced once per step).
     """
 
     def __init__(self, program: CapturedProgram, value_specs, operand_specs, mesh, info: MeshInfo | None = None, *,
-                 remat_groups=(), profile: BackendProfile | None = None):
+                 remat_groups=(), profile: BackendProfile | None = None, partials=None):
         self.program = program
         self.group_of = {i: g for g in remat_groups for i in g.fences}
         self.value_specs = value_specs
@@ -51,6 +54,7 @@ class Evaluator:
         self.mesh = mesh
         self.info = MeshInfo.from_mesh(mesh) if info is None else info
         self.profile = resolve_profile(profile, mesh)
+        self.partials = dict(partials or {})
         self._shardings: dict[ShardingSpec, NamedSharding] = {}
 
     def sharding(self, spec: ShardingSpec) -> NamedSharding:
@@ -90,6 +94,10 @@ class Evaluator:
                 val = x.value if isinstance(x, Const) else env[x]
                 spec = self.operand_specs.get((op.index, i))
                 invals.append(self.constrain(val, spec) if spec is not None else val)
+            if op.index in self.partials:
+                ps = self.partials[op.index]
+                env[op.outputs[0]] = self.constrain(self.partial_sum(op, invals, ps.axes), ps.acc_spec)
+                continue
             if is_scan(op):
                 outs = self.run_scan(op, invals)
             elif op.name == "sharding_constraint":  # the user's pin: the plan's layout below replaces it
@@ -104,6 +112,31 @@ class Evaluator:
             for v, o in zip(op.outputs, outs, strict=True):
                 env[v] = self.constrain(o, self.value_specs.get(v))
         return [x.value if isinstance(x, Const) else env[x] for x in graph.outvars]
+
+    def partial_sum(self, op, invals, axes):
+        """``op`` (a contraction whose summed dimensions ``axes`` split) without its sum over ``axes``: each
+        device's partial result, stacked on a new leading dimension split over ``axes``.
+
+        A ``shard_map`` manual over ``axes`` only binds the op on each device's blocks of the summed
+        dimensions; the other mesh axes stay automatic, so the op keeps its planned layout on them."""
+        names = tuple(self.info.names[a] for a in axes)
+
+        def manual_only(x, i):
+            spec = self.operand_specs.get((op.index, i))
+            if spec is None and isinstance(op.inputs[i], int):
+                spec = self.value_specs.get(op.inputs[i])
+            if spec is None or np.ndim(x) == 0:
+                return PartitionSpec()
+            return PartitionSpec(*(tuple(self.info.names[a] for a in d if a in axes) or None for d in spec.dims))
+
+        def body(*xs):
+            with op.ctx.manager:
+                out = op.primitive.bind(*xs, **op.primitive.get_bind_params(op.params))
+            return out[None]
+
+        leading = names[0] if len(names) == 1 else names
+        return jax.shard_map(body, mesh=self.mesh, in_specs=tuple(manual_only(x, i) for i, x in enumerate(invals)),
+                             out_specs=PartitionSpec(leading), axis_names=set(names), check_vma=False)(*invals)
 
     def summed_spec(self, op) -> ShardingSpec | None:
         """The layout of a contraction's output once its partial sums are added, where its planned

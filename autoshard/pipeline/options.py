@@ -9,6 +9,7 @@ from autoshard.errors import InputError
 
 SCHEDULES = ("gpipe", "1f1b")
 RUNTIMES = ("auto", "device_put", "spmd")
+GRADIENT_REDUCTIONS = ("step", "microbatch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +37,10 @@ class PipelineOptions:
         SPMD program over a ``("stage", "data", "model")`` mesh, each stage under its intra-op plan,
         ``ppermute`` between stages: works across processes; every stage on one sub-mesh shape) or ``"auto"``
         (``"spmd"`` when the stages' devices belong to several processes, else ``"device_put"``).
+      reduce_gradients: ``"step"``: a gradient that a stage's plan all-reduces over the devices splitting
+        the batch is accumulated unreduced over the microbatches and all-reduced once per step (as
+        Megatron-LM does; :mod:`autoshard.pipeline.deferred`), in the ``device_put`` runtime;
+        ``"microbatch"``: every microbatch's gradients are reduced as its plan says.
 
     Example:
       >>> import autoshard
@@ -51,6 +56,7 @@ class PipelineOptions:
     stage_cost: str = "planner"
     solver_time_limit: float = 2.0
     runtime: str = "auto"
+    reduce_gradients: str = "step"
 
     def __post_init__(self):
         problems = []
@@ -62,6 +68,8 @@ class PipelineOptions:
             problems.append(f"layers={self.layers!r}; expected a positive int or 'auto'")
         if self.runtime not in RUNTIMES:
             problems.append(f"runtime={self.runtime!r}; expected one of {RUNTIMES}")
+        if self.reduce_gradients not in GRADIENT_REDUCTIONS:
+            problems.append(f"reduce_gradients={self.reduce_gradients!r}; expected one of {GRADIENT_REDUCTIONS}")
         if self.stage_cost not in ("planner", "estimate"):
             problems.append(f"stage_cost={self.stage_cost!r}; expected 'planner' or 'estimate'")
         if self.submeshes is not None:

@@ -4,13 +4,16 @@ Values move between sub-meshes with ``jax.device_put`` onto the receiving stage'
 intra-op plan's layout for that value, else replicated). A forward task returns the residuals its
 backward needs, so nothing is recomputed. Frontier values (weight gradients, the summed loss)
 are accumulated inside the task that makes them: the task takes the running sum and returns it
-plus its partial, donating the old buffer. Everything is dispatched from one Python loop in the
+plus its partial, donating the old buffer. A gradient whose plan all-reduces a contraction's partial
+sums is accumulated unreduced and all-reduced once per step, before the update
+(:mod:`autoshard.pipeline.deferred`; ``PipelineOptions(reduce_gradients=...)``). Everything is dispatched from one Python loop in the
 schedule's order; jax's async dispatch overlaps the stages.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import jax
@@ -20,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from autoshard.capture import OpGraph
 from autoshard.lower import Evaluator
+from autoshard.pipeline.deferred import partial_sums, reduce_partials
 from autoshard.pipeline.partition import Partition, Task
 from autoshard.pipeline.schedule import dispatch_order, stage_orders
 from autoshard.spec import MeshInfo
@@ -53,9 +57,14 @@ class _Run:
 
 
 class PipelineExecutable:
-    """Jitted tasks plus the dispatch loop for one argument structure."""
+    """Jitted tasks plus the dispatch loop for one argument structure.
 
-    def __init__(self, analysis, part: Partition, meshes, plans, *, schedule: str, out_ties: dict):
+    ``reduce_gradients``: ``"step"`` keeps the stages' partial gradient sums unreduced over the microbatches
+    (:mod:`autoshard.pipeline.deferred`); ``spare_bytes``: per stage, the bytes per device its running sums
+    may take beyond the reduced values (None: no limit)."""
+
+    def __init__(self, analysis, part: Partition, meshes, plans, *, schedule: str, out_ties: dict,
+                 reduce_gradients: str = "step", spare_bytes=None):
         self.analysis = analysis
         self.part = part
         self.meshes = list(meshes)
@@ -66,11 +75,17 @@ class PipelineExecutable:
         self.orders = stage_orders(S, self.k, schedule)
         self._devsets = [frozenset(m.devices.flat) for m in self.meshes]
         self._evals = []
+        self.partials = []   # per stage: value -> PartialSum (gradients reduced once per step)
         for s, mesh in enumerate(self.meshes):
             plan = self.plans[s]
             vs = {} if plan is None else plan.value_specs
             os_ = {} if plan is None else plan.operand_specs
-            self._evals.append(Evaluator(analysis.micro, vs, os_, mesh, MeshInfo.from_mesh(mesh)))
+            spare = math.inf if spare_bytes is None else spare_bytes[s]
+            partials = (partial_sums(part.micro_tasks(s), plan, analysis.avals, spare)
+                        if reduce_gradients == "step" and self.k > 1 else {})
+            self.partials.append(partials)
+            self._evals.append(Evaluator(analysis.micro, vs, os_, mesh, MeshInfo.from_mesh(mesh),
+                                         partials={ps.op_index: ps for ps in partials.values()}))
         full = analysis.full
         self.batch_values = {full.graph.invars[p]: p for p in analysis.batch_inputs}
         self.invar_pos = {v: i for i, v in enumerate(full.graph.invars)}
@@ -121,22 +136,47 @@ class PipelineExecutable:
         frontier values in the variant that adds them to the running sums."""
         out = {}
         for key in self.part.tasks if keys is None else keys:
+            if key[0] == "R" and key[2:] == ("reduce",):
+                s = key[1]
+                out[key] = self._reducer(s).lower(*(self._acc_struct(v, s) for v in self.partials[s])).compile()
+                continue
             task = self.part.tasks[key]
-            vs = list(task.invars) + list(task.frontier)
             avals = self.analysis.avals
             specs = [jax.ShapeDtypeStruct(avals[v].shape, avals[v].dtype, sharding=self.sharding(v, task.stage))
-                     for v in vs]
+                     for v in task.invars] + [self._acc_struct(v, task.stage) for v in task.frontier]
             out[key] = self.jitted(key, bool(task.frontier)).lower(*specs).compile()
+        if keys is None:
+            out.update(self.compiled_tasks([("R", s, "reduce") for s, p in enumerate(self.partials) if p]))
         return out
+
+    def _acc_struct(self, v, stage) -> jax.ShapeDtypeStruct:
+        """The running sum of frontier value ``v`` on ``stage``: as the value, or its partial sums stacked."""
+        aval, ps = self.analysis.avals[v], self.partials[stage].get(v)
+        if ps is None:
+            return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=self.sharding(v, stage))
+        mesh = self.meshes[stage]
+        info = MeshInfo.from_mesh(mesh)
+        return jax.ShapeDtypeStruct(ps.acc_shape(aval.shape, info), aval.dtype,
+                                    sharding=NamedSharding(mesh, ps.acc_spec.to_partition_spec(info)))
+
+    def _reducer(self, stage):
+        """One program per stage: its unreduced running sums, each summed into its planned layout (the step's one
+        all-reduce of those gradients)."""
+        hit = self._jits.get((stage, "reduce"))
+        if hit is None:
+            partials = list(self.partials[stage].values())
+            ev = self._evals[stage]
+            hit = self._jits[(stage, "reduce")] = jax.jit(lambda *accs: reduce_partials(ev, partials, accs),
+                                                          donate_argnums=tuple(range(len(partials))))
+        return hit
 
     def _zeros(self, key):
         hit = self._jits.get((key, "zeros"))
         if hit is None:
             task = self.part.tasks[key]
-            avals = [self.analysis.avals[v] for v in task.frontier]
-            shardings = [self.sharding(v, task.stage) for v in task.frontier]
+            structs = [self._acc_struct(v, task.stage) for v in task.frontier]
             hit = self._jits[(key, "zeros")] = jax.jit(
-                lambda: [jnp.zeros(a.shape, a.dtype) for a in avals], out_shardings=shardings)
+                lambda: [jnp.zeros(a.shape, a.dtype) for a in structs], out_shardings=[a.sharding for a in structs])
         return hit
 
     # ---- placement ----------------------------------------------------------------------------------
@@ -225,6 +265,9 @@ class PipelineExecutable:
 
         for ph, s, m in self.events:
             launch((ph, s), m)
+        for s, partials in enumerate(self.partials):
+            if partials:
+                acc.update(zip(partials, self._reducer(s)(*(acc[v] for v in partials)), strict=True))
         for task in self.part.update_tasks():
             launch(task.key, None)
         outs = []

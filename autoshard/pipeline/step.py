@@ -182,7 +182,9 @@ class PipelinedStep:
                                          process_local=() if local is None else local.leaves)
             pplan = _with_spmd_state(pplan, exe, o.memory_budget or getattr(cluster, "memory", None))
         else:
-            exe = PipelineExecutable(analysis, part, meshes, plans, schedule=schedule, out_ties=ties)
+            exe = PipelineExecutable(analysis, part, meshes, plans, schedule=schedule, out_ties=ties,
+                                     reduce_gradients="step" if self.pipeline is None else self.pipeline.reduce_gradients,
+                                     spare_bytes=self._spare_bytes(pplan, meshes[0]))
         return PipelinedProgram(analysis, exe, pplan, analysis.full.out_tree, local)
 
     def _process_local(self, call: BoundCall, mesh, runtime: str, abstract):
@@ -219,6 +221,14 @@ class PipelinedStep:
             return tuple(i for i, label in enumerate(call.labels) if label in wanted)
         state = call.state_arguments(abstract, out_shape)
         return tuple(i for i, a in enumerate(abstract) if i not in state and jax.tree_util.tree_leaves(a))
+
+    def _spare_bytes(self, pplan: PipelinePlan, mesh):
+        """Per stage, the bytes per device its memory limit leaves beside its predicted peak (None: no limit)."""
+        o = self.options
+        limit = o.memory_budget
+        if limit is None:
+            limit = getattr(default_cluster(mesh) if o.cluster is None else o.cluster, "memory", None)
+        return None if not limit else [float(limit) - st.memory_bytes for st in pplan.stages]
 
     def _single_stage(self, analysis: StepAnalysis, progress):
         o = self.options

@@ -60,8 +60,23 @@ def _conv_contracted(op) -> tuple[int, ...]:
     return ()
 
 
-register_op("dot_general", contraction=True, contracted_dims=_dot_contracted, flops=_dot_op_flops)
-register_op("conv_general_dilated", contraction=True, contracted_dims=_conv_contracted, flops=_conv_op_flops)
+def _dot_summed(op, ranks) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    (lc, rc), _ = op.params["dimension_numbers"]
+    return tuple(lc), tuple(rc)
+
+
+def _conv_summed(op, ranks) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    # Only the feature dimension: a split window (spatial) dimension needs halos, not a sum of parts.
+    if op.params["feature_group_count"] == 1 and op.params["batch_group_count"] == 1:
+        dn = op.params["dimension_numbers"]
+        return (dn.lhs_spec[1],), (dn.rhs_spec[1],)
+    return (), ()
+
+
+register_op("dot_general", contraction=True, contracted_dims=_dot_contracted, summed_dims=_dot_summed,
+            flops=_dot_op_flops)
+register_op("conv_general_dilated", contraction=True, contracted_dims=_conv_contracted, summed_dims=_conv_summed,
+            flops=_conv_op_flops)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

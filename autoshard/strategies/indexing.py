@@ -12,6 +12,7 @@ import itertools
 import math
 
 from autoshard.strategies.base import RuleContext, Strategy, assign_axes, divides, register_strategy
+from autoshard.strategies.opinfo import register_op
 
 
 def _product_strategies(ctx, roles, build, name):
@@ -64,6 +65,19 @@ def _gather(op, ctx: RuleContext) -> list[Strategy]:
                         compute=ctx.compute_time(math.prod(out_shape), specs[2]))
 
     return _product_strategies(ctx, roles, build, "gather")
+
+
+def _scatter_add_summed(op, ranks) -> tuple[tuple[int, ...], ...]:
+    """The index dimensions a scatter-add sums over (not batching ones), and the updates' dimensions they pair
+    with; the operand (zeros, for a sum) has none."""
+    dn = op.params["dimension_numbers"]
+    idx_batching = set(getattr(dn, "scatter_indices_batching_dims", ()))
+    upd_scatter = [d for d in range(ranks[2]) if d not in tuple(dn.update_window_dims)]
+    pairs = [(ib, ud) for ib, ud in zip(range(ranks[1] - 1), upd_scatter, strict=False) if ib not in idx_batching]
+    return (), tuple(ib for ib, _ in pairs), tuple(ud for _, ud in pairs)
+
+
+register_op("scatter-add", "scatter_add", summed_dims=_scatter_add_summed)
 
 
 @register_strategy("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min",

@@ -57,6 +57,10 @@ class OpInfo:
       contraction: a matmul-like op (the planner's terminal-op rule, remat's matmul flops floor,
         lowering's summed layout).
       contracted_dims: ``(op) -> dims`` of the left operand a contraction sums over.
+      summed_dims: ``(op, ranks) -> (dims of operand 0, dims of operand 1, ...)``: the dimensions a sum (a
+        contraction, ``reduce_sum``, a scatter-add into zeros) adds over, aligned across the operands that
+        have any (``ranks``: each operand's rank); where a mesh axis splits them alike, and nothing else,
+        each device holds a partial sum (a pipeline keeps those unreduced across microbatches).
       flops: ``flops(op, avals)``; None: one per output element.
       duplicable: remat may recompute it (not a side effect, not opaque control flow).
       structure: one of :data:`STRUCTURES`, or None for an ordinary op.
@@ -74,6 +78,7 @@ class OpInfo:
     bitcast: bool = False
     contraction: bool = False
     contracted_dims: Callable | None = None
+    summed_dims: Callable | None = None
     flops: Flops | None = None
     duplicable: bool = True
     structure: str | None = None

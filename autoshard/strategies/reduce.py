@@ -14,6 +14,7 @@ from autoshard.strategies.opinfo import register_op
 register_op(*("reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin "
               "reduce_window_sum reduce_window_max reduce_window_min reduce_window cumsum cumprod cummax cummin "
               "cumlogsumexp select_and_scatter_add select_and_gather_add sort").split(), reduction=True)
+register_op("reduce_sum", summed_dims=lambda op, ranks: (tuple(op.params["axes"]),))
 
 
 @register_strategy("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",

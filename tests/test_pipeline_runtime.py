@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import autoshard
+from autoshard.hlo import collective_stats
 from benchmarks.models import gpt, mlp
 from benchmarks.models.gpt import GPTConfig
 from benchmarks.models.mlp import MLPConfig
@@ -97,3 +98,39 @@ def test_boundary_is_identity_under_jit_and_grad():
     x = jnp.arange(4.0)
     np.testing.assert_allclose(jax.jit(jax.grad(f))(x), 2 * x)
     assert "pipeline_boundary" in str(jax.make_jaxpr(jax.grad(f))(x))
+
+
+def _reduction_bytes(compiled) -> float:
+    stats = collective_stats(compiled)
+    return stats.bytes("all-reduce") + stats.bytes("reduce-scatter")
+
+
+def test_gradients_reduced_once_per_step():
+    """With reduce_gradients="step" (the default) no microbatch task reduces a gradient: each device adds up its
+    own partial sums, and one program per stage reduces them before the update. The result equals jax.jit."""
+    k = 4
+    spec = _spec("gpt", k)
+    shapes = LAYOUTS["2x(2,2)"]
+    per_step = {}
+    for mode in ("step", "microbatch"):
+        opts = autoshard.PipelineOptions(num_stages=2, layers=2, submeshes=shapes, solver_time_limit=0.5,
+                                         reduce_gradients=mode)
+        step, state, batch = check_pipeline(spec, opts, k)
+        exe = step.prepared(state, batch).executable
+        tasks = exe.compiled_tasks()
+        micro = sum(_reduction_bytes(c) for key, c in tasks.items() if key[0] in "FB")
+        once = sum(_reduction_bytes(c) for key, c in tasks.items() if key[0] == "R")
+        per_step[mode] = (micro, once, exe.partials)
+    micro, once, partials = per_step["step"]
+    micro, once, partials = per_step["step"]
+    micro_mb, once_mb, partials_mb = per_step["microbatch"]
+    assert all(partials) and not any(partials_mb)
+    # What a microbatch still reduces is activations (statistics over the "model" axis), a small part.
+    assert micro < 0.1 * micro_mb
+    # Per step: k microbatches' gradient reductions against one reduction of their sums.
+    assert k * micro_mb + once_mb > 3 * (k * micro + once)
+
+
+def test_reduce_gradients_option_is_checked():
+    with pytest.raises(autoshard.InputError, match="reduce_gradients='always'"):
+        autoshard.PipelineOptions(reduce_gradients="always")

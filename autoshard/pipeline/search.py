@@ -25,9 +25,11 @@ from jax.sharding import PartitionSpec
 
 from autoshard.capture import CapturedProgram, OpGraph
 from autoshard.cluster import mesh_like, mesh_shape
+from autoshard.cost import CostModel
 from autoshard.errors import InfeasibleError, InputError, MeshError
 from autoshard.pipeline.accumulate import StepAnalysis
 from autoshard.pipeline.cluster_layers import boundary_layers, cluster_layers, op_flops, repeat_period
+from autoshard.pipeline.deferred import deferred_seconds, partial_sums
 from autoshard.pipeline.options import PipelineOptions
 from autoshard.pipeline.partition import Partition, forward_positions, partition
 from autoshard.pipeline.plan import PipelinePlan, StagePlan
@@ -161,6 +163,18 @@ def _nbytes(aval) -> float:
     return float(math.prod(getattr(aval, "shape", ())) * aval.dtype.itemsize)
 
 
+def stage_seconds(plan, analysis: StepAnalysis, part: Partition, stage: int, *, cluster, search: StageSearch) -> float:
+    """Predicted seconds of one microbatch of ``stage`` (its plan's time), less the reductions of the gradients
+    that the runtime reduces once per step instead of once per microbatch (:mod:`autoshard.pipeline.deferred`;
+    only those the plan all-reduces, which need no extra memory), of which one microbatch's share stays."""
+    k = analysis.num_microbatches
+    if plan is None or k == 1 or search.options.reduce_gradients != "step" or search.uniform:
+        return 0.0 if plan is None else plan.cost.total_seconds
+    partials = partial_sums(part.micro_tasks(stage), plan, analysis.avals, spare_bytes=0.0)
+    model = CostModel.create(plan.mesh_info, cluster, profile=search.profile)
+    return plan.cost.total_seconds - (k - 1) / k * deferred_seconds(partials, analysis.avals, model)
+
+
 def _fingerprint(program: CapturedProgram) -> str:
     h = hashlib.sha256()
     for op in program.graph.ops:
@@ -201,6 +215,7 @@ class StageSearch:
       tie_layers: ``parallelize(tie_layers=...)`` for every intra-op plan.
       progress: ``callback(stage, done, total)`` or None.
       profile: the :class:`~autoshard.BackendProfile` every intra-op plan is for (None: the mesh's).
+      uniform: every stage on one sub-mesh shape (``runtime="spmd"``, which reduces gradients per microbatch).
     """
 
     mesh: object
@@ -210,6 +225,7 @@ class StageSearch:
     tie_layers: object = "auto"
     progress: object = None
     profile: object = None
+    uniform: bool = False
 
     def report(self, stage: str, done: int, total: int) -> None:
         if self.progress is not None:
@@ -278,7 +294,8 @@ class _CostTable:
         finally:
             self.plan_seconds += time.perf_counter() - t0
         self.plans_made += 1
-        return _LayerCost(plan.cost.total_seconds, plan.cost.peak_memory_bytes, act)
+        return _LayerCost(stage_seconds(plan, self.analysis, self.part, layer, cluster=sub_cluster, search=self.search),
+                          plan.cost.peak_memory_bytes, act)
 
 
 MAX_COST_LAYERS = 128
@@ -484,7 +501,7 @@ def _plan_each_stage(analysis, part, stages: _Stages, search: StageSearch, grid_
         plan = _plan_stage(prog, part, mesh, cluster_for(search.cluster, o, grid_shape), search,
                            keep=max(0, live - 1) * act) if prog.graph.ops else None
         search.report(f"stage {s} planned", 2 + s + 1, 2 + S)
-        t = plan.cost.total_seconds if plan is not None else 0.0
+        t = stage_seconds(plan, analysis, part, s, cluster=cluster_for(search.cluster, o, grid_shape), search=search)
         mem = (plan.cost.peak_memory_bytes if plan is not None else 0.0) + max(0, live - 1) * act
         meshes.append(mesh)
         plans.append(plan)
@@ -504,7 +521,7 @@ def plan_stages(analysis: StepAnalysis, mesh, cluster, options: PipelineOptions,
     t0 = time.perf_counter()
     # a stage holds its layers' weights and in-flight activations: no more than a device has (as intra-op plans)
     budget = memory_budget if memory_budget is not None else getattr(cluster, "memory", None)
-    search = StageSearch(mesh, cluster, options, budget, tie_layers, progress, profile)
+    search = StageSearch(mesh, cluster, options, budget, tie_layers, progress, profile, uniform)
     k = analysis.num_microbatches
     grid = physical_grid(mesh)
     N = grid.size

@@ -135,7 +135,9 @@ class Evaluator:
             return out[None]
 
         leading = names[0] if len(names) == 1 else names
-        return jax.shard_map(body, mesh=self.mesh, in_specs=tuple(manual_only(x, i) for i, x in enumerate(invals)),
+        # Inside another shard_map (the spmd pipeline's, manual over "stage") the context's mesh is the one to use.
+        mesh = None if jax.sharding.get_abstract_mesh().manual_axes else self.mesh
+        return jax.shard_map(body, mesh=mesh, in_specs=tuple(manual_only(x, i) for i, x in enumerate(invals)),
                              out_specs=PartitionSpec(leading), axis_names=set(names), check_vma=False)(*invals)
 
     def summed_spec(self, op) -> ShardingSpec | None:

@@ -168,7 +168,7 @@ def stage_seconds(plan, analysis: StepAnalysis, part: Partition, stage: int, *, 
     that the runtime reduces once per step instead of once per microbatch (:mod:`autoshard.pipeline.deferred`;
     only those the plan all-reduces, which need no extra memory), of which one microbatch's share stays."""
     k = analysis.num_microbatches
-    if plan is None or k == 1 or search.options.reduce_gradients != "step" or search.uniform:
+    if plan is None or k == 1 or search.options.reduce_gradients != "step":
         return 0.0 if plan is None else plan.cost.total_seconds
     partials = partial_sums(part.micro_tasks(stage), plan, analysis.avals, spare_bytes=0.0)
     model = CostModel.create(plan.mesh_info, cluster, profile=search.profile)
@@ -215,7 +215,6 @@ class StageSearch:
       tie_layers: ``parallelize(tie_layers=...)`` for every intra-op plan.
       progress: ``callback(stage, done, total)`` or None.
       profile: the :class:`~autoshard.BackendProfile` every intra-op plan is for (None: the mesh's).
-      uniform: every stage on one sub-mesh shape (``runtime="spmd"``, which reduces gradients per microbatch).
     """
 
     mesh: object
@@ -225,7 +224,6 @@ class StageSearch:
     tie_layers: object = "auto"
     progress: object = None
     profile: object = None
-    uniform: bool = False
 
     def report(self, stage: str, done: int, total: int) -> None:
         if self.progress is not None:
@@ -521,7 +519,7 @@ def plan_stages(analysis: StepAnalysis, mesh, cluster, options: PipelineOptions,
     t0 = time.perf_counter()
     # a stage holds its layers' weights and in-flight activations: no more than a device has (as intra-op plans)
     budget = memory_budget if memory_budget is not None else getattr(cluster, "memory", None)
-    search = StageSearch(mesh, cluster, options, budget, tie_layers, progress, profile, uniform)
+    search = StageSearch(mesh, cluster, options, budget, tie_layers, progress, profile)
     k = analysis.num_microbatches
     grid = physical_grid(mesh)
     N = grid.size

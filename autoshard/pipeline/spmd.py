@@ -60,6 +60,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from autoshard.capture import OpGraph
 from autoshard.errors import InputError, MeshError
 from autoshard.lower import Evaluator
+from autoshard.pipeline.deferred import partial_sums, reduce_partials
 from autoshard.pipeline.partition import Partition
 from autoshard.pipeline.schedule import simulate, stage_orders
 from autoshard.spec import MeshInfo
@@ -177,10 +178,14 @@ class SpmdPipelineExecutable:
       out_ties: output position -> the input position whose next value it is (it keeps that layout).
       process_local: flat positions of batch leaves that each process passes its own rows of (they enter split
         over the mesh axes that span processes, :func:`autoshard.distributed.process_axes`).
+      reduce_gradients: ``"step"``: the gradients a stage's plan reduces are summed unreduced over the
+        microbatches and reduced once, after the last tick (:mod:`autoshard.pipeline.deferred`).
+      spare_bytes: per stage, the bytes per device its unreduced running sums may take beyond the reduced
+        values (None: no limit).
     """
 
     def __init__(self, analysis, part: Partition, meshes, plans, *, schedule: str, out_ties: dict | None = None,
-                 process_local=()):
+                 process_local=(), reduce_gradients: str = "step", spare_bytes=None):
         self.k = k = analysis.num_microbatches
         self.schedule = schedule
         self.S = S = part.num_stages
@@ -195,9 +200,16 @@ class SpmdPipelineExecutable:
         self.invar_pos = {v: i for i, v in enumerate(full.graph.invars)}
         frontier = part.frontier_values
         self._check_outputs(frontier)
+        # Gradients each stage's plan all-reduces are accumulated unreduced and reduced after the last tick
+        # (autoshard.pipeline.deferred; only those whose running sum takes no more memory).
+        spare = [math.inf] * S if spare_bytes is None else spare_bytes
+        self.partials = [partial_sums(part.micro_tasks(s), p, micro.avals, spare[s])
+                         if reduce_gradients == "step" and k > 1 else {} for s, p in enumerate(plans)]
         # Each stage's ops run under its plan, named on the global mesh by the sub-mesh's axis names.
         self._evals = [Evaluator(micro, {} if p is None else p.value_specs, {} if p is None else p.operand_specs,
-                                 self.mesh, self.sub_info) for p in plans]
+                                 self.mesh, self.sub_info,
+                                 partials={ps.op_index: ps for ps in self.partials[s].values()})
+                       for s, p in enumerate(plans)]
         self._full_ev = Evaluator(full, {}, {}, self.mesh, MeshInfo.from_mesh(self.mesh))
 
         # Branch 0 of the task switch idles; branch i > 0 runs self.tasks[i - 1] (on its own stage only).
@@ -234,10 +246,24 @@ class SpmdPipelineExecutable:
         """Every task output is stored in the layout its producer's plan writes."""
         self.store = {}
         self.local = {}
+        self.acc_store = {}   # a gradient summed unreduced: its running sum's layout
+        self.acc_local = {}   # and its elements per device (the reduced value's, or |A| times as many)
         for key in self.tasks:
+            s = key[1]
             for v in self.part.tasks[key].outvars:
-                self.store[v] = pspec = self._pspec(key[1], v)
-                self.local[v] = math.prod(local_shape(self.analysis.micro.avals[v].shape, pspec, self.rows.sizes))
+                self.store[v] = pspec = self._pspec(s, v)
+                shape = self.analysis.micro.avals[v].shape
+                self.local[v] = math.prod(local_shape(shape, pspec, self.rows.sizes))
+                ps = self.partials[s].get(v)
+                if ps is None:
+                    continue
+                acc = ps.acc_spec.to_partition_spec(self.sub_info)
+                block = local_shape(ps.acc_shape(shape, self.sub_info), acc, self.rows.sizes)
+                if pspec != ps.spec.to_partition_spec(self.sub_info) or block is None:
+                    del self.partials[s][v]   # the plan's layout does not split evenly: reduce as planned
+                    self._evals[s].partials.pop(ps.op_index)
+                    continue
+                self.acc_store[v], self.acc_local[v] = acc, math.prod(block)
 
     def _state_layouts(self):
         """Where the train state lives between steps: split over ``"stage"`` as well as over a stage's devices.
@@ -349,7 +375,7 @@ class SpmdPipelineExecutable:
             for v in part.tasks[key].outvars:
                 dt, n = _dtype(micro.avals[v]), self.local[v]
                 if v in frontier:
-                    items[s].append((("acc", v), dt, n, -1, T))
+                    items[s].append((("acc", v), dt, self.acc_local.get(v, n), -1, T))
                     continue
                 dests = sorted({rs for _, rs in readers.get(v, ())})
                 self.sends[key] += [(v, rs) for rs in dests if rs != s]
@@ -373,7 +399,7 @@ class SpmdPipelineExecutable:
                     v = key[1]
                     dt = _dtype(micro.avals[v])
                     self.acc_of[v] = (s, off)
-                    self.acc_len[dt] = max(self.acc_len.get(dt, 0), off + self.local[v])
+                    self.acc_len[dt] = max(self.acc_len.get(dt, 0), off + self.acc_local.get(v, self.local[v]))
 
     def _plan_messages(self):
         """Per stage offset: the packet length per dtype, and the receive switch's branches and tables."""
@@ -521,7 +547,7 @@ class SpmdPipelineExecutable:
             packed = {}
             for v, o in outs.items():
                 dt = _dtype(micro.avals[v])
-                packed[v] = rows = self.rows.pack(o, self.store[v]).astype(dt)
+                packed[v] = rows = self.rows.pack(o, self.acc_store.get(v, self.store[v])).astype(dt)
                 if v in frontier:
                     off = self.layout[s][("acc", v)]
                     acc = jax.lax.slice_in_dim(mem[dt], off, off + rows.shape[1], axis=1)
@@ -535,6 +561,26 @@ class SpmdPipelineExecutable:
                 for dt, n in per.items():
                     packets[d][dt] = self._padded([packed[v] for v, vdt, _ in layout if vdt == dt], n, dt)
             return mem, packets
+
+        return run
+
+    def _reduce_branch(self, s):
+        """After the last tick, on stage ``s``: each running sum of partials summed into its planned layout, written
+        at the front of its slot (the step's one all-reduce or reduce-scatter of those gradients, over the stage's
+        devices)."""
+        micro, ev = self.analysis.micro, self._evals[s]
+
+        def run(mem):
+            mem = dict(mem)
+            for v, ps in self.partials[s].items():
+                aval, dt = micro.avals[v], _dtype(micro.avals[v])
+                off = self.layout[s][("acc", v)]
+                rows = jax.lax.slice_in_dim(mem[dt], off, off + self.acc_local[v], axis=1)
+                acc = self.rows.unpack(rows, self.acc_store[v], ps.acc_shape(aval.shape, self.sub_info))
+                (summed,) = reduce_partials(ev, [ps], [acc.astype(aval.dtype)])
+                mem[dt] = jax.lax.dynamic_update_slice_in_dim(mem[dt], self.rows.pack(summed, self.store[v]).astype(dt),
+                                                              off, axis=1)
+            return mem
 
         return run
 
@@ -573,6 +619,8 @@ class SpmdPipelineExecutable:
                 "recv_mb": {d: jnp.asarray(self.recv_mb[d]) for d in self.offsets}}
         mem = {dt: self._zeros(n, dt) for dt, n in sorted(self.mem_len.items())}
         mem, _ = jax.lax.scan(tick, mem, rows)
+        if any(self.partials):
+            mem = jax.lax.switch(stage, [self._reduce_branch(s) for s in range(self.S)], mem)
         # A sum not scattered leaves as its owner's rows (stacked over "stage": the other stages' rows are unused).
         whole = {}
         for v, (_, off) in self.acc_of.items():

@@ -179,11 +179,13 @@ class PipelinedStep:
             exe = PlannedOnly(mesh)
         elif runtime == "spmd":
             exe = SpmdPipelineExecutable(analysis, part, meshes, plans, schedule=schedule, out_ties=ties,
-                                         process_local=() if local is None else local.leaves)
+                                         process_local=() if local is None else local.leaves,
+                                         reduce_gradients=self._reduce_gradients(),
+                                         spare_bytes=self._spare_bytes(pplan, meshes[0]))
             pplan = _with_spmd_state(pplan, exe, o.memory_budget or getattr(cluster, "memory", None))
         else:
             exe = PipelineExecutable(analysis, part, meshes, plans, schedule=schedule, out_ties=ties,
-                                     reduce_gradients="step" if self.pipeline is None else self.pipeline.reduce_gradients,
+                                     reduce_gradients=self._reduce_gradients(),
                                      spare_bytes=self._spare_bytes(pplan, meshes[0]))
         return PipelinedProgram(analysis, exe, pplan, analysis.full.out_tree, local)
 
@@ -221,6 +223,9 @@ class PipelinedStep:
             return tuple(i for i, label in enumerate(call.labels) if label in wanted)
         state = call.state_arguments(abstract, out_shape)
         return tuple(i for i, a in enumerate(abstract) if i not in state and jax.tree_util.tree_leaves(a))
+
+    def _reduce_gradients(self) -> str:
+        return "step" if self.pipeline is None else self.pipeline.reduce_gradients
 
     def _spare_bytes(self, pplan: PipelinePlan, mesh):
         """Per stage, the bytes per device its memory limit leaves beside its predicted peak (None: no limit)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -116,6 +117,13 @@ class CapturedProgram:
       uses: value id -> every (op index, operand position) that reads it.
       in_roles: what each flat argument is (:data:`autoshard.roles.ROLES`), or ``()`` when not
         classified (see :func:`autoshard.roles.classify_leaves`).
+      op_weights: op index -> how many times the solver's objective counts the op (and its operands'
+        resharding) per step, beyond its ``trips``; absent: once. A pipeline stage's program runs its
+        microbatch ops ``k`` times and its update once (:func:`autoshard.pipeline.search.stage_program`).
+        The plan's reported cost stays that of one run of every op.
+      reduce_weights: op index -> how many times the objective counts the op's own communication (the
+        reduction of its partial sums); absent: as ``op_weights``. A pipeline reduces the gradients of its
+        microbatches once per step (:mod:`autoshard.pipeline.deferred`).
     """
 
     graph: OpGraph
@@ -129,6 +137,8 @@ class CapturedProgram:
     producer: dict
     uses: dict
     in_roles: tuple[str, ...] = ()
+    op_weights: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    reduce_weights: Mapping[int, float] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_graph(cls, graph: OpGraph, avals, *, in_tree, out_tree, in_paths, out_paths, consts,

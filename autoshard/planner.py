@@ -40,6 +40,8 @@ class _Node:
     strategies: list[Strategy]
     outputs: tuple[int, ...]  # value ids, in out_specs order
     trips: int = 1
+    weight: float = 1.0  # the objective counts the node this many times per trip (CapturedProgram.op_weights)
+    comm_weight: float = 1.0  # ... and its strategies' communication this many (CapturedProgram.reduce_weights)
     op: Op | None = None
     weak: bool = False  # a layout source we'd rather not follow (inputs, broadcasts, iota)
     label: str = ""
@@ -238,7 +240,9 @@ class _GraphBuilder:
             # Layout sources the readers should not follow (OpInfo.weak_layout: broadcasts, iotas, random
             # bits, whose dropout mask is as big as the activation it masks, and remat fences).
             weak = op_info(op.name).weak_layout
-            n = self.add_node(_Node("op", strategies, op.outputs, trips=op.trips, op=op, weak=weak, label=op.name))
+            weight = float(self.program.op_weights.get(op.index, 1.0))
+            n = self.add_node(_Node("op", strategies, op.outputs, trips=op.trips, op=op, weak=weak, label=op.name,
+                                    weight=weight, comm_weight=float(self.program.reduce_weights.get(op.index, weight))))
             self.follows[n] = is_follower
             for i, x in enumerate(op.inputs):
                 if strategies[0].in_specs[i] is not None:
@@ -408,8 +412,9 @@ def tie_repeated_layers(merged: MergedGraph, avals, rounds: int = 3) -> dict[int
         op = node.op
         shapes = tuple(tuple(getattr(avals[v], "shape", ())) for v in node.outputs)
         if op is None:
-            return (node.kind, shapes, strategies_key(node), node.trips)
-        return (node.kind, op.name, _params_key(op.params) or op.name, shapes, strategies_key(node), node.trips)
+            return (node.kind, shapes, strategies_key(node), node.trips, node.weight, node.comm_weight)
+        return (node.kind, op.name, _params_key(op.params) or op.name, shapes, strategies_key(node), node.trips,
+                node.weight, node.comm_weight)
 
     members: dict[int, list] = {}
     for i, node in enumerate(graph.nodes):
@@ -420,7 +425,8 @@ def tie_repeated_layers(merged: MergedGraph, avals, rounds: int = 3) -> dict[int
         u, v = int(root[e.src]), int(root[e.dst])
         if u == v:
             continue
-        ekey = hash((e.src_pos, e.dst_pos, tuple(getattr(avals[e.value], "shape", ())), e.scale))
+        ekey = hash((e.src_pos, e.dst_pos, tuple(getattr(avals[e.value], "shape", ())), e.scale,
+                     graph.nodes[e.dst].weight))
         nbrs[u].append((ekey, 1, v))
         nbrs[v].append((ekey, 0, u))
     for _ in range(rounds):
@@ -529,6 +535,13 @@ class _SpecTable:
             a = self._arrays[key] = np.array([s.cost for s in node.strategies], float)
         return a
 
+    def comms(self, node: _Node) -> np.ndarray:
+        key = (id(node.strategies), "comm")
+        a = self._arrays.get(key)
+        if a is None:
+            a = self._arrays[key] = np.array([s.comm for s in node.strategies], float)
+        return a
+
     def reshard_matrix(self, cost: CostModel, shape, itemsize, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
         """Matrix of reshard times between every row spec id and column spec id."""
         key = (shape, itemsize, rows.tobytes(), cols.tobytes())
@@ -595,7 +608,9 @@ def build_problem(merged: MergedGraph, program: CapturedProgram, cost: CostModel
     table = _SpecTable()
     node_costs = [np.zeros(s) for s in sizes]
     for i, node in enumerate(graph.nodes):
-        node_costs[root_of[i]] += table.costs(node)[merged.index_map[i]] * node.trips
+        node_costs[root_of[i]] += table.costs(node)[merged.index_map[i]] * (node.trips * node.weight)
+        if node.comm_weight != node.weight:
+            node_costs[root_of[i]] += table.comms(node)[merged.index_map[i]] * (node.trips * (node.comm_weight - node.weight))
     pair_costs: dict[tuple[int, int], np.ndarray] = {}
     for e in graph.edges:
         ru, rv = int(root_of[e.src]), int(root_of[e.dst])
@@ -603,10 +618,11 @@ def build_problem(merged: MergedGraph, program: CapturedProgram, cost: CostModel
         cols = table.in_ids(graph.nodes[e.dst], e.dst_pos)[merged.index_map[e.dst]]
         aval = program.avals[e.value]
         shape, itemsize = _aval_shape(aval), _itemsize(aval)
+        scale = e.scale * graph.nodes[e.dst].weight
         if ru == rv:
-            node_costs[ru] += e.scale * table.reshard_pairs(cost, shape, itemsize, rows, cols)
+            node_costs[ru] += scale * table.reshard_pairs(cost, shape, itemsize, rows, cols)
             continue
-        m = e.scale * table.reshard_matrix(cost, shape, itemsize, rows, cols)
+        m = scale * table.reshard_matrix(cost, shape, itemsize, rows, cols)
         if ru > rv:
             ru, rv, m = rv, ru, m.T
         key = (ru, rv)

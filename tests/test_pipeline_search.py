@@ -248,3 +248,30 @@ def test_hundreds_of_hosts_offer_a_bounded_set_of_submeshes():
     big = submesh_options((128, 8))
     rows = sorted({o.physical[0] for o in big if o.physical[1] == 8})
     assert rows == [1, 2, 4, 8, 16, 32, 64, 128] and len(big) <= MAX_OPTIONS
+
+
+@pytest.mark.parametrize("reduce_gradients", ["step", "microbatch"])
+def test_stage_program_weighs_ops_by_their_runs_per_step(reduce_gradients):
+    """The solver of a stage counts its microbatch ops k times and its update once; with
+    reduce_gradients="step" the reduction of a sum that makes a gradient once too (the runtime defers it)."""
+    from autoshard.pipeline.partition import partition
+    from autoshard.pipeline.search import stage_program
+
+    params, batch = _wide_then_narrow()
+    k = 4
+    step = autoshard.parallelize(_mlp_step, mesh=mesh("2x4"), num_microbatches=k, pipeline=autoshard.PipelineOptions(
+        num_stages=2, layers=2, submeshes=[(1, 4), (1, 4)], solver_time_limit=0.5))
+    analysis = step.prepared(params, batch).analysis
+    part = partition(analysis, lambda p: 0, 1)
+    prog = stage_program(analysis, part, 0, reduce_gradients=reduce_gradients)
+    micro = {op.index for t in part.micro_tasks(0) for op in t.ops}
+    update = {op.index for op in prog.graph.ops} - micro
+    assert micro and update
+    assert all(prog.op_weights[i] == k for i in micro) and not set(prog.op_weights) & update
+    sums = {op.index for t in part.micro_tasks(0) for op in t.ops
+            if op.name == "dot_general" and op.outputs[0] in t.frontier}
+    assert sums   # the weight gradients
+    if reduce_gradients == "step":
+        assert sums <= set(prog.reduce_weights) <= micro and set(prog.reduce_weights.values()) == {1.0}
+    else:
+        assert not prog.reduce_weights

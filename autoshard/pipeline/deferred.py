@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from autoshard.collectives import Collective, CollectiveKind
 from autoshard.spec import MeshInfo, ShardingSpec
 from autoshard.strategies import op_info
 
@@ -135,18 +134,6 @@ def partial_sums(tasks, plan, avals, spare_bytes: float = math.inf) -> dict[int,
 def extra_bytes(partials, avals, mesh: MeshInfo) -> float:
     """Per-device bytes the running sums of ``partials`` take beyond the reduced values."""
     return float(sum(a - r for a, r in (ps.bytes(avals[ps.value], mesh) for ps in partials.values())))
-
-
-def deferred_seconds(partials, avals, cost_model) -> float:
-    """Seconds of the reductions the plan prices once per microbatch for ``partials``: what reducing them once
-    per step saves on every microbatch but one."""
-    total = 0.0
-    for ps in partials.values():
-        acc, reduced = ps.bytes(avals[ps.value], cost_model.mesh)
-        c = (Collective(CollectiveKind.REDUCE_SCATTER, ps.axes, acc) if ps.scatters else
-             Collective(CollectiveKind.ALL_REDUCE, ps.axes, reduced))
-        total += cost_model.collective_time(c)
-    return total
 
 
 def reduce_partials(evaluator, partials, accs):

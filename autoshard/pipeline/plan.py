@@ -38,7 +38,8 @@ class StagePlan:
       mesh_shape: the sub-mesh's logical shape (``("data", "model")`` axes).
       layers: the ``[start, end)`` range of forward layers it owns.
       plan: its intra-op :class:`autoshard.Plan` (one microbatch's forward and backward).
-      time_s: predicted seconds of one microbatch's forward + backward.
+      time_s: predicted seconds per microbatch: a k-th of the stage's step (k microbatches' forward and backward,
+        its update and gradient reductions once; :func:`autoshard.pipeline.search.stage_seconds`).
       memory_bytes: predicted per-device peak with ``in_flight`` microbatches' activations kept.
       activation_bytes: per-device bytes of one microbatch's residuals (forward -> backward).
       in_flight: the most microbatches the schedule keeps alive on this stage.

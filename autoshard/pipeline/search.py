@@ -25,11 +25,9 @@ from jax.sharding import PartitionSpec
 
 from autoshard.capture import CapturedProgram, OpGraph
 from autoshard.cluster import mesh_like, mesh_shape
-from autoshard.cost import CostModel
 from autoshard.errors import InfeasibleError, InputError, MeshError
 from autoshard.pipeline.accumulate import StepAnalysis
 from autoshard.pipeline.cluster_layers import boundary_layers, cluster_layers, op_flops, repeat_period
-from autoshard.pipeline.deferred import deferred_seconds, partial_sums
 from autoshard.pipeline.options import PipelineOptions
 from autoshard.pipeline.partition import Partition, forward_positions, partition
 from autoshard.pipeline.plan import PipelinePlan, StagePlan
@@ -43,17 +41,25 @@ from autoshard.pipeline.submesh import (
     submesh_options,
 )
 from autoshard.spec import MeshInfo, ShardingSpec
+from autoshard.strategies import op_info
 
 AXES = ("data", "model")
 
 
-def stage_program(analysis: StepAnalysis, part: Partition, stage: int) -> CapturedProgram:
+def stage_program(analysis: StepAnalysis, part: Partition, stage: int, *,
+                  reduce_gradients: str = "step") -> CapturedProgram:
     """One microbatch's forward + backward of ``stage``, then the update of what the stage owns, as a program
     the intra-op planner takes.
 
     The update (the ``R`` tasks of the stage) is in it so that the stage's plan lays out its optimizer state
     and counts it: a stage holds its weights' optimizer state for the whole step. It reads one microbatch's
-    gradients where the runtime reads their sum (the same shapes)."""
+    gradients where the runtime reads their sum (the same shapes).
+
+    The solver weighs the ops by how often they run in a step (``CapturedProgram.op_weights``): the
+    microbatch's ops ``k`` times, the update once, and, with ``reduce_gradients="step"``, the reduction of the
+    sums that make gradients once too (the runtime reduces their partials once per step,
+    :mod:`autoshard.pipeline.deferred`).
+    So a layout that gathers weights in every microbatch is not traded for a cheaper update."""
     micro = part.micro_tasks(stage)
     tasks = [*micro, *(t for t in part.update_tasks() if t.key[1] == stage)]
     ops, produced, invars = [], set(), []
@@ -83,9 +89,28 @@ def stage_program(analysis: StepAnalysis, part: Partition, stage: int) -> Captur
     paths = tuple(f"<boundary {v}> {full.in_paths[pos[v]]}" if v in batch else full.in_paths[pos[v]] if v in pos
                   else f"<boundary {v}>" if v in part.producer_task else f"<value {v}>" for v in invars)
     # A part of the program: its ops keep the whole program's indices (its plan is applied to them).
-    return CapturedProgram.from_graph(OpGraph(tuple(invars), tuple(ops), tuple(dict.fromkeys(outvars))),
-                                      analysis.micro.avals, in_tree=None, out_tree=None, in_paths=paths,
-                                      out_paths=tuple(f"<value {v}>" for v in dict.fromkeys(outvars)), consts={})
+    program = CapturedProgram.from_graph(OpGraph(tuple(invars), tuple(ops), tuple(dict.fromkeys(outvars))),
+                                         analysis.micro.avals, in_tree=None, out_tree=None, in_paths=paths,
+                                         out_paths=tuple(f"<value {v}>" for v in dict.fromkeys(outvars)), consts={})
+    runs, reductions = _per_step_weights(analysis, micro, reduce_gradients)
+    return dataclasses.replace(program, op_weights=runs, reduce_weights=reductions)
+
+
+def _per_step_weights(analysis: StepAnalysis, micro_tasks, reduce_gradients: str):
+    """``(op index -> runs per step, op index -> reductions per step)`` of the microbatch tasks' ops (see
+    :func:`stage_program`): every op runs ``k`` times; a sum that makes a gradient reduces once."""
+    k = analysis.num_microbatches
+    if k == 1:
+        return {}, {}
+    runs, reductions = {}, {}
+    for task in micro_tasks:
+        frontier = set(task.frontier)
+        for op in task.ops:
+            runs.setdefault(op.index, float(k))
+            if (reduce_gradients == "step" and len(op.outputs) == 1 and op.outputs[0] in frontier
+                    and op_info(op.name).summed_dims is not None):
+                reductions[op.index] = 1.0
+    return runs, reductions
 
 
 BOUNDARY_LAYOUT = PartitionSpec("data")
@@ -163,16 +188,14 @@ def _nbytes(aval) -> float:
     return float(math.prod(getattr(aval, "shape", ())) * aval.dtype.itemsize)
 
 
-def stage_seconds(plan, analysis: StepAnalysis, part: Partition, stage: int, *, cluster, search: StageSearch) -> float:
-    """Predicted seconds of one microbatch of ``stage`` (its plan's time), less the reductions of the gradients
-    that the runtime reduces once per step instead of once per microbatch (:mod:`autoshard.pipeline.deferred`;
-    only those the plan all-reduces, which need no extra memory), of which one microbatch's share stays."""
+def stage_seconds(plan, analysis: StepAnalysis) -> float:
+    """Predicted seconds of one microbatch of a stage for the stage DP: a ``k``-th of what its plan's solver
+    minimised, the stage's whole step (:func:`stage_program` weighs the microbatch's ops ``k`` times, the
+    update and, with ``reduce_gradients="step"``, the gradients' reductions once)."""
+    if plan is None:
+        return 0.0
     k = analysis.num_microbatches
-    if plan is None or k == 1 or search.options.reduce_gradients != "step":
-        return 0.0 if plan is None else plan.cost.total_seconds
-    partials = partial_sums(part.micro_tasks(stage), plan, analysis.avals, spare_bytes=0.0)
-    model = CostModel.create(plan.mesh_info, cluster, profile=search.profile)
-    return plan.cost.total_seconds - (k - 1) / k * deferred_seconds(partials, analysis.avals, model)
+    return plan.cost.total_seconds if k == 1 else plan.cost.objective / k
 
 
 def _fingerprint(program: CapturedProgram) -> str:
@@ -262,7 +285,8 @@ class _CostTable:
     def layer_cost(self, layer: int, option: SubmeshOption) -> _LayerCost:
         prog = self.programs.get(layer)
         if prog is None:
-            prog = self.programs[layer] = stage_program(self.analysis, self.part, layer)
+            prog = self.programs[layer] = stage_program(self.analysis, self.part, layer,
+                                                        reduce_gradients=self.search.options.reduce_gradients)
             self.fingerprints[layer] = _fingerprint(prog)
         key = (self.fingerprints[layer], option)
         hit = self.cache.get(key)
@@ -292,7 +316,7 @@ class _CostTable:
         finally:
             self.plan_seconds += time.perf_counter() - t0
         self.plans_made += 1
-        return _LayerCost(stage_seconds(plan, self.analysis, self.part, layer, cluster=sub_cluster, search=self.search),
+        return _LayerCost(stage_seconds(plan, self.analysis),
                           plan.cost.peak_memory_bytes, act)
 
 
@@ -493,13 +517,13 @@ def _plan_each_stage(analysis, part, stages: _Stages, search: StageSearch, grid_
     meshes, plans, stage_plans = [], [], []
     for s, o in enumerate(stages.chosen):
         mesh = mesh_like(search.mesh, o.logical, AXES, devices=list(stages.devices[s]))
-        prog = stage_program(analysis, part, s)
+        prog = stage_program(analysis, part, s, reduce_gradients=options.reduce_gradients)
         act = residual_bytes(analysis, part, s) / o.size
         live = max_in_flight(orders[s])
         plan = _plan_stage(prog, part, mesh, cluster_for(search.cluster, o, grid_shape), search,
                            keep=max(0, live - 1) * act) if prog.graph.ops else None
         search.report(f"stage {s} planned", 2 + s + 1, 2 + S)
-        t = stage_seconds(plan, analysis, part, s, cluster=cluster_for(search.cluster, o, grid_shape), search=search)
+        t = stage_seconds(plan, analysis)
         mem = (plan.cost.peak_memory_bytes if plan is not None else 0.0) + max(0, live - 1) * act
         meshes.append(mesh)
         plans.append(plan)
@@ -582,7 +606,7 @@ def restore_stages(analysis: StepAnalysis, mesh, options: PipelineOptions, pplan
         if st.plan is None:
             meshes.append(mesh_like(mesh, st.mesh_shape, AXES, devices=[by_id[i] for i in st.devices]))
             continue
-        captured = stage_program(analysis, part, st.index).fingerprint()
+        captured = stage_program(analysis, part, st.index, reduce_gradients=options.reduce_gradients).fingerprint()
         if st.plan.fingerprint != captured:
             raise different_program(st.plan.fingerprint, captured)
         meshes.append(st.plan.mesh)

@@ -28,7 +28,13 @@ from autoshard.pipeline.accumulate import StepAnalysis, analyze_step, batch_leaf
 from autoshard.pipeline.partition import partition
 from autoshard.pipeline.plan import PipelinePlan, StagePlan
 from autoshard.pipeline.runtime import PipelineExecutable
-from autoshard.pipeline.search import plan_stages, plan_stages_everywhere, residual_bytes, stage_program
+from autoshard.pipeline.search import (
+    plan_stages,
+    plan_stages_everywhere,
+    residual_bytes,
+    stage_program,
+    stage_seconds,
+)
 from autoshard.pipeline.spmd import SpmdPipelineExecutable, spans_processes
 from autoshard.report import planning_progress
 from autoshard.signature import BoundCall, StepCache, StepSignature, output_ties
@@ -250,7 +256,7 @@ class PipelinedStep:
 
             plan, mesh = None, self._mesh() or make_mesh((len(jax.devices()),), ("devices",))
         k = analysis.num_microbatches
-        t = plan.cost.total_seconds if plan is not None else 0.0
+        t = stage_seconds(plan, analysis)
         mem = plan.cost.peak_memory_bytes if plan is not None else 0.0
         stage = StagePlan(0, device_ids(mesh), mesh_shape(mesh), (0, 1), plan,
                           t, mem, residual_bytes(analysis, part, 0), 1)

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import math
 import time
 from typing import Any
 
@@ -205,7 +206,8 @@ class Parallelized:
                 return self._accumulated(call, e)
         plan = dataclasses.replace(plan, in_tree=jax.tree_util.tree_structure(abstract),
                                    out_tree=program.out_tree, in_roles=program.in_roles)
-        return _compiled(program, plan, ties, donated, local)
+        step = _compiled(program, plan, ties, donated, local)
+        return _verified(step, abstract) if o.verify else step
 
     def _accumulated(self, call: BoundCall, error) -> AccumulatedStep:
         """The last memory lever: gradient accumulation over the smallest number of microbatches that fits.
@@ -224,7 +226,7 @@ class Parallelized:
         base = Options(mesh=resolve_mesh(o.mesh), cluster=o.cluster, memory_budget=o.memory_budget,
                        donate_argnums=tuple(i for i, d in enumerate(call.donated) if d), precision=o.precision,
                        solver_time_limit=o.solver_time_limit, tie_layers=o.tie_layers, progress=None,
-                       batch_argnums=batch)
+                       batch_argnums=batch, verify=o.verify)
 
         def budget_of(pplan):
             stage_plan = pplan.stages[0].plan
@@ -336,11 +338,38 @@ def _compiled(program, plan, ties, donated, local) -> CompiledStep:
     return CompiledStep(plan, jitted, in_sh, program.out_tree, local)
 
 
+def _verified(step: CompiledStep, abstract) -> CompiledStep:
+    """``step`` whose plan carries ``stats["verify"]`` (``parallelize(verify=True)``): the whole step compiled
+    once, its peak memory and communication against the plan's prediction, and the compile's seconds."""
+    from autoshard.hlo import memory_stats
+
+    plan = step.plan
+    _require_devices(plan, "verify the plan (verify=True)")
+    flat = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+            for a, s in zip(jax.tree_util.tree_leaves(abstract), step.in_shardings, strict=True)]
+    t0 = time.perf_counter()
+    with _mesh_context(plan.mesh):
+        compiled = step.jitted.lower(*flat).compile()
+    seconds = time.perf_counter() - t0
+    check = plan.verify(compiled)
+    report = verify_report(memory_stats(compiled)["peak"], plan.cost.peak_memory_bytes, seconds)
+    report.update(communication_ratio=check.ratio, predicted_bytes=dict(check.predicted),
+                  compiled_bytes=dict(check.compiled))
+    return dataclasses.replace(step, plan=dataclasses.replace(plan, stats={**plan.stats, "verify": report}))
+
+
+def verify_report(compiled_peak: float, predicted_peak: float, compile_s: float) -> dict:
+    """What ``verify=True`` records of a compiled program against its plan (``plan.stats["verify"]``)."""
+    return {"compile_s": float(compile_s), "compiled_peak_bytes": float(compiled_peak),
+            "predicted_peak_bytes": float(predicted_peak),
+            "memory_ratio": float(compiled_peak / predicted_peak) if predicted_peak else math.inf}
+
+
 def parallelize(fun=None, *, options=None, mesh=None, cluster=None, memory_budget=None, static_argnums=(),
                 donate_argnums=(), static_argnames=(), donate_argnames=(), plan=None, hints=None,
                 solver_time_limit=10.0, tie_layers="auto", num_microbatches=1, pipeline=None, progress="auto",
                 batch_argnums=None, step_timeout=None, precision=None, remat="auto", accumulate=True,
-                state_roles=None, profile=None):
+                state_roles=None, profile=None, verify=False):
     """Plan and run a single-device step function sharded over a device mesh.
 
     Works bare (``@parallelize``) and with arguments (``@parallelize(mesh=...)``). The keyword
@@ -371,7 +400,7 @@ def parallelize(fun=None, *, options=None, mesh=None, cluster=None, memory_budge
                  plan=plan, hints=hints, solver_time_limit=solver_time_limit, tie_layers=tie_layers,
                  num_microbatches=num_microbatches, pipeline=pipeline, progress=progress,
                  batch_argnums=batch_argnums, step_timeout=step_timeout, precision=precision, remat=remat,
-                 accumulate=accumulate, state_roles=state_roles, profile=profile)
+                 accumulate=accumulate, state_roles=state_roles, profile=profile, verify=verify)
     if options is not None:  # the keywords given beside options= replace its fields
         defaults = inspect.signature(parallelize).parameters
         options = _options(options, {k: v for k, v in given.items() if v is not defaults[k].default})

@@ -139,6 +139,11 @@ class Options:
       profile: the :class:`autoshard.BackendProfile` of the backend the plan is for (how its compiler
         lays out memory and lowers collectives: ``autoshard.backends.CPU``, ``GPU``, ``TPU``). None: the
         platform of the mesh's devices; an ``AbstractMesh`` (no devices) plans for GPUs.
+      verify: after planning, compile the whole step once (every task of a pipelined step) and record
+        what XLA compiled against what the plan predicted in ``plan.stats["verify"]``: peak memory per
+        device, communication bytes (``Plan.verify``) and the seconds the compile took, kept apart from
+        the planning time. Planning never needs this compile (it checks memory on one representative
+        program at most); it costs what compiling a large program costs. Needs concrete devices.
 
     Example:
       >>> import autoshard
@@ -169,6 +174,7 @@ class Options:
     accumulate: bool = True
     state_roles: Mapping = dataclasses.field(default_factory=dict)
     profile: Any = None
+    verify: bool = False
 
     def __post_init__(self):
         problems: list[str] = []
@@ -242,6 +248,9 @@ def _check_choices(o: Options, problems: list) -> None:
         problems.append(f"remat={o.remat!r}: expected True, False or 'auto'. Fix: remat='auto'.")
     if not isinstance(o.accumulate, bool):
         problems.append(f"accumulate={o.accumulate!r}: expected True or False. Fix: accumulate=True.")
+    if not isinstance(o.verify, bool):
+        problems.append(f"verify={o.verify!r}: expected True or False. Fix: verify=True to compile the planned "
+                        "step once and compare it with the prediction.")
     if not (o.progress is None or o.progress is False or callable(o.progress) or o.progress in PROGRESS_KINDS):
         problems.append(f"progress={o.progress!r}: expected 'auto', 'tqdm', 'rich', a callback(stage, done, total) or "
                         "None. Fix: progress=None to silence it.")

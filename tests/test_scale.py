@@ -93,3 +93,35 @@ def test_a_milp_that_presolve_calls_infeasible_is_asked_again_without_presolve(m
     monkeypatch.setattr(scipy.optimize, "milp", flaky)
     res = solve_milp(red, rows, time_limit=5.0)
     assert calls == [True, False] and res.status == "optimal"
+
+
+def test_verify_compiles_the_planned_step_once_and_reports_it_apart():
+    """verify=True: the whole step compiled after planning; its peak and communication against the plan's, and the
+    compile's seconds, in plan.stats["verify"]. Without it, nothing is compiled for a plan this far from its budget."""
+    _, _, plain = _plan(autoshard.make_mesh((2, 4), ("data", "model")))
+    assert "verify" not in plain.stats and "compiled_peak" not in plain.stats
+    _, _, plan = _plan(autoshard.make_mesh((2, 4), ("data", "model")), verify=True)
+    report = plan.stats["verify"]
+    assert report["compile_s"] > 0 and report["predicted_peak_bytes"] == plan.cost.peak_memory_bytes
+    assert 0.5 < report["memory_ratio"] < 2.0, report
+    assert report["communication_ratio"] == pytest.approx(1.0, abs=0.1), report
+    assert report["compiled_bytes"] and set(report["compiled_bytes"]) <= {
+        "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"}
+
+
+def test_verify_of_a_pipeline_reports_every_stage():
+    spec = get_model("gpt", "tiny", 8)
+    step = autoshard.parallelize(spec.train_step, mesh=autoshard.make_mesh((2, 4), ("data", "model")),
+                                 num_microbatches=2, verify=True, pipeline=autoshard.PipelineOptions(
+                                     num_stages=2, layers=2, submeshes=[(2, 2), (2, 2)], solver_time_limit=0.5))
+    plan = step.plan(spec.abstract_state(), spec.abstract_batch())
+    stages = plan.stats["verify"]["stages"]
+    assert len(stages) == plan.num_stages == 2
+    assert all(r["compiled_peak_bytes"] > 0 and 0.5 < r["memory_ratio"] < 2 for r in stages), stages
+
+
+def test_verify_needs_devices_and_a_bool():
+    with pytest.raises(MeshError, match="verify the plan"):
+        _plan(AbstractMesh((2, 4), ("data", "model")), verify=True)
+    with pytest.raises(InputError, match="verify='yes'"):
+        autoshard.Options(verify="yes")

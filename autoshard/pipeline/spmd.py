@@ -784,6 +784,11 @@ class SpmdPipelineExecutable:
                 out.append(jax.make_array_from_callback(host.shape, target, lambda idx, h=host: h[idx]))
         return out
 
+    def lower(self, flat):
+        """``jax.stages.Lowered`` of the step for ``flat`` (arrays or ``jax.ShapeDtypeStruct``s with these
+        ``in_shardings``)."""
+        return self._jit.lower(*flat)
+
     def compiled(self, flat):
         """The compiled program for ``flat``'s shapes (``.as_text()`` shows the collective-permutes)."""
         inputs = self.global_inputs(flat)

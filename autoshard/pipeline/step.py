@@ -193,6 +193,8 @@ class PipelinedStep:
             exe = PipelineExecutable(analysis, part, meshes, plans, schedule=schedule, out_ties=ties,
                                      reduce_gradients=self._reduce_gradients(),
                                      spare_bytes=self._spare_bytes(pplan, meshes[0]))
+        if o.verify:
+            pplan = _verified(pplan, exe, abstract)
         return PipelinedProgram(analysis, exe, pplan, analysis.full.out_tree, local)
 
     def _process_local(self, call: BoundCall, mesh, runtime: str, abstract):
@@ -307,6 +309,33 @@ class PipelinedStep:
         entry, call = self.cache.lookup(args, kwargs)
         _need_device_put(entry, "stage_memory")
         return stage_memory(entry.executable, call.leaves())
+
+
+def _verified(pplan: PipelinePlan, exe, abstract) -> PipelinePlan:
+    """``pplan`` with ``stats["verify"]`` (``verify=True``): every program of the step compiled, each stage's
+    compiled peak (its largest task, plus the microbatches it keeps in flight) against its predicted memory."""
+    from autoshard.api import verify_report
+    from autoshard.hlo import memory_stats
+
+    if isinstance(exe, PlannedOnly):
+        require_devices(exe.mesh, "verify the plan (verify=True)")
+    t0 = time.perf_counter()
+    if isinstance(exe, PipelineExecutable):
+        peaks = [0.0] * len(pplan.stages)
+        for key, compiled in exe.compiled_tasks().items():
+            peaks[key[1]] = max(peaks[key[1]], memory_stats(compiled)["peak"])
+        seconds = time.perf_counter() - t0
+        stages = [{k: v for k, v in verify_report(peak + max(0, st.in_flight - 1) * st.activation_bytes,
+                                                  st.memory_bytes, seconds).items() if k != "compile_s"}
+                  for peak, st in zip(peaks, pplan.stages, strict=True)]
+        report = {"compile_s": seconds, "stages": stages,
+                  "memory_ratio": max(r["memory_ratio"] for r in stages)}
+    else:   # one SPMD program: every device holds one stage's values and its share of the state
+        flat = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+                for a, s in zip(jax.tree_util.tree_leaves(abstract), exe.in_shardings, strict=True)]
+        peak = memory_stats(exe.lower(flat).compile())["peak"]
+        report = verify_report(peak, max(st.memory_bytes for st in pplan.stages), time.perf_counter() - t0)
+    return dataclasses.replace(pplan, stats={**pplan.stats, "verify": report})
 
 
 def _with_spmd_state(pplan: PipelinePlan, exe: SpmdPipelineExecutable, limit) -> PipelinePlan:

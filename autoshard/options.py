@@ -117,9 +117,12 @@ class Options:
         None or ``"fp32"``: the step's own dtypes. See :mod:`autoshard.precision`.
       remat: when the memory budget binds, let the planner also consider recomputing forward segments
         in the backward pass (chosen jointly with the sharding; see :mod:`autoshard.remat`).
-        ``plan.remat`` reports the choice. ``"auto"`` (the default): wherever the runtime can, that is
-        on one program; ``True`` on a microbatched or pipelined step is an error (its tasks run the
-        captured step as it is). False: never.
+        ``plan.remat`` reports the choice. ``"auto"`` (the default): wherever the runtime can. On a
+        pipeline (``pipeline=``), ``True`` makes every stage's backward recompute its forward, keeping
+        only each in-flight microbatch's stage inputs (:mod:`autoshard.pipeline.recompute`,
+        ``plan.stats["recompute"]``); ``"auto"`` does so when no pipeline fits the memory limit without
+        it. ``True`` with ``num_microbatches`` alone is an error (the microbatch program runs as
+        captured). False: never.
       accumulate: when no plan of the full batch fits the memory budget (sharding, ``remat`` and host
         offload all tried), split the batch arguments into the smallest number ``k`` of
         microbatches dividing the batch size whose programs fit (XLA's compiled peaks), and
@@ -296,9 +299,10 @@ UNSUPPORTED: dict[str, dict[str, tuple[Callable[[Options], bool], str]]] = {
         "hints": (lambda o: bool(o.hints),
                   "is not applied to the stage programs (their arguments are microbatches and stage boundaries). "
                   "Fix: drop hints=, or run without num_microbatches/pipeline."),
-        "remat": (lambda o: o.remat is True,
-                  "cannot rewrite the stage programs (their tasks run the captured step as it is). Fix: "
-                  "remat='auto' (the default), or run without num_microbatches/pipeline."),
+        "remat": (lambda o: o.remat is True and o.pipeline is None,
+                  "with num_microbatches alone: the microbatch program runs as captured (a pipeline's stages "
+                  "recompute their forward passes, autoshard.pipeline.recompute). Fix: remat='auto' (the "
+                  "default), pipeline=autoshard.PipelineOptions(...), or run without num_microbatches."),
         "state_roles": (lambda o: bool(o.state_roles),
                         "has no effect: stage plans offload nothing. Fix: drop state_roles=, or run without "
                         "num_microbatches/pipeline."),

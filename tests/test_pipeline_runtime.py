@@ -134,3 +134,33 @@ def test_gradients_reduced_once_per_step():
 def test_reduce_gradients_option_is_checked():
     with pytest.raises(autoshard.InputError, match="reduce_gradients='always'"):
         autoshard.PipelineOptions(reduce_gradients="always")
+
+
+def test_stages_recompute_their_forward_with_remat():
+    """remat=True on a pipeline: each stage's backward recomputes its forward from the stage's inputs, so a stage
+    keeps less per in-flight microbatch; the results equal jax.jit."""
+    k = 4
+    spec = _spec("gpt", k)
+    opts = autoshard.PipelineOptions(num_stages=2, layers=2, submeshes=LAYOUTS["2x(2,2)"], solver_time_limit=0.5)
+    plain, state, batch = check_pipeline(spec, opts, k)
+    step = autoshard.parallelize(spec.train_step, mesh=mesh("2x4"), num_microbatches=k, pipeline=opts, remat=True)
+    ref_state, out_state = state, state
+    for _ in range(2):
+        ref_state, ref_metrics = jax.jit(spec.train_step)(ref_state, batch)
+        out_state, metrics = step(out_state, batch)
+        np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
+    assert_trees_close(out_state["params"], ref_state["params"], rtol=1e-5, atol=5e-5, what="params")
+    before, after = plain.plan(state, batch), step.plan(state, batch)
+    assert after.stats["recompute"] and not before.stats["recompute"]
+    for s0, s1 in zip(before.stages, after.stages, strict=True):
+        assert s1.activation_bytes < s0.activation_bytes, (s0, s1)
+    exe = step.prepared(state, batch).executable
+    for s in range(2):
+        f, b = exe.part.tasks[("F", s)], exe.part.tasks[("B", s)]
+        assert not set(f.outvars) & set(b.invars)   # the backward reads none of its forward's values
+        assert {op.index for op in f.ops if op.name == "dot_general"} & {op.index for op in b.ops}
+
+
+def test_remat_true_needs_a_pipeline():
+    with pytest.raises(autoshard.InputError, match="num_microbatches alone"):
+        autoshard.parallelize(lambda s, b: s, num_microbatches=2, remat=True)

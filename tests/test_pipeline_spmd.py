@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -313,3 +314,46 @@ def test_spmd_gradients_reduced_once_per_step():
                          sum(len(p) for p in exe.partials))
     assert in_loop["step"][1] > 0 and in_loop["microbatch"][1] == 0
     assert in_loop["step"][0] < 0.1 * in_loop["microbatch"][0], in_loop
+
+
+def test_spmd_stages_recompute_their_forward_with_remat():
+    """runtime="spmd" with remat=True: the backward branches recompute the forward, the stages' buffers keep
+    only their inputs per microbatch (smaller than the residuals), and two steps equal jax.jit."""
+    state, batch, train_step = _model("gpt")
+    ref, ref_losses = _reference(state, batch, train_step, 2)
+    sizes = {}
+    for remat in (False, True):
+        opts = autoshard.PipelineOptions(num_stages=2, layers=2, submeshes=[(2, 2)] * 2, solver_time_limit=0.2,
+                                         runtime="spmd", schedule="gpipe")
+        step = autoshard.parallelize(train_step, mesh=mesh("2x4"), num_microbatches=4, pipeline=opts, remat=remat)
+        out, losses = state, []
+        for _ in range(2):
+            out, m = step(out, batch)
+            losses.append(float(m["loss"]))
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        assert_trees_close(out["params"], ref["params"], rtol=1e-5, atol=5e-5, what="params")
+        exe = step.prepared(state, batch).executable
+        sizes[remat] = sum(exe.mem_len.values()) - sum(exe.acc_len.values())
+    assert sizes[True] < 0.7 * sizes[False], sizes
+
+
+def test_remat_auto_recomputes_only_when_the_pipeline_does_not_fit():
+    """remat="auto" (the default) on a pipeline: no recompute while the stages fit the memory budget; under a
+    budget that only recomputing stages meet, they recompute (plan.stats["recompute"]), and nothing warns."""
+    state, batch, train_step = _model("gpt")
+    opts = autoshard.PipelineOptions(num_stages=2, layers=2, submeshes=[(2, 2)] * 2, solver_time_limit=0.2,
+                                     schedule="gpipe")
+
+    def planned(**kw):
+        return autoshard.parallelize(train_step, mesh=mesh("2x4"), num_microbatches=8, pipeline=opts,
+                                     **kw).plan(state, batch)
+
+    keep, recompute = planned(remat=False), planned(remat=True)
+    assert not keep.stats["recompute"] and recompute.stats["recompute"]
+    high = max(st.memory_bytes for st in keep.stages)
+    low = max(st.memory_bytes for st in recompute.stages)
+    assert low < high
+    assert not planned(memory_budget=2 * high).stats["recompute"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert planned(memory_budget=(low + high) / 2).stats["recompute"]

@@ -31,6 +31,7 @@ from autoshard.pipeline.cluster_layers import boundary_layers, cluster_layers, o
 from autoshard.pipeline.options import PipelineOptions
 from autoshard.pipeline.partition import Partition, forward_positions, partition
 from autoshard.pipeline.plan import PipelinePlan, StagePlan
+from autoshard.pipeline.recompute import recompute_forward
 from autoshard.pipeline.schedule import chain_deps, max_in_flight, simulate, stage_orders
 from autoshard.pipeline.stage_dp import StageProblem, assign_stages
 from autoshard.pipeline.submesh import (
@@ -103,10 +104,10 @@ def _per_step_weights(analysis: StepAnalysis, micro_tasks, reduce_gradients: str
     if k == 1:
         return {}, {}
     runs, reductions = {}, {}
-    for task in micro_tasks:
+    for task in micro_tasks:   # an op in both (state-only, or recomputed in the backward) runs in both
         frontier = set(task.frontier)
         for op in task.ops:
-            runs.setdefault(op.index, float(k))
+            runs[op.index] = runs.get(op.index, 0.0) + float(k)
             if (reduce_gradients == "step" and len(op.outputs) == 1 and op.outputs[0] in frontier
                     and op_info(op.name).summed_dims is not None):
                 reductions[op.index] = 1.0
@@ -176,12 +177,15 @@ def plan_boundaries(program: CapturedProgram, part: Partition, mesh, cluster, ti
 
 
 def residual_bytes(analysis: StepAnalysis, part: Partition, stage: int) -> float:
-    """Bytes one microbatch's forward of ``stage`` keeps for its backward."""
+    """Bytes per microbatch that ``stage`` keeps from its forward until its backward: what its backward reads of
+    the forward passes (its own residuals, or with :mod:`~autoshard.pipeline.recompute` the stage's inputs)
+    and of the batch."""
     tasks = {t.phase: t for t in part.micro_tasks(stage)}
     if "F" not in tasks or "B" not in tasks:
         return 0.0
-    b_in = set(tasks["B"].invars)
-    return float(sum(_nbytes(analysis.avals[v]) for v in tasks["F"].outvars if v in b_in))
+    batch = {analysis.full.graph.invars[p] for p in analysis.batch_inputs}
+    held = [v for v in tasks["B"].invars if v in batch or part.producer_task.get(v, ("",))[0] == "F"]
+    return float(sum(_nbytes(analysis.avals[v]) for v in held))
 
 
 def _nbytes(aval) -> float:
@@ -535,11 +539,12 @@ def _plan_each_stage(analysis, part, stages: _Stages, search: StageSearch, grid_
 
 
 def plan_stages(analysis: StepAnalysis, mesh, cluster, options: PipelineOptions, memory_budget=None, *,
-                tie_layers="auto", progress=None, profile=None, uniform=False):
+                tie_layers="auto", progress=None, profile=None, uniform=False, recompute=False):
     """Search the pipeline; returns ``(partition, meshes, plans, PipelinePlan)``.
 
     ``progress``: ``callback(stage, done, total)`` after the layer costs, the stage search and each
-    stage's plan. ``uniform``: every stage on one sub-mesh shape (what ``runtime="spmd"`` runs)."""
+    stage's plan. ``uniform``: every stage on one sub-mesh shape (what ``runtime="spmd"`` runs).
+    ``recompute``: every stage's backward recomputes its forward (:mod:`autoshard.pipeline.recompute`)."""
     t0 = time.perf_counter()
     # a stage holds its layers' weights and in-flight activations: no more than a device has (as intra-op plans)
     budget = memory_budget if memory_budget is not None else getattr(cluster, "memory", None)
@@ -554,8 +559,8 @@ def plan_stages(analysis: StepAnalysis, mesh, cluster, options: PipelineOptions,
     cost_layer_of, group, layer_flops, manual = _layer_bounds(analysis, options, N)
     layer_of = {p: group[i] for p, i in cost_layer_of.items()}
     L = len(layer_flops)
-    table = _CostTable(analysis, partition(analysis, lambda p: cost_layer_of[p], len(group)), search, grid.shape,
-                       group)
+    table = _CostTable(analysis, _partition(analysis, lambda p: cost_layer_of[p], len(group), recompute), search,
+                       grid.shape, group)
     search.report("layers cut", 1, 3)
     if options.submeshes is not None:
         stages = _fixed_submesh_stages(table, grid, L, manual)
@@ -566,7 +571,7 @@ def plan_stages(analysis: StepAnalysis, mesh, cluster, options: PipelineOptions,
     S = len(stages.bounds)
     search.report(f"{S} stages chosen", 2, 2 + S)
     stage_of_layer = {layer: s for s, (i, j, _) in enumerate(stages.bounds) for layer in range(i, j)}
-    part = partition(analysis, lambda p: stage_of_layer[layer_of[p]], S)
+    part = _partition(analysis, lambda p: stage_of_layer[layer_of[p]], S, recompute)
     meshes, plans, stage_plans = _plan_each_stage(analysis, part, stages, search, grid.shape)
     times = [sp.time_s for sp in stage_plans]
     first = {}   # each stage's first op with a known source line (the first op may be a jax internal)
@@ -582,10 +587,17 @@ def plan_stages(analysis: StepAnalysis, mesh, cluster, options: PipelineOptions,
         bubble_fraction=sim.bubble_fraction,
         stats={"search_s": search_s, "total_s": time.perf_counter() - t0, "layer_plans": table.plans_made,
                "layer_plans_s": table.plan_seconds,
-               "num_layers": L, "costed_layers": len(group), "manual_cut": manual,
+               "num_layers": L, "costed_layers": len(group), "manual_cut": manual, "recompute": recompute,
                "distinct_layers": len(set(table.fingerprints.values()))},
         cut_sources=tuple(first.get(s, "<none>") for s in range(S)))
     return part, meshes, plans, pplan
+
+
+def _partition(analysis: StepAnalysis, stage_of, num_stages: int, recompute: bool) -> Partition:
+    part = partition(analysis, stage_of, num_stages)
+    if not recompute:
+        return part
+    return recompute_forward(part, outputs=frozenset(v for v in analysis.full.graph.outvars if isinstance(v, int)))
 
 
 def restore_stages(analysis: StepAnalysis, mesh, options: PipelineOptions, pplan: PipelinePlan):
@@ -599,7 +611,8 @@ def restore_stages(analysis: StepAnalysis, mesh, options: PipelineOptions, pplan
 
     cost_layer_of, group, _, _ = _layer_bounds(analysis, options, physical_grid(mesh).size)
     stage_of_layer = {layer: st.index for st in pplan.stages for layer in range(*st.layers)}
-    part = partition(analysis, lambda p: stage_of_layer[group[cost_layer_of[p]]], len(pplan.stages))
+    part = _partition(analysis, lambda p: stage_of_layer[group[cost_layer_of[p]]], len(pplan.stages),
+                      bool(pplan.stats.get("recompute")))
     by_id = {d.id: d for d in jax.devices()}
     meshes = []
     for st in pplan.stages:

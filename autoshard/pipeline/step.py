@@ -22,7 +22,7 @@ from autoshard.cluster import device_ids, mesh_shape, require_devices
 from autoshard.distributed import StepWatchdog
 from autoshard.driver import PlanRequest, default_cluster
 from autoshard.driver import plan as plan_request
-from autoshard.errors import InputError
+from autoshard.errors import InputError, MeshError
 from autoshard.options import Options
 from autoshard.pipeline.accumulate import StepAnalysis, analyze_step, batch_leaf_positions
 from autoshard.pipeline.partition import partition
@@ -174,10 +174,7 @@ class PipelinedStep:
             part, meshes, plans, pplan = self._single_stage(analysis, progress)
         else:
             cluster = default_cluster(mesh) if o.cluster is None else o.cluster
-            part, meshes, plans, pplan = plan_stages_everywhere(
-                lambda: plan_stages(analysis, mesh, cluster, self.pipeline, o.memory_budget, progress=progress,
-                                    tie_layers=o.tie_layers, profile=o.profile, uniform=runtime == "spmd"),
-                analysis, mesh, self.pipeline)
+            part, meshes, plans, pplan = self._stages(analysis, mesh, cluster, runtime, progress)
         pplan = dataclasses.replace(pplan, stats={**pplan.stats, "capture_s": capture_s,
                                                   "plan_s": time.perf_counter() - t0, "runtime": runtime})
         schedule = "gpipe" if self.pipeline is None else self.pipeline.schedule
@@ -231,6 +228,43 @@ class PipelinedStep:
             return tuple(i for i, label in enumerate(call.labels) if label in wanted)
         state = call.state_arguments(abstract, out_shape)
         return tuple(i for i, a in enumerate(abstract) if i not in state and jax.tree_util.tree_leaves(a))
+
+    def _stages(self, analysis: StepAnalysis, mesh, cluster, runtime: str, progress):
+        """The stage search, with every stage recomputing its forward in its backward when ``remat=True``, or
+        with ``remat="auto"`` when no pipeline fits the memory limit without it (and one does, or comes
+        closer, with it). The warnings of the search that is kept are the ones shown."""
+        o = self.options
+
+        def search(recompute: bool):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                got = plan_stages_everywhere(
+                    lambda: plan_stages(analysis, mesh, cluster, self.pipeline, o.memory_budget, progress=progress,
+                                        tie_layers=o.tie_layers, profile=o.profile, uniform=runtime == "spmd",
+                                        recompute=recompute),
+                    analysis, mesh, self.pipeline)
+            return got, caught
+
+        def shown(result):
+            got, caught = result
+            for w in caught:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            return got
+
+        if o.remat is True:
+            return shown(search(True))
+        try:
+            first = search(False)
+        except MeshError:
+            if o.remat is False:
+                raise
+            return shown(search(True))
+        limit = o.memory_budget if o.memory_budget is not None else getattr(cluster, "memory", None)
+        peak = max(st.memory_bytes for st in first[0][3].stages)
+        if o.remat is False or not limit or peak <= limit:
+            return shown(first)
+        again = search(True)
+        return shown(again if max(st.memory_bytes for st in again[0][3].stages) < peak else first)
 
     def _reduce_gradients(self) -> str:
         return "step" if self.pipeline is None else self.pipeline.reduce_gradients

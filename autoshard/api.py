@@ -6,7 +6,6 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import math
 import time
 from typing import Any
 
@@ -341,6 +340,7 @@ def _compiled(program, plan, ties, donated, local) -> CompiledStep:
 def _verified(step: CompiledStep, abstract) -> CompiledStep:
     """``step`` whose plan carries ``stats["verify"]`` (``parallelize(verify=True)``): the whole step compiled
     once, its peak memory and communication against the plan's prediction, and the compile's seconds."""
+    from autoshard.compile import verify_report
     from autoshard.hlo import memory_stats
 
     plan = step.plan
@@ -356,13 +356,6 @@ def _verified(step: CompiledStep, abstract) -> CompiledStep:
     report.update(communication_ratio=check.ratio, predicted_bytes=dict(check.predicted),
                   compiled_bytes=dict(check.compiled))
     return dataclasses.replace(step, plan=dataclasses.replace(plan, stats={**plan.stats, "verify": report}))
-
-
-def verify_report(compiled_peak: float, predicted_peak: float, compile_s: float) -> dict:
-    """What ``verify=True`` records of a compiled program against its plan (``plan.stats["verify"]``)."""
-    return {"compile_s": float(compile_s), "compiled_peak_bytes": float(compiled_peak),
-            "predicted_peak_bytes": float(predicted_peak),
-            "memory_ratio": float(compiled_peak / predicted_peak) if predicted_peak else math.inf}
 
 
 def parallelize(fun=None, *, options=None, mesh=None, cluster=None, memory_budget=None, static_argnums=(),

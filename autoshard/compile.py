@@ -76,3 +76,10 @@ def fit_compiled(search, check, budget: float, *, limit=None, refuse, rounds: in
         smallest = min(smallest, compiled)
         limit = (limit if limit is not None else budget) * budget / compiled * margin
     raise refuse(smallest)
+
+
+def verify_report(compiled_peak: float, predicted_peak: float, compile_s: float) -> dict:
+    """What ``verify=True`` records of a compiled program against its plan (``plan.stats["verify"]``)."""
+    return {"compile_s": float(compile_s), "compiled_peak_bytes": float(compiled_peak),
+            "predicted_peak_bytes": float(predicted_peak),
+            "memory_ratio": float(compiled_peak / predicted_peak) if predicted_peak else math.inf}

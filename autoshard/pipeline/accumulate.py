@@ -46,6 +46,7 @@ class StepAnalysis:
       frontier: value ids of the per-microbatch partial sums.
       batch_inputs: positions (in ``full.graph.invars``) of the leaves split into microbatches.
       metric_outputs: flat output positions that are not the next state (loss, metrics).
+      carried: value id of a next-state output -> value id of the argument it replaces (the carried state).
       num_microbatches: k.
     """
 
@@ -59,6 +60,7 @@ class StepAnalysis:
     batch_inputs: tuple[int, ...]
     metric_outputs: tuple[int, ...]
     num_microbatches: int
+    carried: dict = dataclasses.field(default_factory=dict)
 
     def op(self, pos: int) -> Op:
         """The op to run at top-level position ``pos``: microbatch shapes inside ``M``."""
@@ -136,10 +138,11 @@ def batch_leaf_positions(args, batch_argnums, num_microbatches: int, in_paths) -
 
 
 def analyze_step(fun, args, *, batch_positions, batch_size: int, num_microbatches: int,
-                 metric_outputs, in_paths=None, full: CapturedProgram | None = None) -> StepAnalysis:
+                 metric_outputs, in_paths=None, full: CapturedProgram | None = None, ties=None) -> StepAnalysis:
     """Capture ``fun(*args)`` at the full batch and the microbatch, and classify every op.
 
-    ``full``: ``fun(*args)`` already captured at the full batch (``capture_graph(fun, args)``), or None."""
+    ``full``: ``fun(*args)`` already captured at the full batch (``capture_graph(fun, args)``), or None.
+    ``ties``: flat output position -> the argument position it is the next version of."""
     k = num_microbatches
     full, micro, ref = _captures(fun, args, batch_positions=batch_positions, batch_size=batch_size, k=k,
                                  in_paths=in_paths, full=full)
@@ -154,7 +157,9 @@ def analyze_step(fun, args, *, batch_positions, batch_size: int, num_microbatche
     return StepAnalysis(
         full=full, micro=micro, region=tuple(region), batched=frozenset(batched), batch_axis=axis,
         dependent=frozenset(dependent), frontier=tuple(frontier), batch_inputs=tuple(batch_positions),
-        metric_outputs=tuple(metric_outputs), num_microbatches=k)
+        metric_outputs=tuple(metric_outputs), num_microbatches=k,
+        carried={full.graph.outvars[j]: full.graph.invars[i] for j, i in (ties or {}).items()
+                 if isinstance(full.graph.outvars[j], int)})
 
 
 def _captures(fun, args, *, batch_positions, batch_size: int, k: int, in_paths, full=None):

@@ -164,14 +164,24 @@ def boundary_ties(program: CapturedProgram, part: Partition) -> dict[int, int]:
     return ties
 
 
+def state_ties(program: CapturedProgram, analysis: StepAnalysis) -> dict[int, int]:
+    """Outputs of a stage program that are the next version of one of its arguments (an updated weight, its
+    optimizer state), by position: the runtime hands them back in the argument's layout, so the plan prices
+    the reshard (the all-gather of a weight updated in shards)."""
+    position = {v: i for i, v in enumerate(program.graph.invars)}
+    return {j: position[analysis.carried[v]] for j, v in enumerate(program.graph.outvars)
+            if isinstance(v, int) and analysis.carried.get(v) in position}
+
+
 def plan_boundaries(program: CapturedProgram, part: Partition, mesh, cluster, time_limit, *, tie_layers="auto",
-                    profile=None, memory_budget=None):
+                    profile=None, memory_budget=None, carried=None):
     """The intra-op plan of a layer or stage with its boundary values pinned to the exchange layout
-    (:func:`boundary_pins`) and its outputs tied to them; with neither when the layout does not fit."""
+    (:func:`boundary_pins`) and its outputs tied to them (with neither when the layout does not fit), and
+    ``carried`` (:func:`state_ties`): its next-state outputs tied to their arguments."""
     from autoshard.driver import PlanRequest, plan
 
     pins = boundary_pins(program, mesh)
-    ties = boundary_ties(program, part) if pins else {}
+    ties = {**(boundary_ties(program, part) if pins else {}), **(carried or {})}
     return plan(PlanRequest(program, mesh=mesh, cluster=cluster, time_limit=time_limit, pins=pins, ties=ties,
                             tie_layers=tie_layers, profile=profile, memory_budget=memory_budget))
 
@@ -314,7 +324,8 @@ class _CostTable:
         t0 = time.perf_counter()
         try:
             plan = plan_boundaries(prog, self.part, mesh, sub_cluster, options.solver_time_limit,
-                                   tie_layers=self.search.tie_layers, profile=self.search.profile)
+                                   tie_layers=self.search.tie_layers, profile=self.search.profile,
+                                   carried=state_ties(prog, self.analysis))
         except (InfeasibleError, MeshError):  # no plan of this layer fits this option (bugs propagate)
             return _LayerCost(math.inf, math.inf, act)
         finally:
@@ -492,13 +503,14 @@ def _assign(table: _CostTable, opts, *, L: int, N: int, k: int, limit: float, fi
     return assign_stages(StageProblem(T, tuple(o.size for o in opts), N, k, W, A, limit, fixed_count))
 
 
-def _plan_stage(prog, part, mesh, cluster, search: StageSearch, *, keep: float):
+def _plan_stage(prog, part, mesh, cluster, search: StageSearch, *, keep: float, carried=None):
     """A stage's intra-op plan of one microbatch, within what the memory limit leaves beside the ``keep``
     bytes of other microbatches' activations the schedule holds (the whole device when that cannot be
     met: its predicted memory then says by how much it is over)."""
     def planned(budget=None):
         return plan_boundaries(prog, part, mesh, cluster, search.options.solver_time_limit,
-                               tie_layers=search.tie_layers, profile=search.profile, memory_budget=budget)
+                               tie_layers=search.tie_layers, profile=search.profile, memory_budget=budget,
+                               carried=carried)
 
     budget = None if search.memory_budget is None else float(search.memory_budget) - keep
     if budget is None or budget <= 0:
@@ -525,7 +537,7 @@ def _plan_each_stage(analysis, part, stages: _Stages, search: StageSearch, grid_
         act = residual_bytes(analysis, part, s) / o.size
         live = max_in_flight(orders[s])
         plan = _plan_stage(prog, part, mesh, cluster_for(search.cluster, o, grid_shape), search,
-                           keep=max(0, live - 1) * act) if prog.graph.ops else None
+                           keep=max(0, live - 1) * act, carried=state_ties(prog, analysis)) if prog.graph.ops else None
         search.report(f"stage {s} planned", 2 + s + 1, 2 + S)
         t = stage_seconds(plan, analysis)
         mem = (plan.cost.peak_memory_bytes if plan is not None else 0.0) + max(0, live - 1) * act

@@ -34,6 +34,7 @@ from autoshard.pipeline.search import (
     residual_bytes,
     stage_program,
     stage_seconds,
+    state_ties,
 )
 from autoshard.pipeline.spmd import SpmdPipelineExecutable, spans_processes
 from autoshard.report import planning_progress
@@ -167,7 +168,7 @@ class PipelinedStep:
         n_out = len(jax.tree_util.tree_leaves(out_shape))
         analysis = analyze_step(fun, abstract, num_microbatches=self.num_microbatches, batch_positions=positions,
                                 batch_size=batch_size, metric_outputs=[j for j in range(n_out) if j not in ties],
-                                in_paths=in_paths, full=full)
+                                in_paths=in_paths, full=full, ties=ties)
         capture_s = time.perf_counter() - t0
         progress = planning_progress(o.progress)
         if self.pipeline is None:
@@ -283,7 +284,7 @@ class PipelinedStep:
         prog = stage_program(analysis, part, 0)
         t0 = time.perf_counter()
         if prog.graph.ops:
-            plan = plan_request(PlanRequest(prog, mesh=self._mesh(), cluster=o.cluster,
+            plan = plan_request(PlanRequest(prog, mesh=self._mesh(), cluster=o.cluster, ties=state_ties(prog, analysis),
                                             memory_budget=o.memory_budget, time_limit=o.solver_time_limit,
                                             tie_layers=o.tie_layers, progress=progress, profile=o.profile))
             mesh = plan.mesh
@@ -348,7 +349,7 @@ class PipelinedStep:
 def _verified(pplan: PipelinePlan, exe, abstract) -> PipelinePlan:
     """``pplan`` with ``stats["verify"]`` (``verify=True``): every program of the step compiled, each stage's
     compiled peak (its largest task, plus the microbatches it keeps in flight) against its predicted memory."""
-    from autoshard.api import verify_report
+    from autoshard.compile import verify_report
     from autoshard.hlo import memory_stats
 
     if isinstance(exe, PlannedOnly):

@@ -528,18 +528,12 @@ class _SpecTable:
             a = self._arrays[key] = np.array([self.id(s.in_specs[pos]) for s in node.strategies], np.int64)
         return a
 
-    def costs(self, node: _Node) -> np.ndarray:
-        key = (id(node.strategies), "cost")
+    def costs(self, node: _Node, field: str = "cost") -> np.ndarray:
+        """Each strategy's ``field`` (``"cost"``: compute + communication; ``"comm"``) of ``node``."""
+        key = (id(node.strategies), field)
         a = self._arrays.get(key)
         if a is None:
-            a = self._arrays[key] = np.array([s.cost for s in node.strategies], float)
-        return a
-
-    def comms(self, node: _Node) -> np.ndarray:
-        key = (id(node.strategies), "comm")
-        a = self._arrays.get(key)
-        if a is None:
-            a = self._arrays[key] = np.array([s.comm for s in node.strategies], float)
+            a = self._arrays[key] = np.array([getattr(s, field) for s in node.strategies], float)
         return a
 
     def reshard_matrix(self, cost: CostModel, shape, itemsize, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
@@ -610,7 +604,8 @@ def build_problem(merged: MergedGraph, program: CapturedProgram, cost: CostModel
     for i, node in enumerate(graph.nodes):
         node_costs[root_of[i]] += table.costs(node)[merged.index_map[i]] * (node.trips * node.weight)
         if node.comm_weight != node.weight:
-            node_costs[root_of[i]] += table.comms(node)[merged.index_map[i]] * (node.trips * (node.comm_weight - node.weight))
+            extra = node.trips * (node.comm_weight - node.weight)   # its reductions count comm_weight times
+            node_costs[root_of[i]] += table.costs(node, "comm")[merged.index_map[i]] * extra
     pair_costs: dict[tuple[int, int], np.ndarray] = {}
     for e in graph.edges:
         ru, rv = int(root_of[e.src]), int(root_of[e.dst])

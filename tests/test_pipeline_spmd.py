@@ -37,6 +37,17 @@ def _model(family, batch_size=16):
     return spec.init_state(jax.random.key(0)), spec.make_batch(jax.random.key(1)), spec.train_step
 
 
+def _two_steps_match(step, state, batch, ref, ref_losses):
+    """Two steps of ``step`` equal the reference's losses and parameters; returns the state after them."""
+    out, losses = state, []
+    for _ in range(2):
+        out, m = step(out, batch)
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(out["params"], ref["params"], rtol=1e-5, atol=5e-5, what="params")
+    return out
+
+
 def _reference(state, batch, train_step, steps):
     ref, losses = state, []
     for _ in range(steps):
@@ -106,12 +117,7 @@ def test_spmd_stages_run_their_intra_op_plans(sub, schedule):
     # the budget binds the stage plans; the state the runtime holds besides is over it, and the step says so
     with pytest.warns(UserWarning, match="of train state per device between steps"):
         step.plan(state, batch)
-    out, losses = state, []
-    for _ in range(2):
-        out, m = step(out, batch)
-        losses.append(float(m["loss"]))
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert_trees_close(out["params"], ref["params"], rtol=1e-5, atol=5e-5, what="params")
+    out = _two_steps_match(step, state, batch, ref, ref_losses)
     exe = step.prepared(state, batch).executable
     assert exe.mesh.devices.shape == (2, *sub)
     split = [sh for sh in exe.in_shardings if sh.spec != jax.sharding.PartitionSpec()]
@@ -301,12 +307,7 @@ def test_spmd_gradients_reduced_once_per_step():
         opts = autoshard.PipelineOptions(num_stages=2, layers=2, submeshes=[(2, 2)] * 2, solver_time_limit=0.2,
                                          runtime="spmd", reduce_gradients=mode)
         step = autoshard.parallelize(train_step, mesh=mesh("2x4"), num_microbatches=4, pipeline=opts)
-        out, losses = state, []
-        for _ in range(2):
-            out, m = step(out, batch)
-            losses.append(float(m["loss"]))
-        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-        assert_trees_close(out["params"], ref["params"], rtol=1e-5, atol=5e-5, what="params")
+        _two_steps_match(step, state, batch, ref, ref_losses)
         exe = step.prepared(state, batch).executable
         stats = collective_stats(exe.compiled(jax.tree.leaves((state, batch)))[0])
         in_loop[mode] = (sum(c.bytes * c.multiplicity for c in stats.collectives
@@ -326,12 +327,7 @@ def test_spmd_stages_recompute_their_forward_with_remat():
         opts = autoshard.PipelineOptions(num_stages=2, layers=2, submeshes=[(2, 2)] * 2, solver_time_limit=0.2,
                                          runtime="spmd", schedule="gpipe")
         step = autoshard.parallelize(train_step, mesh=mesh("2x4"), num_microbatches=4, pipeline=opts, remat=remat)
-        out, losses = state, []
-        for _ in range(2):
-            out, m = step(out, batch)
-            losses.append(float(m["loss"]))
-        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-        assert_trees_close(out["params"], ref["params"], rtol=1e-5, atol=5e-5, what="params")
+        _two_steps_match(step, state, batch, ref, ref_losses)
         exe = step.prepared(state, batch).executable
         sizes[remat] = sum(exe.mem_len.values()) - sum(exe.acc_len.values())
     assert sizes[True] < 0.7 * sizes[False], sizes

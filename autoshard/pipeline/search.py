@@ -323,9 +323,12 @@ class _CostTable:
         mesh = mesh_like(self.search.mesh, option.logical, AXES)
         t0 = time.perf_counter()
         try:
+            # Free of the state ties (:func:`state_ties`): a layer's optimizer state and weights may stay in
+            # shards at no charge, the least memory a stage of it can reach, so the DP sees every assignment
+            # that can fit. Each chosen stage is planned with its ties under its memory limit
+            # (:func:`_plan_stage`), where the solver weighs the shards' all-gathers against the memory.
             plan = plan_boundaries(prog, self.part, mesh, sub_cluster, options.solver_time_limit,
-                                   tie_layers=self.search.tie_layers, profile=self.search.profile,
-                                   carried=state_ties(prog, self.analysis))
+                                   tie_layers=self.search.tie_layers, profile=self.search.profile)
         except (InfeasibleError, MeshError):  # no plan of this layer fits this option (bugs propagate)
             return _LayerCost(math.inf, math.inf, act)
         finally:
@@ -505,25 +508,33 @@ def _assign(table: _CostTable, opts, *, L: int, N: int, k: int, limit: float, fi
 
 def _plan_stage(prog, part, mesh, cluster, search: StageSearch, *, keep: float, carried=None):
     """A stage's intra-op plan of one microbatch, within what the memory limit leaves beside the ``keep``
-    bytes of other microbatches' activations the schedule holds (the whole device when that cannot be
-    met: its predicted memory then says by how much it is over)."""
-    def planned(budget=None):
+    bytes of other microbatches' activations the schedule holds, its next-state outputs tied to their
+    arguments (``carried``). When no tied plan fits, the untied one (the runtime then gathers a weight
+    updated in shards without the plan pricing it, as the layer costs assumed); when none fits at all, the
+    whole device (its predicted memory then says by how much it is over)."""
+    def planned(budget=None, ties=None):
         return plan_boundaries(prog, part, mesh, cluster, search.options.solver_time_limit,
                                tie_layers=search.tie_layers, profile=search.profile, memory_budget=budget,
-                               carried=carried)
+                               carried=ties)
 
     budget = None if search.memory_budget is None else float(search.memory_budget) - keep
     if budget is None or budget <= 0:
-        return planned()
+        return planned(ties=carried)
     try:
-        return planned(budget)
+        return planned(budget, carried)
     except InfeasibleError as e:
-        warnings.warn(f"a pipeline stage on sub-mesh {mesh_shape(mesh)} has no plan within the {budget:.4g} bytes "
-                      f"per device its in-flight activations ({keep:.4g} bytes) leave ({e.smallest_memory or 0:.4g} "
-                      "is the least found); it is planned for the whole device, and plan.stages[...].memory_bytes "
-                      "says how far over the limit it is. Fix: more microbatches, or a larger memory_budget.",
-                      stacklevel=2)
-        return planned()
+        smallest = e.smallest_memory
+    if carried:
+        try:
+            return planned(budget)
+        except InfeasibleError as e:
+            smallest = e.smallest_memory
+    warnings.warn(f"a pipeline stage on sub-mesh {mesh_shape(mesh)} has no plan within the {budget:.4g} bytes "
+                  f"per device its in-flight activations ({keep:.4g} bytes) leave ({smallest or 0:.4g} "
+                  "is the least found); it is planned for the whole device, and plan.stages[...].memory_bytes "
+                  "says how far over the limit it is. Fix: more microbatches, or a larger memory_budget.",
+                  stacklevel=2)
+    return planned()
 
 
 def _plan_each_stage(analysis, part, stages: _Stages, search: StageSearch, grid_shape):

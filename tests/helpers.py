@@ -64,9 +64,8 @@ def check_report_surface(plan, executable, tmp_path):
     assert back.summary() == plan.summary() and back.to_json() == plan.to_json()
     check = plan.verify(executable)
     compiled = {}
-    for stage in plan.stages:  # what verify compiled: each stage's forward and backward task
-        keys = [k for k in (("F", stage.index), ("B", stage.index)) if k in executable.part.tasks]
-        for program in executable.compiled_tasks(keys).values():
+    for stage in plan.stages:  # what verify compiled: each stage's forward and backward task, its reductions
+        for program in executable.compiled_tasks(executable.microbatch_keys(stage.index)).values():
             for c in collective_stats(program).collectives:
                 compiled[c.kind] = compiled.get(c.kind, 0.0) + c.bytes * c.multiplicity
     assert check.compiled == compiled and check.predicted_bytes > 0 and check.compiled_bytes > 0

@@ -317,6 +317,7 @@ def test_spmd_gradients_reduced_once_per_step():
     assert in_loop["step"][0] < 0.1 * in_loop["microbatch"][0], in_loop
 
 
+@pytest.mark.slow
 def test_spmd_stages_recompute_their_forward_with_remat():
     """runtime="spmd" with remat=True: the backward branches recompute the forward, the stages' buffers keep
     only their inputs per microbatch (smaller than the residuals), and two steps equal jax.jit."""

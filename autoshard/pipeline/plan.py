@@ -190,7 +190,9 @@ class PipelinePlan(Report):
 
         Returns:
           A :class:`~autoshard.PlanCheck` over one microbatch's forward and backward of every stage:
-          the stage plans' predicted bytes per collective kind, against the compiled F and B tasks'.
+          the stage plans' predicted bytes per collective kind, against the compiled F and B tasks' and
+          the reduction of the gradients the runtime reduces once per step (which the plan prices with
+          the microbatch).
 
         Raises:
           InputError: the executable is the SPMD runtime's one program, whose stages run as branches of one
@@ -208,7 +210,7 @@ class PipelinePlan(Report):
         for stage in self.stages:
             if stage.plan is None:
                 continue
-            keys = [key for key in (("F", stage.index), ("B", stage.index)) if key in executable.part.tasks]
+            keys = executable.microbatch_keys(stage.index)
             got: dict[str, float] = {}
             for program in compiled_tasks(keys).values():
                 for kind, nbytes in compiled_bytes_by_kind(program).items():

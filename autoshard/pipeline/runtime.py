@@ -149,6 +149,12 @@ class PipelineExecutable:
             out.update(self.compiled_tasks([("R", s, "reduce") for s, p in enumerate(self.partials) if p]))
         return out
 
+    def microbatch_keys(self, stage: int) -> list:
+        """The programs of one microbatch of ``stage`` as its plan prices it: its forward and backward tasks, and the
+        once-per-step reduction of the gradients they leave unreduced."""
+        keys = [key for key in (("F", stage), ("B", stage)) if key in self.part.tasks]
+        return keys + ([("R", stage, "reduce")] if self.partials[stage] else [])
+
     def _acc_struct(self, v, stage) -> jax.ShapeDtypeStruct:
         """The running sum of frontier value ``v`` on ``stage``: as the value, or its partial sums stacked."""
         aval, ps = self.analysis.avals[v], self.partials[stage].get(v)

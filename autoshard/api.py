@@ -280,10 +280,10 @@ class Parallelized:
         abstract = jax.tree_util.tree_map(abstract_leaf, call.dyn)
         if entry.process_local is not None:
             abstract = entry.process_local.global_abstract(abstract)
-        flat = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-                for a, s in zip(jax.tree_util.tree_leaves(abstract), entry.in_shardings, strict=True)]
+        from autoshard.compile import sharded_structs
+
         with _mesh_context(entry.plan.mesh):
-            return entry.jitted.lower(*flat)
+            return entry.jitted.lower(*sharded_structs(abstract, entry.in_shardings))
 
     def __call__(self, *args, **kwargs):
         entry, call = self.cache.lookup(args, kwargs)
@@ -340,16 +340,14 @@ def _compiled(program, plan, ties, donated, local) -> CompiledStep:
 def _verified(step: CompiledStep, abstract) -> CompiledStep:
     """``step`` whose plan carries ``stats["verify"]`` (``parallelize(verify=True)``): the whole step compiled
     once, its peak memory and communication against the plan's prediction, and the compile's seconds."""
-    from autoshard.compile import verify_report
+    from autoshard.compile import sharded_structs, verify_report
     from autoshard.hlo import memory_stats
 
     plan = step.plan
     _require_devices(plan, "verify the plan (verify=True)")
-    flat = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-            for a, s in zip(jax.tree_util.tree_leaves(abstract), step.in_shardings, strict=True)]
     t0 = time.perf_counter()
     with _mesh_context(plan.mesh):
-        compiled = step.jitted.lower(*flat).compile()
+        compiled = step.jitted.lower(*sharded_structs(abstract, step.in_shardings)).compile()
     seconds = time.perf_counter() - t0
     check = plan.verify(compiled)
     report = verify_report(memory_stats(compiled)["peak"], plan.cost.peak_memory_bytes, seconds)

@@ -22,6 +22,15 @@ def named_shardings(plan, specs, host=()) -> list:
             for k, s in enumerate(specs)]
 
 
+def sharded_structs(abstract, shardings) -> list:
+    """``jax.ShapeDtypeStruct``s of the leaves of ``abstract`` on ``shardings`` (one per leaf): what lowering a
+    step for its planned input layouts takes."""
+    import jax
+
+    return [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+            for a, s in zip(jax.tree_util.tree_leaves(abstract), shardings, strict=True)]
+
+
 def compile_plan(program, plan, groups=(), donated=()):
     """Lower and compile a plan of a (rewritten) program from abstract inputs: the ``jax.stages.Compiled``.
 

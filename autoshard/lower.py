@@ -26,6 +26,16 @@ from autoshard.spec import MeshInfo, ShardingSpec
 from autoshard.strategies import is_scan, op_info
 
 
+def operand_spec(layout, op, i: int) -> ShardingSpec | None:
+    """The layout ``op`` reads operand ``i`` in under ``layout`` (a plan or an :class:`Evaluator`: anything with
+    ``operand_specs`` and ``value_specs``): where it reshards the operand, that layout, else its producer's;
+    None for a constant."""
+    spec = layout.operand_specs.get((op.index, i))
+    if spec is None and isinstance(op.inputs[i], int):
+        spec = layout.value_specs.get(op.inputs[i])
+    return spec
+
+
 def _constrainable(x) -> bool:
     dtype = getattr(x, "dtype", None)
     return dtype is not None and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended) and np.ndim(x) > 0
@@ -122,9 +132,7 @@ class Evaluator:
         names = tuple(self.info.names[a] for a in axes)
 
         def manual_only(x, i):
-            spec = self.operand_specs.get((op.index, i))
-            if spec is None and isinstance(op.inputs[i], int):
-                spec = self.value_specs.get(op.inputs[i])
+            spec = operand_spec(self, op, i)
             if spec is None or np.ndim(x) == 0:
                 return PartitionSpec()
             return PartitionSpec(*(tuple(self.info.names[a] for a in d if a in axes) or None for d in spec.dims))
@@ -148,9 +156,7 @@ class Evaluator:
         axis) from the partial sums with an all-reduce and an all-gather over ``b``. Pinned to the
         summed layout first, it all-reduces (or reduce-scatters) and slices, as the plan priced it."""
         out = self.value_specs.get(op.outputs[0])
-        lhs = self.operand_specs.get((op.index, 0))
-        if lhs is None and not isinstance(op.inputs[0], Const):
-            lhs = self.value_specs.get(op.inputs[0])
+        lhs = operand_spec(self, op, 0)
         if out is None or lhs is None:
             return None
         summed = {a for d in op_info(op.name).contracted_dims(op) for a in lhs.dims[d]}

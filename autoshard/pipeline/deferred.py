@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from autoshard.lower import operand_spec
 from autoshard.spec import MeshInfo, ShardingSpec
 from autoshard.strategies import op_info
 
@@ -67,13 +68,6 @@ class PartialSum:
                 float(math.prod(self.spec.shard_shape(aval.shape, mesh)) * size))
 
 
-def _operand_spec(plan, op, i) -> ShardingSpec | None:
-    spec = plan.operand_specs.get((op.index, i))
-    if spec is None and isinstance(op.inputs[i], int):
-        spec = plan.value_specs.get(op.inputs[i])
-    return spec
-
-
 def summed_axes(plan, op) -> tuple[int, ...]:
     """The mesh axes over which ``op`` (a sum: :attr:`~autoshard.strategies.OpInfo.summed_dims`) leaves partial
     sums under ``plan``: those that split its summed dimensions alike on every operand and nothing else; ``()``
@@ -81,7 +75,7 @@ def summed_axes(plan, op) -> tuple[int, ...]:
     summed_dims = op_info(op.name).summed_dims
     if summed_dims is None:
         return ()
-    specs = [_operand_spec(plan, op, i) for i in range(len(op.inputs))]
+    specs = [operand_spec(plan, op, i) for i in range(len(op.inputs))]
     if any(s is None for s in specs):
         return ()
     per_operand = summed_dims(op, tuple(s.rank for s in specs))
@@ -129,11 +123,6 @@ def partial_sums(tasks, plan, avals, spare_bytes: float = math.inf) -> dict[int,
             kept[ps.value] = ps
             spare_bytes -= acc - reduced
     return kept
-
-
-def extra_bytes(partials, avals, mesh: MeshInfo) -> float:
-    """Per-device bytes the running sums of ``partials`` take beyond the reduced values."""
-    return float(sum(a - r for a, r in (ps.bytes(avals[ps.value], mesh) for ps in partials.values())))
 
 
 def reduce_partials(evaluator, partials, accs):

@@ -186,7 +186,7 @@ class PipelinedStep:
                                          process_local=() if local is None else local.leaves,
                                          reduce_gradients=self._reduce_gradients(),
                                          spare_bytes=self._spare_bytes(pplan, meshes[0]))
-            pplan = _with_spmd_state(pplan, exe, o.memory_budget or getattr(cluster, "memory", None))
+            pplan = _with_spmd_state(pplan, exe, self._memory_limit(meshes[0]))
         else:
             exe = PipelineExecutable(analysis, part, meshes, plans, schedule=schedule, out_ties=ties,
                                      reduce_gradients=self._reduce_gradients(),
@@ -260,7 +260,7 @@ class PipelinedStep:
             if o.remat is False:
                 raise
             return shown(search(True))
-        limit = o.memory_budget if o.memory_budget is not None else getattr(cluster, "memory", None)
+        limit = self._memory_limit(mesh)
         peak = max(st.memory_bytes for st in first[0][3].stages)
         if o.remat is False or not limit or peak <= limit:
             return shown(first)
@@ -270,12 +270,16 @@ class PipelinedStep:
     def _reduce_gradients(self) -> str:
         return "step" if self.pipeline is None else self.pipeline.reduce_gradients
 
+    def _memory_limit(self, mesh) -> float | None:
+        """Bytes per device the stages are planned within: ``memory_budget``, else the cluster's memory."""
+        o = self.options
+        if o.memory_budget is not None:
+            return o.memory_budget
+        return getattr(default_cluster(mesh) if o.cluster is None else o.cluster, "memory", None)
+
     def _spare_bytes(self, pplan: PipelinePlan, mesh):
         """Per stage, the bytes per device its memory limit leaves beside its predicted peak (None: no limit)."""
-        o = self.options
-        limit = o.memory_budget
-        if limit is None:
-            limit = getattr(default_cluster(mesh) if o.cluster is None else o.cluster, "memory", None)
+        limit = self._memory_limit(mesh)
         return None if not limit else [float(limit) - st.memory_bytes for st in pplan.stages]
 
     def _single_stage(self, analysis: StepAnalysis, progress):
@@ -349,7 +353,7 @@ class PipelinedStep:
 def _verified(pplan: PipelinePlan, exe, abstract) -> PipelinePlan:
     """``pplan`` with ``stats["verify"]`` (``verify=True``): every program of the step compiled, each stage's
     compiled peak (its largest task, plus the microbatches it keeps in flight) against its predicted memory."""
-    from autoshard.compile import verify_report
+    from autoshard.compile import sharded_structs, verify_report
     from autoshard.hlo import memory_stats
 
     if isinstance(exe, PlannedOnly):
@@ -366,9 +370,7 @@ def _verified(pplan: PipelinePlan, exe, abstract) -> PipelinePlan:
         report = {"compile_s": seconds, "stages": stages,
                   "memory_ratio": max(r["memory_ratio"] for r in stages)}
     else:   # one SPMD program: every device holds one stage's values and its share of the state
-        flat = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-                for a, s in zip(jax.tree_util.tree_leaves(abstract), exe.in_shardings, strict=True)]
-        peak = memory_stats(exe.lower(flat).compile())["peak"]
+        peak = memory_stats(exe.lower(sharded_structs(abstract, exe.in_shardings)).compile())["peak"]
         report = verify_report(peak, max(st.memory_bytes for st in pplan.stages), time.perf_counter() - t0)
     return dataclasses.replace(pplan, stats={**pplan.stats, "verify": report})
 

@@ -50,16 +50,6 @@ def _conv_op_flops(op, avals) -> float:
     return conv_flops(op.params["dimension_numbers"], _shape(op.inputs[1], avals), _shape(op.outputs[0], avals))
 
 
-def _dot_contracted(op) -> tuple[int, ...]:
-    return tuple(op.params["dimension_numbers"][0][0])
-
-
-def _conv_contracted(op) -> tuple[int, ...]:
-    if op.params["feature_group_count"] == 1 and op.params["batch_group_count"] == 1:
-        return (op.params["dimension_numbers"].lhs_spec[1],)
-    return ()
-
-
 def _dot_summed(op, ranks) -> tuple[tuple[int, ...], tuple[int, ...]]:
     (lc, rc), _ = op.params["dimension_numbers"]
     return tuple(lc), tuple(rc)
@@ -73,10 +63,10 @@ def _conv_summed(op, ranks) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (), ()
 
 
-register_op("dot_general", contraction=True, contracted_dims=_dot_contracted, summed_dims=_dot_summed,
-            flops=_dot_op_flops)
-register_op("conv_general_dilated", contraction=True, contracted_dims=_conv_contracted, summed_dims=_conv_summed,
-            flops=_conv_op_flops)
+register_op("dot_general", contraction=True, contracted_dims=lambda op: _dot_summed(op, None)[0],
+            summed_dims=_dot_summed, flops=_dot_op_flops)
+register_op("conv_general_dilated", contraction=True, contracted_dims=lambda op: _conv_summed(op, None)[0],
+            summed_dims=_conv_summed, flops=_conv_op_flops)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -804,3 +804,29 @@ def estimate_step_time(compiled: Any, cluster: ClusterSpec, mesh: Any) -> dict[s
         "collective_bytes": stats.bytes(),
         "per_kind": per_kind,
     }
+
+
+def permutes_in_branches(compiled_or_text: Any) -> list[str]:
+    """The collective-permutes a ``conditional`` branch runs (directly or through what it calls).
+
+    In an SPMD program whose branch index differs between devices (a pipeline's ``lax.switch`` on the
+    stage), such a permute waits for devices that never reach it: XLA:CPU's rendezvous counts every
+    device of the program, and XLA:GPU acquires its clique over them all. Returns their names.
+    """
+    text = compiled_or_text if isinstance(compiled_or_text, str) else compiled_or_text.as_text()
+    comps, _, _ = _parse_module(text)
+    todo = [callee for instrs in comps.values() for instr in instrs if instr.opcode == "conditional"
+            for role, callee in _callees(instr) if role in ("branch_computations", "true_computation",
+                                                              "false_computation")]
+    seen: set[str] = set()
+    found = []
+    while todo:
+        c = todo.pop()
+        if c in seen or c not in comps:
+            continue
+        seen.add(c)
+        for instr in comps[c]:
+            if instr.opcode.startswith("collective-permute") and instr.opcode != "collective-permute-done":
+                found.append(instr.name)
+            todo.extend(callee for _, callee in _callees(instr))
+    return sorted(found)

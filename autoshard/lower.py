@@ -36,6 +36,23 @@ def operand_spec(layout, op, i: int) -> ShardingSpec | None:
     return spec
 
 
+# The env key of the microbatch index (a traced int32) where a step is run one microbatch at a time.
+MICROBATCH = "microbatch"
+
+
+def common_part(src: ShardingSpec, dst: ShardingSpec) -> ShardingSpec:
+    """The split ``src`` and ``dst`` share: per dimension, the longest common prefix of their mesh axes.
+    Going ``src -> common -> dst`` only gathers, then only slices (no device exchanges data with another
+    in a new order)."""
+    dims = []
+    for a, b in zip(src.dims, dst.dims, strict=True):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        dims.append(a[:n])
+    return ShardingSpec(tuple(dims))
+
+
 def _constrainable(x) -> bool:
     dtype = getattr(x, "dtype", None)
     return dtype is not None and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended) and np.ndim(x) > 0
@@ -53,10 +70,19 @@ class Evaluator:
       partials: op index -> the :class:`~autoshard.pipeline.deferred.PartialSum` it makes: the op's output
         is left as its per-device partial sums, stacked on a new leading dimension (a pipeline's
         gradients, reduced once per step).
+      gather_then_slice: a value read in another layout than its producer wrote goes there through
+        :func:`common_part` (an all-gather, then a slice), never by devices exchanging shards in a new
+        order. Inside a ``lax.switch`` branch that only some devices take (the SPMD pipeline's stage
+        tasks) that exchange, a collective-permute, waits for every device of the program and hangs:
+        XLA:CPU's rendezvous counts all of them, and XLA:GPU acquires its clique over them all.
+      draws: :attr:`~autoshard.pipeline.accumulate.StepAnalysis.draws`: random bits drawn at the
+        microbatch's shape are drawn at the full batch's and sliced at microbatch ``env[MICROBATCH]``
+        (when the env has it), so every example gets the bits the unsplit step gives it.
     """
 
     def __init__(self, program: CapturedProgram, value_specs, operand_specs, mesh, info: MeshInfo | None = None, *,
-                 remat_groups=(), profile: BackendProfile | None = None, partials=None):
+                 remat_groups=(), profile: BackendProfile | None = None, partials=None,
+                 gather_then_slice: bool = False, draws=None):
         self.program = program
         self.group_of = {i: g for g in remat_groups for i in g.fences}
         self.value_specs = value_specs
@@ -65,6 +91,8 @@ class Evaluator:
         self.info = MeshInfo.from_mesh(mesh) if info is None else info
         self.profile = resolve_profile(profile, mesh)
         self.partials = dict(partials or {})
+        self.gather_then_slice = gather_then_slice
+        self.draws = dict(draws or {})
         self._shardings: dict[ShardingSpec, NamedSharding] = {}
 
     def sharding(self, spec: ShardingSpec) -> NamedSharding:
@@ -73,9 +101,13 @@ class Evaluator:
             s = self._shardings[spec] = NamedSharding(self.mesh, spec.to_partition_spec(self.info))
         return s
 
-    def constrain(self, x, spec: ShardingSpec | None):
+    def constrain(self, x, spec: ShardingSpec | None, src: ShardingSpec | None = None):
         if spec is None or not _constrainable(x):
             return x
+        if self.gather_then_slice and src is not None and src != spec:
+            mid = common_part(src, spec)
+            if mid not in (src, spec):
+                x = jax.lax.with_sharding_constraint(x, self.sharding(mid))
         return jax.lax.with_sharding_constraint(x, self.sharding(spec))
 
     def fence(self, group, env: dict):
@@ -103,13 +135,16 @@ class Evaluator:
             for i, x in enumerate(op.inputs):
                 val = x.value if isinstance(x, Const) else env[x]
                 spec = self.operand_specs.get((op.index, i))
-                invals.append(self.constrain(val, spec) if spec is not None else val)
+                src = None if isinstance(x, Const) else self.value_specs.get(x)
+                invals.append(self.constrain(val, spec, src) if spec is not None else val)
             if op.index in self.partials:
                 ps = self.partials[op.index]
                 env[op.outputs[0]] = self.constrain(self.partial_sum(op, invals, ps.axes), ps.acc_spec)
                 continue
             if is_scan(op):
-                outs = self.run_scan(op, invals)
+                outs = self.run_scan(op, invals, env.get(MICROBATCH))
+            elif op.outputs[0] in self.draws and MICROBATCH in env:
+                outs = (self.draw(op, invals, env[MICROBATCH]),)
             elif op.name == "sharding_constraint":  # the user's pin: the plan's layout below replaces it
                 outs = (invals[0],)
             else:
@@ -164,7 +199,16 @@ class Evaluator:
             return None
         return ShardingSpec(tuple(tuple(a for a in d if a not in summed) for d in out.dims))
 
-    def run_scan(self, op, invals):
+    def draw(self, op, invals, m):
+        """``op``'s random bits for microbatch ``m``: the full batch's bits, sliced along the batch axis."""
+        axis, full = self.draws[op.outputs[0]]
+        shape = list(op.params["shape"])
+        size, shape[axis] = shape[axis], full
+        with op.ctx.manager:
+            bits = op.primitive.bind(*invals, **op.primitive.get_bind_params({**op.params, "shape": tuple(shape)}))
+        return jax.lax.dynamic_slice_in_dim(bits, m * size, size, axis)
+
+    def run_scan(self, op, invals, microbatch=None):
         p = op.params
         n_consts, n_carry = p["num_consts"], p["num_carry"]
         body = op.body
@@ -176,7 +220,7 @@ class Evaluator:
         y_specs = [None if s is None else ShardingSpec(s.dims[1:]) for s in y_specs]
 
         def step(carry, x):
-            env = {}
+            env = {} if microbatch is None else {MICROBATCH: microbatch}
             for v, val in zip(b_consts, consts, strict=True):
                 env[v] = self.constrain(val, self.value_specs.get(v))
             for v, val in zip(b_carry, carry, strict=True):

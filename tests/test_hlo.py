@@ -315,3 +315,23 @@ def test_str_renders_a_table():
 def test_unknown_kind_is_rejected():
     with pytest.raises(ValueError, match="unknown collective kind 'all-sum'"):
         collective_stats(_NESTED).count("all-sum")
+
+
+def test_permutes_in_branches_finds_a_permute_only_some_devices_reach():
+    """A ``lax.switch`` on the device's position whose branch permutes: compiled, never run (it would hang)."""
+    from autoshard.hlo import permutes_in_branches
+
+    m = make_mesh((8,), ("s",))
+
+    def body(x, permute_in_branch):
+        i = jax.lax.axis_index("s")
+        shift = lambda v: jax.lax.ppermute(v, "s", [(j, (j + 1) % 8) for j in range(8)])  # noqa: E731
+        if permute_in_branch:
+            return jax.lax.switch(i % 2, [shift, lambda v: v * 2], x)
+        return shift(jax.lax.switch(i % 2, [lambda v: v + 1, lambda v: v * 2], x))
+
+    x = jax.ShapeDtypeStruct((8, 4), jnp.float32)
+    for inside in (True, False):
+        f = jax.shard_map(lambda v, inside=inside: body(v, inside), mesh=m, in_specs=P("s"), out_specs=P("s"))
+        found = permutes_in_branches(jax.jit(f).lower(x).compile())
+        assert bool(found) == inside, found

@@ -92,3 +92,51 @@ def test_batchnorm_statistics_are_rejected():
     step = autoshard.parallelize(spec.train_step, mesh=mesh("8"), num_microbatches=2)
     with pytest.raises(InputError, match=r"feeds back into per-example values"):
         step.plan(spec.abstract_state(), spec.abstract_batch())
+
+
+def _dropout_step():
+    """A two-layer MLP with dropout drawn from a key carried in the state (as nnx.Rngs and linen do)."""
+
+    def forward(params, key, x):
+        def layer(h, wk):
+            w, k = wk
+            h = jnp.tanh(h @ w)
+            keep = jax.random.bernoulli(k, 0.8, h.shape)
+            return jnp.where(keep, h / 0.8, 0.0), None
+
+        keys = jax.random.split(key, 2)
+        h = x
+        for i in range(2):
+            h, _ = layer(h, (params["w"][i], keys[i]))
+        return h
+
+    def step(state, batch):
+        key, sub = jax.random.split(state["key"])
+        loss, g = jax.value_and_grad(
+            lambda p: jnp.mean((forward(p, sub, batch["x"]) - batch["y"]) ** 2))(state["params"])
+        params = jax.tree.map(lambda p, d: p - 0.5 * d, state["params"], g)
+        return {"params": params, "key": key}, {"loss": loss}
+
+    state = {"params": {"w": jax.random.normal(jax.random.key(0), (2, 8, 8)) / 3}, "key": jax.random.key(7)}
+    batch = {"x": jax.random.normal(jax.random.key(1), (16, 8)), "y": jax.random.normal(jax.random.key(2), (16, 8))}
+    return step, state, batch
+
+
+@pytest.mark.parametrize("runtime", [None, "device_put", "spmd"])
+def test_microbatches_draw_the_full_steps_dropout(runtime):
+    """Each microbatch takes its slice of the bits the full step draws: the split step equals the unsplit
+    one with dropout on (it did not: each microbatch drew a mask of its own shape from the same key). Without
+    a pipeline, and in two-stage pipelines under both runtimes."""
+    fn, state, batch = _dropout_step()
+    ref = jax.jit(fn)
+    pipeline = None if runtime is None else autoshard.PipelineOptions(
+        num_stages=2, submeshes=[(2, 2), (2, 2)], runtime=runtime, solver_time_limit=0.5)
+    step = autoshard.parallelize(fn, mesh=mesh("2x4"), num_microbatches=4, solver_time_limit=1.0, pipeline=pipeline)
+    ref_state, out_state = state, state
+    for _ in range(2):
+        ref_state, ref_metrics = ref(ref_state, batch)
+        out_state, metrics = step(out_state, batch)
+        np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
+    assert_trees_close(out_state["params"], ref_state["params"], rtol=1e-5, atol=5e-5, what="params")
+    analysis = step.prepared(state, batch).analysis
+    assert len(analysis.draws) == 2

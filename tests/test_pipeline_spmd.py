@@ -354,3 +354,41 @@ def test_remat_auto_recomputes_only_when_the_pipeline_does_not_fit():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert planned(memory_budget=(low + high) / 2).stats["recompute"]
+
+
+def test_a_stage_branch_reshards_without_permuting_devices():
+    """Inside a stage's ``lax.switch`` branch, a value whose layout swaps the order of the sub-mesh axes is
+    resharded through their common part (gather, then slice): the direct reshard is a collective-permute,
+    which only that stage's devices reach (it hung the nnx LLaMA pipeline)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from autoshard.cluster import make_mesh
+    from autoshard.hlo import permutes_in_branches
+    from autoshard.lower import common_part
+    from autoshard.spec import MeshInfo, ShardingSpec
+
+    m = make_mesh((2, 2, 2), ("stage", "data", "model"))
+    info = MeshInfo.from_mesh(m)
+    src, dst = ShardingSpec(((1, 2), ())), ShardingSpec(((2, 1), ()))
+    mid = common_part(src, dst)
+    assert mid == ShardingSpec(((), ()))
+    assert common_part(ShardingSpec(((1,), (2,))), ShardingSpec(((1, 2), ()))) == ShardingSpec(((1,), ()))
+
+    def program(via):
+        def branch(x):
+            x = jax.lax.with_sharding_constraint(x, NamedSharding(m, src.to_partition_spec(info)))
+            for spec in via:
+                x = jax.lax.with_sharding_constraint(x, NamedSharding(m, spec.to_partition_spec(info)))
+            return jax.lax.with_sharding_constraint(x * 2, NamedSharding(m, P()))   # leaves gathered
+
+        def per_stage(x):
+            return jax.lax.switch(jax.lax.axis_index("stage"), [branch, lambda x: x + 1], x)
+
+        return jax.shard_map(per_stage, mesh=m, in_specs=P("stage"), out_specs=P("stage"), axis_names={"stage"},
+                             check_vma=False)
+
+    x = jax.ShapeDtypeStruct((2 * 8, 4), jnp.float32, sharding=NamedSharding(m, P("stage")))
+    direct = permutes_in_branches(jax.jit(program([dst])).lower(x).compile())
+    routed = permutes_in_branches(jax.jit(program([mid, dst])).lower(x).compile())
+    assert direct and not routed, (direct, routed)

@@ -156,6 +156,25 @@ def test_nnx_trains_in_place_like_nnx_jit(name, mesh_name):
     assert_trees_close(nnx.state(optimizer), nnx.state(ref_optimizer), what="optimizer")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("runtime", ["device_put", "spmd"])
+def test_nnx_llama_pipeline_like_nnx_jit(runtime):
+    """The in-place nnx LLaMA (dropout from ``nnx.Rngs``) in a 2 x (2, 2) pipeline of two microbatches. spmd
+    hung here (a stage's branch resharded with a collective-permute), and both runtimes drew each microbatch's
+    dropout mask at its own shape, so the loss was not nnx.jit's."""
+    case = NNX["llama_rope_stack"]()
+    ref_model, ref_optimizer, ref_losses = nnx_reference("llama_rope_stack")
+    model, optimizer = case.make_objects()
+    pipeline = autoshard.PipelineOptions(num_stages=2, layers=2, submeshes=[(2, 2), (2, 2)], runtime=runtime,
+                                         solver_time_limit=0.5)
+    step = autoshard.parallelize(case.train_step, mesh=MESHES["2x4"](), num_microbatches=2, pipeline=pipeline,
+                                 progress=None)
+    batch = case.make_batch()
+    losses = [float(step(model, optimizer, batch)) for _ in range(2)]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param), what="model", atol=5e-5)
+
+
 # ---- the zoo itself ----------------------------------------------------------------------------------
 
 

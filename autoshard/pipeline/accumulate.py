@@ -29,6 +29,8 @@ from autoshard.errors import InputError
 from autoshard.pipeline.boundary import BOUNDARY
 
 # Batch reductions that are sums: the frontier value of k microbatches is the sum of theirs.
+# Ops that draw random bits of a given shape from a key: drawn per example, they are sliced per microbatch.
+DRAWS = frozenset({"random_bits"})
 SUM_REDUCTIONS = frozenset({"reduce_sum", "dot_general", "conv_general_dilated", "scatter-add", "scatter_add"})
 
 
@@ -48,6 +50,9 @@ class StepAnalysis:
       metric_outputs: flat output positions that are not the next state (loss, metrics).
       carried: value id of a next-state output -> value id of the argument it replaces (the carried state).
       num_microbatches: k.
+      draws: value id of random bits drawn with the batch's shape (dropout masks, at any depth) ->
+        ``(axis, full length)``: each microbatch takes its own slice of the bits the full step draws
+        (:data:`autoshard.lower.MICROBATCH`), so the split step draws what the full step draws.
     """
 
     full: CapturedProgram
@@ -61,6 +66,7 @@ class StepAnalysis:
     metric_outputs: tuple[int, ...]
     num_microbatches: int
     carried: dict = dataclasses.field(default_factory=dict)
+    draws: dict = dataclasses.field(default_factory=dict)
 
     def op(self, pos: int) -> Op:
         """The op to run at top-level position ``pos``: microbatch shapes inside ``M``."""
@@ -159,7 +165,9 @@ def analyze_step(fun, args, *, batch_positions, batch_size: int, num_microbatche
         dependent=frozenset(dependent), frontier=tuple(frontier), batch_inputs=tuple(batch_positions),
         metric_outputs=tuple(metric_outputs), num_microbatches=k,
         carried={full.graph.outvars[j]: full.graph.invars[i] for j, i in (ties or {}).items()
-                 if isinstance(full.graph.outvars[j], int)})
+                 if isinstance(full.graph.outvars[j], int)},
+        draws={op.outputs[0]: (axis[op.outputs[0]], full.avals[op.outputs[0]].shape[axis[op.outputs[0]]])
+               for op in full.ops if op.name in DRAWS and op.outputs[0] in batched} if k > 1 else {})
 
 
 def _captures(fun, args, *, batch_positions, batch_size: int, k: int, in_paths, full=None):

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from autoshard.capture import OpGraph
-from autoshard.lower import Evaluator
+from autoshard.capture import OpGraph, graph_ops
+from autoshard.lower import MICROBATCH, Evaluator
 from autoshard.pipeline.deferred import partial_sums, reduce_partials
 from autoshard.pipeline.partition import Partition, Task
 from autoshard.pipeline.schedule import dispatch_order, stage_orders
@@ -85,7 +85,8 @@ class PipelineExecutable:
                         if reduce_gradients == "step" and self.k > 1 else {})
             self.partials.append(partials)
             self._evals.append(Evaluator(analysis.micro, vs, os_, mesh, MeshInfo.from_mesh(mesh),
-                                         partials={ps.op_index: ps for ps in partials.values()}))
+                                         partials={ps.op_index: ps for ps in partials.values()},
+                                         draws=analysis.draws))
         full = analysis.full
         self.batch_values = {full.graph.invars[p]: p for p in analysis.batch_inputs}
         self.invar_pos = {v: i for i, v in enumerate(full.graph.invars)}
@@ -96,6 +97,7 @@ class PipelineExecutable:
             if isinstance(v_out, int):
                 self._out_spec[v_out] = v_in
         self._jits: dict = {}
+        self._draws: dict = {}
         present = set(part.tasks)
         self.deps = part.task_deps
         self.events = dispatch_order(self.orders, part.task_deps, lambda ev: (ev[0], ev[1]) in present)
@@ -115,6 +117,8 @@ class PipelineExecutable:
 
         def fn(*args):
             env = {v: ev.constrain(x, ev.value_specs.get(v)) for v, x in zip(task.invars, args[:n], strict=True)}
+            if self.draws(task):   # the microbatch index comes last
+                *args, env[MICROBATCH] = args
             outs = ev.run(graph, env)
             if accumulate:
                 accs = args[n:]
@@ -124,6 +128,14 @@ class PipelineExecutable:
 
         donate = tuple(range(n, n + len(task.frontier))) if accumulate else ()
         return jax.jit(fn, donate_argnums=donate)
+
+    def draws(self, task: Task) -> bool:
+        """Whether ``task`` draws random bits per example (it then takes the microbatch index, last)."""
+        hit = self._draws.get(task.key)
+        if hit is None:
+            hit = self._draws[task.key] = task.phase != "R" and any(
+                op.outputs and op.outputs[0] in self.analysis.draws for op in graph_ops(OpGraph((), task.ops, ())))
+        return hit
 
     def jitted(self, key, accumulate=False):
         hit = self._jits.get((key, accumulate))
@@ -144,6 +156,8 @@ class PipelineExecutable:
             avals = self.analysis.avals
             specs = [jax.ShapeDtypeStruct(avals[v].shape, avals[v].dtype, sharding=self.sharding(v, task.stage))
                      for v in task.invars] + [self._acc_struct(v, task.stage) for v in task.frontier]
+            if self.draws(task):
+                specs.append(jax.ShapeDtypeStruct((), np.int32))
             out[key] = self.jitted(key, bool(task.frontier)).lower(*specs).compile()
         if keys is None:
             out.update(self.compiled_tasks([("R", s, "reduce") for s, p in enumerate(self.partials) if p]))
@@ -254,6 +268,8 @@ class PipelineExecutable:
                 # One compiled variant per task: the first microbatch adds its partials to zeros.
                 acc.update(zip(task.frontier, self._zeros(key)(), strict=True))
             args = ins + ([acc[v] for v in task.frontier] if have_acc else [])
+            if self.draws(task):
+                args.append(np.int32(m))
             t0 = time.perf_counter()
             outs = self.jitted(key, have_acc)(*args)
             if trace is not None:

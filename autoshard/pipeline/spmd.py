@@ -59,11 +59,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from autoshard.capture import OpGraph
 from autoshard.errors import InputError, MeshError
-from autoshard.lower import Evaluator
+from autoshard.hlo import permutes_in_branches
+from autoshard.lower import MICROBATCH, Evaluator
 from autoshard.pipeline.deferred import partial_sums, reduce_partials
 from autoshard.pipeline.partition import Partition
 from autoshard.pipeline.schedule import simulate, stage_orders
-from autoshard.spec import MeshInfo
+from autoshard.spec import MeshInfo, ShardingSpec
 
 STAGE_AXIS = "stage"
 
@@ -208,7 +209,8 @@ class SpmdPipelineExecutable:
         # Each stage's ops run under its plan, named on the global mesh by the sub-mesh's axis names.
         self._evals = [Evaluator(micro, {} if p is None else p.value_specs, {} if p is None else p.operand_specs,
                                  self.mesh, self.sub_info,
-                                 partials={ps.op_index: ps for ps in self.partials[s].values()})
+                                 partials={ps.op_index: ps for ps in self.partials[s].values()},
+                                 gather_then_slice=True, draws=analysis.draws)
                        for s, p in enumerate(plans)]
         self._full_ev = Evaluator(full, {}, {}, self.mesh, MeshInfo.from_mesh(self.mesh))
 
@@ -526,22 +528,24 @@ class SpmdPipelineExecutable:
         frontier = set(task.frontier)
 
         def run(mem, m):
-            env = {}
+            env = {MICROBATCH: m}
             for v in task.invars:
+                stored = None   # the layout x is in, where this runtime chose it
                 if v in self.batch_values:   # (k, b, ...): microbatch m
                     x = jax.lax.dynamic_index_in_dim(args[self.batch_values[v]], m, 0, keepdims=False)
                 elif v in self.part.producer_task:
-                    x = self._load(mem, v, self._slot(s, v, m))
+                    x, stored = self._load(mem, v, self._slot(s, v, m)), self.store[v]
                 elif v in self.weight_layout[s]:   # gathered for this stage (split over "stage" between steps)
                     aval = self.analysis.full.avals[v]
                     rows = jax.lax.slice_in_dim(weights[_dtype(aval)], self.weight_layout[s][v],
                                                 self.weight_layout[s][v] + self._local_size(v), axis=1)
-                    x = self.rows.unpack(rows, self.state_pspec[v], aval.shape)
+                    x, stored = self.rows.unpack(rows, self.state_pspec[v], aval.shape), self.state_pspec[v]
                 elif v in self.invar_pos:
                     x = args[self.invar_pos[v]]
                 else:
                     x = jnp.asarray(micro.consts[v])
-                env[v] = ev.constrain(x, ev.value_specs.get(v))
+                src = None if stored is None else ShardingSpec.from_partition_spec(stored, np.ndim(x), self.sub_info)
+                env[v] = ev.constrain(x, ev.value_specs.get(v), src)
             outs = dict(zip(task.outvars, ev.run(graph, env), strict=True))
             mem = dict(mem)
             packed = {}
@@ -795,7 +799,15 @@ class SpmdPipelineExecutable:
         key = tuple((np.shape(x), str(x.dtype)) for x in inputs)
         hit = self._compiled.get(key)
         if hit is None:
-            hit = self._compiled[key] = self._jit.lower(*inputs).compile()
+            hit = self._jit.lower(*inputs).compile()
+            stuck = permutes_in_branches(hit)
+            if stuck:   # the Evaluator's gather_then_slice should leave none; running would hang, not fail
+                raise MeshError(
+                    f"XLA partitioned a stage's task of the SPMD pipeline with {len(stuck)} collective-permute(s) "
+                    f"(e.g. {stuck[0]}): only that stage's devices run the task, and the permute would wait for "
+                    f"every device of the mesh forever. Fix: PipelineOptions(runtime='device_put') on one process, "
+                    f"or other sub-mesh shapes (submeshes=...); please report the model.")
+            self._compiled[key] = hit
         return hit, inputs
 
     def run(self, flat):

@@ -13,6 +13,7 @@ import math
 import time
 
 import jax
+import numpy as np
 
 from autoshard.pipeline.schedule import max_in_flight
 
@@ -126,7 +127,7 @@ def stage_memory(exe, flat) -> list[dict]:
     for s in range(exe.part.num_stages):
         outs, args = first[s]
         task = exe.part.tasks[("F", s)]
-        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in args]
+        specs = [jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=getattr(a, "sharding", None)) for a in args]
         compiled = exe.jitted(("F", s), bool(task.frontier)).lower(*specs).compile()
         ma = compiled.memory_analysis()
         b_in = set(exe.part.tasks[("B", s)].invars) if ("B", s) in exe.part.tasks else set()

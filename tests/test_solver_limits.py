@@ -132,17 +132,7 @@ def test_small_contest_problems_are_proven_optimal(name, limit):
 
 
 def _load_fixture(name: str) -> ShardingProblem:
-    z = np.load(FIXTURES / f"{name}.npz")
-    cuts = np.cumsum(z["sizes"])[:-1]
-    costs = np.split(z["node_costs"], cuts)
-    edges = z["edges"].reshape(-1, 2)
-    cells = np.array([z["sizes"][u] * z["sizes"][v] for u, v in edges], dtype=np.int64)
-    flat = np.split(z["edge_costs"], np.cumsum(cells)[:-1]) if len(edges) else []
-    mats = [f.reshape(z["sizes"][u], z["sizes"][v]) for f, (u, v) in zip(flat, edges, strict=True)]
-    memory = np.split(z["node_memory"], cuts) if "node_memory" in z else None
-    return ShardingProblem(node_costs=costs, edges=edges, edge_costs=mats, node_memory=memory,
-                           intervals=z["intervals"] if "intervals" in z else None,
-                           memory_limit=float(z["memory_limit"]) if "memory_limit" in z else None)
+    return ShardingProblem.load(FIXTURES / f"{name}.npz")
 
 
 def test_planner_problem_of_a_tiny_gpt_is_solved_exactly():

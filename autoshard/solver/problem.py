@@ -124,6 +124,35 @@ class ShardingProblem:
             return True
         return self.peak_memory(choice) <= self.memory_limit * (1 + 1e-9)
 
+    def save(self, path) -> None:
+        """Write the problem to ``path`` as a compressed ``.npz`` (:meth:`load` reads it back)."""
+        arrays = {"sizes": np.array([c.size for c in self.node_costs], dtype=np.int64),
+                  "node_costs": np.concatenate(self.node_costs), "edges": self.edges,
+                  "edge_costs": (np.concatenate([m.reshape(-1) for m in self.edge_costs]) if self.num_edges
+                                 else np.zeros(0))}
+        if self.node_memory is not None:
+            arrays["node_memory"] = np.concatenate(self.node_memory)
+        if self.intervals is not None:
+            arrays["intervals"] = self.intervals
+        if self.memory_limit is not None:
+            arrays["memory_limit"] = np.float64(self.memory_limit)
+        np.savez_compressed(path, **arrays)
+
+    @classmethod
+    def load(cls, path) -> ShardingProblem:
+        """A problem written by :meth:`save`."""
+        z = np.load(path)
+        sizes = z["sizes"]
+        cuts = np.cumsum(sizes)[:-1]
+        edges = z["edges"].reshape(-1, 2)
+        cells = np.array([sizes[u] * sizes[v] for u, v in edges], dtype=np.int64)
+        flat = np.split(z["edge_costs"], np.cumsum(cells)[:-1]) if len(edges) else []
+        return cls(node_costs=np.split(z["node_costs"], cuts), edges=edges,
+                   edge_costs=[f.reshape(sizes[u], sizes[v]) for f, (u, v) in zip(flat, edges, strict=True)],
+                   node_memory=np.split(z["node_memory"], cuts) if "node_memory" in z else None,
+                   intervals=z["intervals"] if "intervals" in z else None,
+                   memory_limit=float(z["memory_limit"]) if "memory_limit" in z else None)
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ShardingSolution:

@@ -88,13 +88,13 @@ def _big_memory_free(seed: int, n: int = 40, s: int = 64) -> ShardingProblem:
 
 
 def test_large_memory_free_search_uses_the_whole_limit():
-    """Forest restarts that stopped improving go on to the deadline: no proof, so no early stop."""
+    """MILP windows after the forest descent go on to the deadline: no proof, so no early stop."""
     p = _big_memory_free(0)
     limit = 2.0
     sol = solve(p, time_limit=limit, seed=3, workers=1)
     assert sol.stats["stop"] == "time_limit" and not sol.optimal
     assert sol.stats["core_cells"] > 400_000  # the large memory-free path
-    assert sol.stats["forest_restarts"] >= 5
+    assert sol.stats["forest_rounds"] >= 1 and sol.stats["lns_windows"] >= 1
     # by the solver's own clock: the limit used, not overrun
     assert limit - 0.5 <= sol.stats["elapsed"] <= 2 * limit + 1.0  # generous above: load delays the last step
     # belief propagation's dual bound comes with the answer

@@ -16,6 +16,7 @@ import pytest
 
 from autoshard.solver import ShardingProblem, solve
 from autoshard.solver.iopddl import read_iopddl
+from autoshard.solver.parallel import MIN_PARALLEL_SECONDS
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "iopddl"
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "solver"
@@ -97,7 +98,7 @@ def test_mid_sized_memory_core_uses_the_whole_limit():
 
 def test_two_workers_share_one_answer():
     p = _mid_memory_problem(1)
-    limit = 4.0
+    limit = MIN_PARALLEL_SECONDS + 2.0
     sol = solve(p, time_limit=limit, workers=2)
     # Structure only: how many answers the workers post before the deadline, and how long their
     # interpreters take to start, depend on the machine's load (the suite once saw this fail on a
@@ -107,6 +108,13 @@ def test_two_workers_share_one_answer():
     if sol.stats["worker_costs"]:
         assert sol.cost <= min(sol.stats["worker_costs"]) * (1 + 1e-9) + 1e-9
     assert sol.stats["bound"] <= sol.cost + 1e-9 * abs(sol.cost)
+
+
+def test_short_limits_stay_in_one_process():
+    """Starting worker interpreters costs more than a second search gains in a few seconds."""
+    p = _mid_memory_problem(1)
+    sol = solve(p, time_limit=2.0, workers=2)
+    assert "workers" not in sol.stats and sol.feasible
 
 
 @pytest.mark.parametrize("name", ["B", "G"])

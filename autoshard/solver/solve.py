@@ -106,7 +106,14 @@ _MID_DESCENT_SHARE = 0.15
 # keep _MID_WINDOW_SHARE of the time.
 _RESTRICT_WIDTH = 4
 _RESTRICT_SHARE = 0.3
+# ... on cores of at most this many nodes: building the MILP of a 2,865-node planner core (GPT-1.3B on
+# (2, 4) under a budget) over 4 strategies a node took 5 s, past a 5 s limit; windows do better there.
+_RESTRICT_MAX_NODES = 1000
 _MID_WINDOW_SHARE = 0.3
+# Memory cores below _FULL_MILP_NODES: the uniform penalty search (bracket, then bisect) gets this share
+# of the time left (at 0.3 it had no time to bisect at 5 s: GPT-1.3B on (2, 4) under a budget came out at
+# 1.84x the best, at 0.6 1.03x).
+_PENALTY_SHARE = 0.6
 # Large memory cores: at most this share of the time goes to clearing the least-memory
 # start's forbidden pairs (it stops when none is left: 1.5-3 s on contest A, M, S).
 _CLEAR_SHARE = 0.25
@@ -440,7 +447,7 @@ def _memory_core(s: Search, start_time: float) -> CoreAnswer:
         # A mid-sized memory core (hundreds of nodes, big matrices): MILPs over the most
         # promising few strategies per node, twice as many each time, the last one
         # (when time allows) over all of them. Odd parallel workers skip to the windows.
-        if (s.variant or 0) % 2 == 0:
+        if (s.variant or 0) % 2 == 0 and s.red.num_core <= _RESTRICT_MAX_NODES:
             state = _restricted_milps(s, hard, state)
             if s.stats.get("stop") == "optimal":
                 return CoreAnswer(state.choice, state.total_cost(), True, s.stats["milp_bound"])
@@ -599,7 +606,7 @@ def _large_start(s: Search, state: CoreState, start_time: float) -> CoreState:
         # goes on until something fits
         now = time.perf_counter()
         rest = max(deadline - now, 0.0)
-        found = penalty_search(red, rows, now + 0.3 * rest, seed, log=log, give_up=now + 0.8 * rest)
+        found = penalty_search(red, rows, now + _PENALTY_SHARE * rest, seed, log=log, give_up=now + 0.8 * rest)
         if found is not None and (cand is None or found.total_cost() < cand.total_cost()):
             cand = found
     if cand is not None and cand.total_cost() < state.total_cost():

@@ -342,7 +342,7 @@ def attempt_sharding(request: PlanRequest, on: MeshTarget, limit, *, program=Non
     ties = run("tie", _layer_ties, merged, program, request.tie_layers, remat_split)
     built = run("problem", build_problem, merged, program, cost, memory_limit=budget, ties=ties,
                 donated_inputs=request.donated, carried=request.ties, offloaded=offloaded)
-    sol, free_objective, budget_bound, error = run("solve", _solve, request, on, built, budget, limit)
+    sol, free_objective, budget_bound, error = run("solve", solve_under_budget, request, on, built, budget, limit)
     if error is not None:
         return Attempt(error=error, budget_bound=True, unconstrained_objective=free_objective)
     plan_ = run("decode", _decoded_plan, request, on, _Solved(program, sgraph, built, cost, sol, tuple(offloaded)),
@@ -385,14 +385,14 @@ def _layer_ties(merged, program: CapturedProgram, tie_layers, remat_split: bool)
 
 
 # The solve without the memory row first runs as a probe for this share of the time limit (at least
-# _PROBE_MIN_S): when its answer fits, a second free solve gets the rest, else the solve under the budget.
-_PROBE_SHARE = 0.2
-_PROBE_MIN_S = 1.0
+# PROBE_MIN_S): when its answer fits, a second free solve gets the rest, else the solve under the budget.
+PROBE_SHARE = 0.2
+PROBE_MIN_S = 1.0
 
 
-def _solve(request: PlanRequest, on: MeshTarget, built, budget, limit):
+def solve_under_budget(request: PlanRequest, on: MeshTarget, built, budget, limit):
     """Solve without the memory row first: it is much faster, and when its answer fits the budget it is
-    also the constrained optimum. Only otherwise solve again with the budget (see ``_PROBE_SHARE``).
+    also the constrained optimum. Only otherwise solve again with the budget (see ``PROBE_SHARE``).
 
     Returns ``(solution, unconstrained objective, whether the budget bound, error)``; the error (and no
     solution) when the memory row admits no plan."""
@@ -407,11 +407,11 @@ def _solve(request: PlanRequest, on: MeshTarget, built, budget, limit):
     # more time), so a binding budget leaves the search under it most of the time: memory-priced searches
     # are slow to fit (GPT-1.3B on (2, 4) under 1.5x its least-memory peak: 1.76x the best at 5 s, 1.01x
     # at 30 s), and a free solve that took the whole limit left them 1 s.
-    sol = solve(free, time_limit=min(request.time_limit, max(_PROBE_SHARE * request.time_limit, _PROBE_MIN_S)))
+    sol = solve(free, time_limit=min(request.time_limit, max(PROBE_SHARE * request.time_limit, PROBE_MIN_S)))
     free_objective, budget_bound = float(sol.cost), sol.peak_memory > budget
     left = request.time_limit - (time.perf_counter() - t)
     if not budget_bound:
-        if not sol.optimal and left > _PROBE_MIN_S:
+        if not sol.optimal and left > PROBE_MIN_S:
             more = solve(free, time_limit=left, seed=1)
             free_objective = min(free_objective, float(more.cost))
             if more.peak_memory <= budget and more.cost < sol.cost:

@@ -116,7 +116,7 @@ def planner_problem(name: str, cache: Path):
 
     step = autoshard.parallelize(spec.train_step, mesh=mesh, cluster=autoshard.cluster_preset("h100-nvlink"),
                                  tie_layers=False, progress=None)
-    original, driver._solve = driver._solve, capture
+    original, driver.solve_under_budget = driver.solve_under_budget, capture
     try:
         step.plan(spec.abstract_state(), spec.abstract_batch())
     except _Built as b:
@@ -124,13 +124,13 @@ def planner_problem(name: str, cache: Path):
     else:
         raise RuntimeError(f"{name}: planning finished without building a strategy problem")
     finally:
-        driver._solve = original
+        driver.solve_under_budget = original
     cache.mkdir(parents=True, exist_ok=True)
     problem.save(path)
     return problem
 
 
-# How each problem is solved: as the planner first does (memory ignored: driver._solve keeps that answer
+# How each problem is solved: as the planner first does (memory ignored: driver.solve_under_budget keeps that answer
 # when it fits), and under a budget that binds (1.5 x the peak of each node's least-memory strategy).
 VARIANTS = ("free", "budget")
 BUDGET_FACTOR = 1.5

@@ -95,7 +95,7 @@ def test_a_binding_budget_leaves_the_search_under_it_most_of_the_time():
 
     import numpy as np
 
-    from autoshard.driver import _PROBE_SHARE, _solve
+    from autoshard.driver import PROBE_SHARE, solve_under_budget
     from autoshard.solver import ShardingProblem
 
     rng = np.random.default_rng(0)
@@ -110,7 +110,7 @@ def test_a_binding_budget_leaves_the_search_under_it_most_of_the_time():
     for budget, binds in ((1.2 * least, True), (1e9, False)):
         built = types.SimpleNamespace(problem=dataclasses.replace(free, memory_limit=budget))
         request = types.SimpleNamespace(time_limit=limit)
-        sol, _, bound, error = _solve(request, None, built, budget, None)
+        sol, _, bound, error = solve_under_budget(request, None, built, budget, None)
         assert error is None and bound is binds and sol.peak_memory <= budget
         if binds:   # by the solver's own clock
-            assert sol.stats["time_limit"] >= (1 - _PROBE_SHARE) * limit - 0.5
+            assert sol.stats["time_limit"] >= (1 - PROBE_SHARE) * limit - 0.5

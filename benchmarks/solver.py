@@ -161,7 +161,7 @@ def run_planner(names, cache: Path, limits: list[float], long_runs: int, long_sc
         for r in range(long_runs):
             sol = solve(problem, time_limit=long_scale * max(limits), seed=seed + 1 + r, workers=workers)
             long_costs.append(sol.cost if sol.feasible else math.inf)
-        best = min([c for c in long_costs] + [r["cost"] for r in runs if r["feasible"]], default=math.inf)
+        best = min(long_costs + [r["cost"] for r in runs if r["feasible"]], default=math.inf)
         row = {"problem": name, "nodes": problem.num_nodes, "edges": problem.num_edges,
                "memory_limit": problem.memory_limit, "build_s": round(build_s, 1), "best": best,
                "long_costs": long_costs, "long_limit": long_scale * max(limits), "runs": runs,

@@ -28,9 +28,9 @@ from autoshard.capture import CapturedProgram, Const, Op, OpGraph, capture_graph
 from autoshard.errors import InputError
 from autoshard.pipeline.boundary import BOUNDARY
 
-# Batch reductions that are sums: the frontier value of k microbatches is the sum of theirs.
 # Ops that draw random bits of a given shape from a key: drawn per example, they are sliced per microbatch.
 DRAWS = frozenset({"random_bits"})
+# Batch reductions that are sums: the frontier value of k microbatches is the sum of theirs.
 SUM_REDUCTIONS = frozenset({"reduce_sum", "dot_general", "conv_general_dilated", "scatter-add", "scatter_add"})
 
 
@@ -160,14 +160,14 @@ def analyze_step(fun, args, *, batch_positions, batch_size: int, num_microbatche
             axis[v] = next(d for d, (x, y) in enumerate(zip(sa, sb, strict=True)) if x != y)
     dependent = {full.graph.invars[p] for p in batch_positions}
     region, frontier = _regions(full, batched, dependent)
+    drawn = [op.outputs[0] for op in full.ops if op.name in DRAWS and op.outputs[0] in batched]
     return StepAnalysis(
         full=full, micro=micro, region=tuple(region), batched=frozenset(batched), batch_axis=axis,
         dependent=frozenset(dependent), frontier=tuple(frontier), batch_inputs=tuple(batch_positions),
         metric_outputs=tuple(metric_outputs), num_microbatches=k,
         carried={full.graph.outvars[j]: full.graph.invars[i] for j, i in (ties or {}).items()
                  if isinstance(full.graph.outvars[j], int)},
-        draws={op.outputs[0]: (axis[op.outputs[0]], full.avals[op.outputs[0]].shape[axis[op.outputs[0]]])
-               for op in full.ops if op.name in DRAWS and op.outputs[0] in batched} if k > 1 else {})
+        draws={v: (axis[v], full.avals[v].shape[axis[v]]) for v in drawn} if k > 1 else {})
 
 
 def _captures(fun, args, *, batch_positions, batch_size: int, k: int, in_paths, full=None):

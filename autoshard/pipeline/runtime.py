@@ -97,7 +97,9 @@ class PipelineExecutable:
             if isinstance(v_out, int):
                 self._out_spec[v_out] = v_in
         self._jits: dict = {}
-        self._draws: dict = {}
+        # tasks that draw random bits per example (they take the microbatch index, last)
+        self.drawing = frozenset(key for key, t in part.tasks.items() if t.phase != "R" and any(
+            op.outputs and op.outputs[0] in analysis.draws for op in graph_ops(OpGraph((), t.ops, ()))))
         present = set(part.tasks)
         self.deps = part.task_deps
         self.events = dispatch_order(self.orders, part.task_deps, lambda ev: (ev[0], ev[1]) in present)
@@ -117,7 +119,7 @@ class PipelineExecutable:
 
         def fn(*args):
             env = {v: ev.constrain(x, ev.value_specs.get(v)) for v, x in zip(task.invars, args[:n], strict=True)}
-            if self.draws(task):   # the microbatch index comes last
+            if task.key in self.drawing:   # the microbatch index comes last
                 *args, env[MICROBATCH] = args
             outs = ev.run(graph, env)
             if accumulate:
@@ -128,14 +130,6 @@ class PipelineExecutable:
 
         donate = tuple(range(n, n + len(task.frontier))) if accumulate else ()
         return jax.jit(fn, donate_argnums=donate)
-
-    def draws(self, task: Task) -> bool:
-        """Whether ``task`` draws random bits per example (it then takes the microbatch index, last)."""
-        hit = self._draws.get(task.key)
-        if hit is None:
-            hit = self._draws[task.key] = task.phase != "R" and any(
-                op.outputs and op.outputs[0] in self.analysis.draws for op in graph_ops(OpGraph((), task.ops, ())))
-        return hit
 
     def jitted(self, key, accumulate=False):
         hit = self._jits.get((key, accumulate))
@@ -156,7 +150,7 @@ class PipelineExecutable:
             avals = self.analysis.avals
             specs = [jax.ShapeDtypeStruct(avals[v].shape, avals[v].dtype, sharding=self.sharding(v, task.stage))
                      for v in task.invars] + [self._acc_struct(v, task.stage) for v in task.frontier]
-            if self.draws(task):
+            if task.key in self.drawing:
                 specs.append(jax.ShapeDtypeStruct((), np.int32))
             out[key] = self.jitted(key, bool(task.frontier)).lower(*specs).compile()
         if keys is None:
@@ -268,7 +262,7 @@ class PipelineExecutable:
                 # One compiled variant per task: the first microbatch adds its partials to zeros.
                 acc.update(zip(task.frontier, self._zeros(key)(), strict=True))
             args = ins + ([acc[v] for v in task.frontier] if have_acc else [])
-            if self.draws(task):
+            if task.key in self.drawing:
                 args.append(np.int32(m))
             t0 = time.perf_counter()
             outs = self.jitted(key, have_acc)(*args)

@@ -49,11 +49,19 @@ class CoreState:
             vec += m[:, self.choice[n]]
         return vec
 
+    @property
+    def flat(self) -> FlatCosts:
+        """The core's costs as one flat array (built on first use)."""
+        if self._flat is None:
+            self._flat = FlatCosts(self.red)
+        return self._flat
+
     def total_cost(self) -> float:
-        flat = self._flat
-        if flat is None:
-            flat = self._flat = FlatCosts(self.red)
-        return flat.cost(self.choice)
+        return self.flat.cost(self.choice)
+
+    def edge_costs(self) -> np.ndarray:
+        """Each core edge's cost under the current choice."""
+        return self.flat.edge_costs(self.choice)
 
     def overflow(self) -> float:
         return float(np.maximum(self.usage - self.cap, 0).sum())
@@ -148,8 +156,15 @@ class FlatCosts:
             return 0.0
         idx = self.node_off + ch
         if self.u.size:
-            idx = np.concatenate([idx, self.edge_off + ch[self.u] * self.width + ch[self.v]])
+            idx = np.concatenate([idx, self._edge_index(ch)])
         return float(np.sum(self.values[idx]))
+
+    def edge_costs(self, ch: np.ndarray) -> np.ndarray:
+        """Each edge's cost under choice ``ch``."""
+        return self.values[self._edge_index(ch)] if self.u.size else np.zeros(0)
+
+    def _edge_index(self, ch: np.ndarray) -> np.ndarray:
+        return self.edge_off + ch[self.u] * self.width + ch[self.v]
 
 
 def min_memory_choice(red: Reduction) -> np.ndarray:

@@ -61,11 +61,7 @@ def soften(red: Reduction) -> Reduction:
 
 def violations(state: CoreState) -> np.ndarray:
     """Indices of core edges whose chosen pair is forbidden (infinite, or priced at ``red.forbidden``)."""
-    red, ch = state.red, state.choice
-    return np.array(
-        [k for k, ((u, v), m) in enumerate(zip(red.edges, red.edge_costs, strict=True)) if m[ch[u], ch[v]] == red.forbidden],
-        dtype=np.int64,
-    )
+    return np.flatnonzero(state.edge_costs() == state.red.forbidden).astype(np.int64)
 
 
 def penalised_choice(

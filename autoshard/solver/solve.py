@@ -399,7 +399,7 @@ def _memory_free_large(s: Search) -> CoreAnswer:
         now = time.perf_counter()
         until = now + _FREE_WINDOW_SHARE * max(s.deadline - now, 0.0)
         state = _windows(dataclasses.replace(s, red=red, deadline=until), state, False,
-                         (nodes, _FREE_WINDOW_SECONDS), seeds=lambda choice: _costly_nodes(red, choice))
+                         (nodes, _FREE_WINDOW_SECONDS), seeds=_costly_nodes)
         if s.stats.get("stop") == "optimal":
             return CoreAnswer(state.choice, state.total_cost(), True, state.total_cost())
     if s.deadline - time.perf_counter() > _MARGIN:
@@ -410,9 +410,11 @@ def _memory_free_large(s: Search) -> CoreAnswer:
     return CoreAnswer(state.choice, state.total_cost(), False, bound)
 
 
-def _costly_nodes(red: Reduction, choice: np.ndarray) -> np.ndarray:
-    """The tenth of the core's nodes whose edges cost most under ``choice`` (where resharding is paid)."""
-    paid = np.array([m[choice[u], choice[v]] for (u, v), m in zip(red.edges, red.edge_costs, strict=True)])
+def _costly_nodes(state: CoreState) -> np.ndarray:
+    """The 1/_FREE_SEED_FRACTION of the core's nodes whose edges cost most under the choice (where resharding
+    is paid)."""
+    red = state.red
+    paid = state.edge_costs()
     per_node = np.zeros(red.num_core)
     if paid.size:
         np.add.at(per_node, red.edges[:, 0], paid)
@@ -564,8 +566,9 @@ def _restricted_milps(s: Search, hard: Reduction, state: CoreState) -> CoreState
 def _windows(s: Search, state: CoreState, large: bool, window=None, seeds=None) -> CoreState:
     """MILP windows until the deadline, growing on a stall; adopts cheaper shared incumbents.
 
-    ``window``: the first windows' ``(nodes, seconds)``; None picks them by the core's kind.
-    ``seeds(choice)``: the nodes most windows start at (large memory cores: the forbidden pairs' ends)."""
+    ``window``: the first windows' ``(nodes, seconds)``; None picks them by the core's kind. Most windows
+    start at the ends of forbidden pairs in use (``large`` memory cores), else at ``seeds(state)`` when
+    given, else anywhere."""
     red, rows, share, log = s.red, s.rows, s.share, s.log
     search = WindowSearch(state, s.seed)
     hot = None
@@ -576,7 +579,7 @@ def _windows(s: Search, state: CoreState, large: bool, window=None, seeds=None) 
     elif seeds is not None:
 
         def hot():
-            return seeds(search.state.choice)
+            return seeds(search.state)
 
     posted = [search.state.total_cost()]
 

@@ -90,7 +90,10 @@ def test_combined_all_reduces_get_their_own_node_ids():
 
 def test_a_binding_budget_leaves_the_search_under_it_most_of_the_time():
     """The planner's solve without the memory row is a short probe: when its answer does not fit, the solve
-    under the budget gets the rest of the limit (it got 1 s after a free solve that took the whole limit)."""
+    under the budget gets the rest of the limit (it got 1 s after a free solve that took the whole limit).
+
+    The core is too big for one MILP (810k cost cells), so the free search cannot stop early with a proof:
+    without the probe it takes the whole limit."""
     import types
 
     import numpy as np
@@ -99,18 +102,17 @@ def test_a_binding_budget_leaves_the_search_under_it_most_of_the_time():
     from autoshard.solver import ShardingProblem
 
     rng = np.random.default_rng(0)
-    n, s = 300, 12
-    edges = [(i, i + d) for d in (1, 2) for i in range(n - d)]
+    n, s = 300, 30
+    edges = [(i, i + d) for d in (1, 2, 5) for i in range(n - d)]   # no reduction removes a node
     costs = [rng.random(s) for _ in range(n)]
     memory = [1.0 + c[::-1] for c in costs]   # the cheap strategies are the big ones
     free = ShardingProblem(node_costs=costs, edges=np.array(edges), edge_costs=[rng.random((s, s)) for _ in edges],
                            node_memory=memory, intervals=np.stack([np.arange(n), np.arange(n) + 20], axis=1))
     least = free.peak_memory([int(np.argmin(m)) for m in memory])
-    limit = 4.0
-    for budget, binds in ((1.2 * least, True), (1e9, False)):
+    for budget, binds, limit in ((1.2 * least, True, 6.0), (1e9, False, 2.0)):
         built = types.SimpleNamespace(problem=dataclasses.replace(free, memory_limit=budget))
         request = types.SimpleNamespace(time_limit=limit)
         sol, _, bound, error = solve_under_budget(request, None, built, budget, None)
         assert error is None and bound is binds and sol.peak_memory <= budget
-        if binds:   # by the solver's own clock
-            assert sol.stats["time_limit"] >= (1 - PROBE_SHARE) * limit - 0.5
+        if binds:   # by the solver's own clock; the probe (PROBE_SHARE of the limit) may overrun a lot
+            assert sol.stats["time_limit"] >= 0.5 * limit > PROBE_SHARE * limit

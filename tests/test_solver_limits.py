@@ -218,3 +218,38 @@ def test_contest_least_memory_starts_are_cleared(name):
     assert len(violations(start)) > 1000 and len(violations(out)) == 0 and out.overflow() <= 0
     full = out.red.expand(out.choice, p.num_nodes)
     assert p.is_feasible(full) and np.isfinite(p.cost(full))
+
+
+def test_a_huge_contest_core_fits_from_its_repaired_start():
+    """Contest A's memory-free belief-propagation choice, repaired and cleared, is far cheaper than the
+    least-memory start (the first answer before it), with no descent at all."""
+    from autoshard.solver.bp import MinSumBP
+    from autoshard.solver.local import CoreState
+    from autoshard.solver.penalty import clear_forbidden, repaired_start, violations
+
+    path = SHARED / "asplos-2025-iopddl-A.json.gz"
+    if not path.exists():
+        pytest.skip(f"{path} not present")
+    start = _softened_core(read_iopddl(path))
+    far = time.perf_counter() + 600
+    cleared = clear_forbidden(start, far, 0)
+    choice, _ = MinSumBP(start.red).run(far, max_rounds=20)
+    out = repaired_start(CoreState(start.red, start.rows, choice), far, 0, improve_until=0.0)
+    assert out is not None and out.overflow() <= 0 and not len(violations(out))
+    assert out.total_cost() < 0.8 * cleared.total_cost()
+
+
+def test_the_first_incumbent_sent_with_a_job_is_read_first():
+    """The parent's first answer travels inside a worker's job, so the worker's first look finds it."""
+    import os
+
+    from autoshard.solver.parallel import Frames, PipeSharing
+
+    read_end, write_end = os.pipe()
+    try:
+        share = PipeSharing(read_end, None, Frames(), pending=[("incumbent", 3.0, np.array([2, 0, 1], np.int32))])
+        np.testing.assert_array_equal(share.poll(), [2, 0, 1])
+        assert share.poll() is None
+    finally:
+        os.close(read_end)
+        os.close(write_end)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from autoshard.solver.local import CoreState, min_memory_choice
-from autoshard.solver.memory import MemoryRows
-from autoshard.solver.penalty import guarded_descent, range_max
+from autoshard.solver.memory import MemoryRows, range_max
+from autoshard.solver.penalty import guarded_descent
 from autoshard.solver.reduce import Reduction
 
 
@@ -80,3 +80,44 @@ def test_bracketing_stops_before_the_penalty_overflows():
 
     bracket_and_bisect(attempt, lambda: True, 0.0, 2.0, 0.1)
     assert tried and max(abs(e) for e in tried) <= MAX_EXPONENT
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_repair_makes_the_cheapest_choice_fit(seed):
+    """Every node at its cheapest strategy overflows the limit; the repair moves nodes until it fits."""
+    red, rows = _memory_core(np.random.default_rng(seed))
+    state = CoreState(red, rows, np.array([int(np.argmin(c)) for c in red.node_costs]))
+    assert state.overflow() > 0
+    assert state.repair(time.perf_counter() + 60)
+    assert state.overflow() <= 0
+    np.testing.assert_allclose(state.usage, rows.usage(red.node_memory, state.choice))
+
+
+def test_repair_saves_memory_where_it_costs_least():
+    """Two nodes live at one point over the limit: the one whose byte costs less moves."""
+    red = Reduction(core_nodes=np.arange(2), alive=(np.arange(2), np.arange(2)),
+                    node_costs=(np.array([0.0, 10.0]), np.array([0.0, 1.0])), edges=np.zeros((0, 2), np.int64),
+                    edge_costs=(), node_memory=(np.array([5.0, 1.0]), np.array([5.0, 1.0])),
+                    base_usage=np.zeros(2), records=(), stats={})
+    rows = MemoryRows(base=np.zeros(1), limit=6.0, lo=np.zeros(2, np.int64), hi=np.ones(2, np.int64))
+    state = CoreState(red, rows, np.zeros(2, np.int64))
+    assert state.repair(time.perf_counter() + 10)
+    assert state.choice.tolist() == [0, 1]
+
+
+def test_a_repaired_start_fits_without_forbidden_pairs():
+    from autoshard.solver.penalty import repaired_start, soften, violations
+
+    red, rows = _memory_core(np.random.default_rng(5))
+    # neighbours must agree on layouts {0, 1} or {2, 3}: forbidden pairs the repair may take
+    group = np.arange(4) < 2
+    mats = tuple(np.where(np.equal.outer(group, group), m, np.inf) for m in red.edge_costs)
+    red = soften(dataclasses.replace(red, edge_costs=mats))
+    # room for the least memory within {0, 1}, so that something without forbidden pairs fits
+    agreeing = np.array([int(np.argmin(np.where(group, m, np.inf))) for m in red.node_memory])
+    rows = dataclasses.replace(rows, limit=1.05 * float(rows.usage(red.node_memory, agreeing).max()))
+    cheapest = CoreState(red, rows, np.array([int(np.argmin(c)) for c in red.node_costs]))
+    assert cheapest.overflow() > 0 and len(violations(cheapest))
+    out = repaired_start(cheapest, time.perf_counter() + 60, 0)
+    assert out is not None and out.overflow() <= 0 and not len(violations(out))
+    assert out.total_cost() == pytest.approx(CoreState(red, rows, out.choice).total_cost())

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from autoshard.solver.local import FlatCosts
+from autoshard.solver.local import flat_costs
 from autoshard.solver.reduce import Reduction
 
 # Stands in for "impossible" in padded slots; finite so that sums never give nan.
@@ -51,7 +51,7 @@ class MinSumBP:
         self.width = int(self.sizes.max()) if n else 1
         self.costs = np.full((n, self.width), _BIG)
         self.set_node_costs(red.node_costs)
-        self.flat = FlatCosts(red)
+        self.flat = flat_costs(red)
         shapes: dict[tuple[int, int], list[int]] = {}
         for k, m in enumerate(red.edge_costs):
             shapes.setdefault(m.shape, []).append(k)

@@ -133,3 +133,25 @@ def memory_rows(
     np.add.at(delta, hi, -base_usage)
     base = np.cumsum(delta)[:-1]
     return MemoryRows(base=base, limit=float(memory_limit), lo=lo[core_nodes], hi=hi[core_nodes])
+
+
+def range_max(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """``max(values[lo[k]:hi[k]])`` per k (0 for empty ranges), by a sparse table."""
+    n = values.size
+    out = np.zeros(lo.size)
+    ok = hi > lo
+    if not n or not ok.any():
+        return out
+    table = [values]
+    while 2 * len(table[-1]) > 0 and (1 << len(table)) <= n:
+        prev, half = table[-1], 1 << (len(table) - 1)
+        table.append(np.maximum(prev[:-half], prev[half:]))
+    a, b = lo[ok], hi[ok]
+    level = np.floor(np.log2(b - a)).astype(np.int64)
+    res = np.empty(a.size)
+    for j in np.unique(level):
+        sel = level == j
+        t = table[j]
+        res[sel] = np.maximum(t[a[sel]], t[b[sel] - (1 << j)])
+    out[ok] = res
+    return out

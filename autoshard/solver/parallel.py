@@ -81,10 +81,11 @@ class Frames:
 class PipeSharing:
     """A worker's side of the incumbent exchange: posts to ``out``, polls ``inbox`` without blocking."""
 
-    def __init__(self, inbox_fd: int, out, frames: Frames):
+    def __init__(self, inbox_fd: int, out, frames: Frames, pending: list | None = None):
         self.inbox_fd = inbox_fd
         self.out = out
         self.frames = frames
+        self.pending = list(pending or ())  # messages already read from the inbox
         self.best = np.inf
         self.closed = False
 
@@ -96,15 +97,17 @@ class PipeSharing:
             self.out.flush()
 
     def poll(self) -> np.ndarray | None:
-        newest = None
+        msgs, self.pending = self.pending, []
         while not self.closed and select.select([self.inbox_fd], [], [], 0)[0]:
             data = os.read(self.inbox_fd, 1 << 20)
             if not data:
                 self.closed = True
                 break
-            for kind, cost, choice in self.frames.feed(data):
-                if kind == "incumbent" and cost < self.best:
-                    newest, self.best = choice.astype(np.int64), cost
+            msgs += self.frames.feed(data)
+        newest = None
+        for kind, cost, choice in msgs:
+            if kind == "incumbent" and cost < self.best:
+                newest, self.best = choice.astype(np.int64), cost
         return newest
 
 
@@ -128,10 +131,8 @@ def search_in_workers(
         best_cost, best_choice = fallback.total_cost(), fallback.choice.copy()
         if np.isfinite(hard.cost(best_choice)) and (rows is None or fallback.overflow() <= 0):
             stats.setdefault("first_fit_at", time.perf_counter())
-            first = encode(("incumbent", best_cost, best_choice.astype(np.int32)))
-    workers = _start_workers(red, rows, deadline, seed=seed, count=count, verbose=verbose)
-    for _, box, _ in workers if first is not None else ():
-        box.put(first)
+            first = ("incumbent", best_cost, best_choice.astype(np.int32))
+    workers = _start_workers(red, rows, deadline, seed=seed, count=count, verbose=verbose, first=first)
     try:
         while len(answers) + len(errors) < count and time.perf_counter() < deadline:
             live = {w[0].stdout.fileno(): k for k, w in enumerate(workers) if k not in answers}
@@ -171,8 +172,11 @@ def search_in_workers(
 
 
 def _start_workers(red: Reduction, rows: MemoryRows | None, deadline: float, *, seed: int, count: int,
-                   verbose: bool) -> list:
-    """Start ``count`` worker interpreters and send each its job: ``(process, outbox, frames)`` per worker."""
+                   verbose: bool, first: tuple | None = None) -> list:
+    """Start ``count`` worker interpreters and send each its job: ``(process, outbox, frames)`` per worker.
+
+    ``first``, an incumbent message, travels inside the job: sent after it, it could arrive after the
+    worker's first look for one (which then redid the parent's work)."""
     job_red = dataclasses.replace(red, records=())  # the workers never expand a choice
     # deadlines travel as seconds on the shared monotonic clock; the workers stop a little
     # early so that their answers arrive by the deadline
@@ -188,7 +192,7 @@ def _start_workers(red: Reduction, rows: MemoryRows | None, deadline: float, *, 
         outbox: queue.Queue = queue.Queue()
         threading.Thread(target=_writer, args=(proc, outbox), daemon=True).start()
         outbox.put(encode({"red": job_red, "rows": rows, "end": end, "seed": seed + k, "variant": k,
-                           "verbose": verbose}))
+                           "verbose": verbose, "first": first}))
         workers.append((proc, outbox, Frames()))
     return workers
 

@@ -41,6 +41,7 @@ from autoshard.solver.penalty import (
     penalised_choice,
     penalty_search,
     plain_scale,
+    repaired_start,
     soften,
     violations,
 )
@@ -100,6 +101,18 @@ _FREE_SEED_FRACTION = 10
 _BOUND_SHARE = 0.02
 _BOUND_SECONDS = 3.0
 _BOUND_ROUNDS = 60
+# Huge memory cores: the same belief propagation runs on to _REPAIR_BP_ROUNDS rounds (at most
+# _REPAIR_BP_SHARE of the time left), its choice is repaired to fit and cleared of forbidden pairs
+# (penalty.repaired_start: a few seconds, not time-shared), and guarded descents from there get up to
+# _REPAIR_SHARE of the time, before the memory-priced searches start (contest A at 15 s: 1.2x the best
+# known where those searches had no fit at all).
+_REPAIR_BP_ROUNDS = 20
+_REPAIR_BP_SHARE = 0.25
+_REPAIR_SHARE = 0.1
+# ... and the memory-priced searches run only with at least this share of the core search's time
+# left (they need tens of seconds for a first fit on contest A, M and S); else the guarded descents
+# from the repaired start get it.
+_LAGRANGE_MIN_SHARE = 0.5
 # Mid-sized memory cores (too many cells for the plain MILP path, at most _FULL_MILP_NODES
 # nodes): guarded descents get this share of the time after the penalty search, then one
 # MILP over the whole core this share of the rest, then MILP windows to the deadline.
@@ -361,15 +374,15 @@ class Search:
     variant: int | None = None
 
 
-def _bp_bound(red: Reduction, deadline: float) -> float:
-    """The best belief-propagation dual bound (memory ignored) reached by ``deadline``."""
+def _bp_bound(red: Reduction, deadline: float) -> tuple[float, MinSumBP]:
+    """The best belief-propagation dual bound (memory ignored) reached by ``deadline``, and the propagation."""
     bp = MinSumBP(red)
     best = bp.lower_bound()
     while time.perf_counter() < deadline and bp.rounds < _BOUND_ROUNDS:
         for _ in range(3):
             bp.step(bp.beliefs())
         best = max(best, bp.lower_bound())
-    return best
+    return best, bp
 
 
 def _memory_free_large(s: Search) -> CoreAnswer:
@@ -446,13 +459,14 @@ def _memory_core(s: Search, start_time: float) -> CoreAnswer:
     if large:
         if state.overflow() <= 0:
             _post(s, state)  # something to answer with, should this worker be cut off
+        bp = None
         if not s.variant:
             # the bound next, after the first answer (building it takes a while on big
             # matrices; at the end it could overrun the deadline)
             now = time.perf_counter()
-            s.stats["large_bound"] = _bp_bound(s.red, now + min(_BOUND_SHARE * max(s.deadline - now, 0.0),
-                                                                _BOUND_SECONDS))
-        state = _large_start(s, state, start_time)
+            s.stats["large_bound"], bp = _bp_bound(s.red, now + min(_BOUND_SHARE * max(s.deadline - now, 0.0),
+                                                                    _BOUND_SECONDS))
+        state = _large_start(s, state, start_time, bp)
         feasible = state.overflow() <= 0
     if feasible:
         _post(s, state)
@@ -613,15 +627,25 @@ def _windows(s: Search, state: CoreState, large: bool, window=None, seeds=None) 
     return search.state
 
 
-def _large_start(s: Search, state: CoreState, start_time: float) -> CoreState:
-    """A first fitting choice of a large memory-constrained core (``state`` when none is found)."""
+def _large_start(s: Search, state: CoreState, start_time: float, bp: MinSumBP | None) -> CoreState:
+    """A first fitting choice of a large memory-constrained core (``state`` when none is found).
+
+    ``bp`` is the bound's belief propagation (memory ignored), when this search computed it.
+    """
     red, rows, deadline, seed, log = s.red, s.rows, s.deadline, s.seed, s.log
     now = time.perf_counter()
     rest = max(deadline - now, 0.0)
     cand = None
     huge = red.num_core > _FULL_MILP_NODES
     if huge:
-        cand = _two_lagrangian_starts(s, now)
+        cands = [] if bp is None else [_repaired(s, bp, now)]
+        if cands == [] or deadline - time.perf_counter() > _LAGRANGE_MIN_SHARE * (deadline - start_time):
+            cands.append(_two_lagrangian_starts(s, time.perf_counter()))
+        shared = s.share.poll()  # another worker's fit, when cheaper: the descents below start from it
+        if shared is not None:
+            cands.append(CoreState(red, rows, shared))
+        cands = [c for c in cands if c is not None and c.overflow() <= 0 and not len(violations(c))]
+        cand = min(cands, key=lambda st: st.total_cost()) if cands else None
     if cand is None or len(violations(cand)):
         # nothing fits yet, or only with forbidden pairs: the uniform search
         # goes on until something fits
@@ -657,6 +681,20 @@ def _large_start(s: Search, state: CoreState, start_time: float) -> CoreState:
     return state
 
 
+def _repaired(s: Search, bp: MinSumBP, now: float) -> CoreState | None:
+    """Belief propagation's memory-free choice made to fit (:func:`repaired_start`), in ``_REPAIR_SHARE``
+    of the time left; posted when it fits without forbidden pairs."""
+    rest = max(s.deadline - now, 0.0)
+    choice, _ = bp.run(now + _REPAIR_BP_SHARE * rest, max_rounds=max(_REPAIR_BP_ROUNDS - bp.rounds, 0))
+    found = repaired_start(CoreState(s.red, s.rows, choice), s.deadline - _MARGIN, s.seed, s.log,
+                           improve_until=now + _REPAIR_SHARE * rest)
+    s.log(f"repaired start ({bp.rounds} rounds of belief propagation): "
+          f"{'none' if found is None else f'cost {found.total_cost():.6g}'}")
+    if found is not None:
+        _post(s, found)
+    return found
+
+
 def _two_lagrangian_starts(s: Search, now: float) -> CoreState | None:
     """The cheaper fit of two memory-priced searches (the caller then descends from it).
 
@@ -680,6 +718,9 @@ def _two_lagrangian_starts(s: Search, now: float) -> CoreState | None:
         until = 0.6 if both else 0.65
         found = lagrangian_bp(red, rows, plain_scale(red) * 2.0**_BP_START, now + until * rest, log=log)
         if found is not None:
+            # its fits may keep a few forbidden pairs (contest S: 9), which a guarded descent
+            # removes only when a round happens to fit; clearing them first is quick and sure
+            found = clear_forbidden(found, time.perf_counter() + 0.1 * rest, seed, log)
             cands.append(guarded_descent(found, time.perf_counter() + 0.1 * rest, seed, log))
     if both or variant % 2 == 1:
         start = penalised_choice(red, rows, lam, deadline, seed, forest_seconds=max(0.05 * rest, 1.0))

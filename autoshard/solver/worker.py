@@ -21,14 +21,15 @@ def main() -> int:
     os.dup2(2, 1)  # anything printed goes to stderr, not into the message stream
     inbox = sys.stdin.fileno()
     frames = Frames()
-    job = None
-    while job is None:
+    msgs: list = []
+    while not msgs:
         data = os.read(inbox, 1 << 20)
         if not data:
             return 1
         msgs = frames.feed(data)
-        if msgs:
-            job = msgs[0]
+    job = msgs.pop(0)
+    if job.get("first") is not None:  # the parent's first incumbent, for the search's first look
+        msgs.insert(0, job["first"])
     k = job["variant"]
     t0 = time.perf_counter()
 
@@ -37,7 +38,7 @@ def main() -> int:
             print(f"[worker {k} {time.perf_counter() - t0:7.2f}s] {msg}", file=sys.stderr, flush=True)
 
     deadline = time.perf_counter() + (job["end"] - time.monotonic())
-    share = PipeSharing(inbox, out, frames)
+    share = PipeSharing(inbox, out, frames, pending=msgs)
     stats: dict = {}
     try:
         ans = search_core(job["red"], job["rows"], deadline, seed=job["seed"], log=log, stats=stats, variant=k,

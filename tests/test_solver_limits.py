@@ -8,6 +8,7 @@ solver's own clock (``stats["elapsed"]``, ``stats["stop"]``), never by the test'
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
@@ -204,17 +205,25 @@ def test_large_memory_core_reports_its_first_fit():
     assert sol.cost == pytest.approx(p.cost(sol.choice))
 
 
-@pytest.mark.parametrize("name", ["A", "M", "S"])
-def test_contest_least_memory_starts_are_cleared(name):
-    """The first feasible answer of the large contest cores: no forbidden pair left, the limit kept."""
-    from autoshard.solver.penalty import clear_forbidden, violations
+@functools.cache
+def _cleared_contest_core(name: str):
+    """A large contest problem, its softened core's least-memory start, and that start cleared."""
+    from autoshard.solver.penalty import clear_forbidden
 
     path = SHARED / f"asplos-2025-iopddl-{name}.json.gz"
     if not path.exists():
         pytest.skip(f"{path} not present")
     p = read_iopddl(path)
     start = _softened_core(p)
-    out = clear_forbidden(start, deadline=time.perf_counter() + 600, seed=0)
+    return p, start, clear_forbidden(start, deadline=time.perf_counter() + 600, seed=0)
+
+
+@pytest.mark.parametrize("name", ["A", "M", "S"])
+def test_contest_least_memory_starts_are_cleared(name):
+    """The first feasible answer of the large contest cores: no forbidden pair left, the limit kept."""
+    from autoshard.solver.penalty import violations
+
+    p, start, out = _cleared_contest_core(name)
     assert len(violations(start)) > 1000 and len(violations(out)) == 0 and out.overflow() <= 0
     full = out.red.expand(out.choice, p.num_nodes)
     assert p.is_feasible(full) and np.isfinite(p.cost(full))
@@ -225,14 +234,10 @@ def test_a_huge_contest_core_fits_from_its_repaired_start():
     least-memory start (the first answer before it), with no descent at all."""
     from autoshard.solver.bp import MinSumBP
     from autoshard.solver.local import CoreState
-    from autoshard.solver.penalty import clear_forbidden, repaired_start, violations
+    from autoshard.solver.penalty import repaired_start, violations
 
-    path = SHARED / "asplos-2025-iopddl-A.json.gz"
-    if not path.exists():
-        pytest.skip(f"{path} not present")
-    start = _softened_core(read_iopddl(path))
+    _, start, cleared = _cleared_contest_core("A")
     far = time.perf_counter() + 600
-    cleared = clear_forbidden(start, far, 0)
     choice, _ = MinSumBP(start.red).run(far, max_rounds=20)
     out = repaired_start(CoreState(start.red, start.rows, choice), far, 0, improve_until=0.0)
     assert out is not None and out.overflow() <= 0 and not len(violations(out))
@@ -253,3 +258,36 @@ def test_the_first_incumbent_sent_with_a_job_is_read_first():
     finally:
         os.close(read_end)
         os.close(write_end)
+
+
+def test_an_incumbent_larger_than_a_pipe_is_read_whole(monkeypatch):
+    """A worker polling while the parent is still writing an incumbent waits for the rest of it."""
+    import os
+    import threading
+
+    from autoshard.solver import parallel
+
+    monkeypatch.setattr(parallel, "_REST_WAIT", 30.0)  # far longer than the writer's pause
+    choice = np.arange(60_000, dtype=np.int32)  # 240 KB: several pipe buffers
+    data = parallel.encode(("incumbent", 1.0, choice))
+    read_end, write_end = os.pipe()
+    os.write(write_end, data[:1000])
+
+    def rest():
+        time.sleep(0.05)
+        view = memoryview(data)[1000:]
+        try:
+            while view:
+                view = view[os.write(write_end, view):]
+        except OSError:  # the reader has gone (the poll came back without the message)
+            pass
+
+    writer = threading.Thread(target=rest)
+    writer.start()
+    try:
+        got = parallel.PipeSharing(read_end, None, parallel.Frames()).poll()
+    finally:
+        os.close(read_end)
+        writer.join()
+        os.close(write_end)
+    np.testing.assert_array_equal(got, choice)

@@ -44,6 +44,8 @@ _GRACE = 0.3
 _GRACE_SHARE = 0.03
 _GRACE_MAX = 3.0
 _HEADER = struct.Struct("<Q")
+# Seconds a worker waits for the rest of a message it has begun to read.
+_REST_WAIT = 0.5
 
 
 def default_workers() -> int:
@@ -98,7 +100,9 @@ class PipeSharing:
 
     def poll(self) -> np.ndarray | None:
         msgs, self.pending = self.pending, []
-        while not self.closed and select.select([self.inbox_fd], [], [], 0)[0]:
+        # an incumbent is larger than a pipe's buffer (contest A: 93 KB), so the parent's writer may
+        # still be sending the rest of one: wait a little for a message begun (else it came a poll late)
+        while not self.closed and select.select([self.inbox_fd], [], [], _REST_WAIT if self.frames.buffer else 0)[0]:
             data = os.read(self.inbox_fd, 1 << 20)
             if not data:
                 self.closed = True

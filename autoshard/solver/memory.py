@@ -86,11 +86,6 @@ class MemoryRows:
         keys = sorted(best, key=lambda k: (len(k), k))
         return [np.asarray(k, dtype=np.int64) for k in keys], np.array([best[k] for k in keys])
 
-    def live_nodes(self, p: int, core_memory) -> np.ndarray:
-        """Core nodes with a memory model live at point ``p``."""
-        has = np.array([m is not None for m in core_memory])
-        return np.flatnonzero(has & (self.lo <= p) & (self.hi > p))
-
 
 def peak_points(intervals: np.ndarray, nonnegative: bool = True) -> np.ndarray:
     """The time points where a maximal live set occurs (sorted)."""

@@ -291,3 +291,17 @@ def test_an_incumbent_larger_than_a_pipe_is_read_whole(monkeypatch):
         writer.join()
         os.close(write_end)
     np.testing.assert_array_equal(got, choice)
+
+
+def test_a_parallel_answer_without_any_worker_answer_still_has_a_bound(monkeypatch, tmp_path):
+    """On a loaded machine the workers may not answer in time; the parent's answer keeps a lower bound."""
+    import sys
+
+    silent = tmp_path / "silent-python"
+    silent.write_text("#!/bin/sh\nexec sleep 120\n")
+    silent.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(silent))  # the workers start and never answer
+    p = _mid_memory_problem(1)
+    sol = solve(p, time_limit=MIN_PARALLEL_SECONDS + 0.5, workers=2)
+    assert sol.stats["workers"] == 2 and sol.stats["worker_costs"] == [] and sol.feasible
+    assert np.isfinite(sol.stats["bound"]) and sol.stats["bound"] <= sol.cost + 1e-9 * abs(sol.cost)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from autoshard.solver.bp import trivial_bound
 from autoshard.solver.local import CoreState, FlatCosts
 from autoshard.solver.memory import MemoryRows
 from autoshard.solver.reduce import Reduction
@@ -172,6 +173,7 @@ def search_in_workers(
             proc.wait()
     done = [a for a in answers.values() if a is not None]
     return _combined_answer(done, errors, best_cost=best_cost, best_choice=best_choice, count=count, stats=stats,
+                            floor=trivial_bound(red),
                             log=log)
 
 
@@ -201,13 +203,16 @@ def _start_workers(red: Reduction, rows: MemoryRows | None, deadline: float, *, 
     return workers
 
 
-def _combined_answer(done: list, errors: list, *, best_cost: float, best_choice, count: int, stats: dict,
+def _combined_answer(done: list, errors: list, *, best_cost: float, best_choice, count: int, stats: dict, floor: float,
                      log) -> dict:
-    """The core answer from the workers' answers (``done``) and the cheapest incumbent any posted."""
+    """The core answer from the workers' answers (``done``) and the cheapest incumbent any posted.
+
+    ``floor`` is the core's trivial lower bound, the answer's bound when no worker's answer has a finite one."""
     if any(a["infeasible"] for a in done):
         return {"choice": done[0]["choice"], "cost": np.inf, "optimal": False, "bound": np.nan, "infeasible": True}
     bounds = [a["bound"] for a in done if np.isfinite(a["bound"])]
-    bound = max(bounds) if bounds else np.nan
+    # with no worker's answer in time (a loaded machine), the cheapest entries' sum still bounds the cost
+    bound = max(bounds, default=floor)
     win = min(done, key=lambda a: a["cost"]) if done else None
     if win is not None and win["cost"] <= best_cost:
         best_cost, best_choice = win["cost"], win["choice"]

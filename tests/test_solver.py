@@ -234,3 +234,44 @@ def test_windows_next_to_forbidden_pairs_at_a_short_limit():
     p = read_iopddl(path)
     sol = solve(p, time_limit=5)
     assert sol.feasible and np.isfinite(sol.cost) and sol.cost == pytest.approx(p.cost(sol.choice))
+
+
+def test_group_matrix_groups_identical_rows_and_columns_in_sorted_order():
+    """The MILP's edge groups: ``m == r[rows][:, cols]``, numbered as ``np.unique`` numbers the distinct
+    rows and columns (infinite cells included)."""
+    from autoshard.solver.milp import group_matrix
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        base = rng.integers(0, 3, size=(4, 4)).astype(float)
+        base[0, 1] = np.inf
+        m = base[np.ix_(rng.integers(0, 4, size=rng.integers(1, 12)), rng.integers(0, 4, size=rng.integers(1, 12)))]
+        r, rows, cols = group_matrix(m)
+        np.testing.assert_array_equal(r[np.ix_(rows, cols)], m)
+        np.testing.assert_array_equal(rows, np.unique(m, axis=0, return_inverse=True)[1].reshape(-1))
+        np.testing.assert_array_equal(cols, np.unique(m, axis=1, return_inverse=True)[1].reshape(-1))
+
+
+def _clique(agree: bool) -> ShardingProblem:
+    """Four nodes of two strategies, each pair joined by an edge that costs 1 unless its ends agree
+    (``agree``) or unless they differ."""
+    m = np.array([[0.0, 1.0], [1.0, 0.0]]) if agree else np.array([[1.0, 0.0], [0.0, 1.0]])
+    edges = np.array([[u, v] for u in range(4) for v in range(u + 1, 4)])
+    node_costs = (np.array([0.0, 0.1]), np.array([0.1, 0.0]), np.array([0.0, 0.3]), np.array([0.1, 0.0]))
+    return ShardingProblem(node_costs, edges, (m,) * len(edges))
+
+
+@pytest.mark.parametrize("agree", [True, False])
+def test_milp_relaxation_first_answers_only_when_integral(agree):
+    """Where neighbours want to agree the LP relaxation is integral and is the answer; where every pair wants
+    to differ it is fractional (each node half and half), and the MILP finds the integral optimum."""
+    from autoshard.solver.milp import solve_milp
+
+    p = _clique(agree)
+    red = reduce_problem(p, with_memory=False)
+    assert red.num_core == 4
+    best = min(p.cost(np.array(c)) for c in itertools.product(range(2), repeat=4))
+    plain = solve_milp(red, None, time_limit=30)
+    first = solve_milp(red, None, time_limit=30, relaxation_first=True)
+    assert plain.status == first.status == "optimal"
+    assert first.objective == pytest.approx(plain.objective) == pytest.approx(best)

@@ -516,7 +516,10 @@ def _full_milp(s: Search, state: CoreState, feasible: bool):
     """
     remaining = s.deadline - time.perf_counter() - _MARGIN
     share_of_rest = 0.6 if feasible else 1.0
-    res = solve_milp(s.red, s.rows, time_limit=share_of_rest * remaining)
+    # Without memory rows the relaxation is often integral (the planner's layer cores always were); a
+    # binding memory row makes its optimum split a node between two strategies, so the MILP goes first.
+    free = s.rows is None or not s.rows.num_points
+    res = solve_milp(s.red, s.rows, time_limit=share_of_rest * remaining, relaxation_first=free)
     s.stats.update(milp_status=res.status, milp_bound=res.bound)
     s.log(f"milp: {res.status}, objective {res.objective:.6g}, bound {res.bound:.6g}")
     bound = np.nan

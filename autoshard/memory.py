@@ -634,7 +634,11 @@ def _liveness(program: CapturedProgram, value_specs, mesh, entry: _Entry, *, ope
                  if ops[t].body is not None}
     extras, lowering, covered = _lowering_buffers(graph, materialised, _ShardBytes(program, value_specs, mesh),
                                                   profile)
-    reads = [tuple(v for v in r if (t, v) not in covered) for t, r in enumerate(reads)]
+    if covered:
+        dropped: dict[int, set] = {}
+        for t, v in covered:
+            dropped.setdefault(t, set()).add(v)
+        reads = [tuple(v for v in r if v not in dropped[t]) if t in dropped else r for t, r in enumerate(reads)]
     extras += _resharded_buffers(program, value_specs, operand_specs, mesh)
 
     def scheduled(t):  # a fused op runs inside the next op that is not fused

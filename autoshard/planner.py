@@ -342,6 +342,7 @@ def merge_followers(graph: StrategyGraph, cost: CostModel, avals, shrink: float 
     weak = [node.weak for node in graph.nodes]
     table = _SpecTable()
     by_in_cache: dict = {}
+    maps: dict = {}
     numel = {}
     for i, node in enumerate(graph.nodes):
         if node.kind != "follower":
@@ -368,18 +369,23 @@ def merge_followers(graph: StrategyGraph, cost: CostModel, avals, shrink: float 
                 if spec not in by_in or s.cost < node.strategies[by_in[spec]].cost:
                     by_in[spec] = b
             by_in_cache[key] = by_in
-        uniq, inv = np.unique(src_ids, return_inverse=True)
-        picks = np.empty(len(uniq), dtype=np.int64)
-        for k, u in enumerate(uniq):
-            spec = table.specs[u]
-            b = by_in.get(spec)
-            if b is None:
-                shape, itemsize = _aval_shape(avals[main.value]), _itemsize(avals[main.value])
-                b = min(range(len(node.strategies)), key=lambda b: node.strategies[b].cost
-                        + cost.reshard_time(shape, itemsize, spec, node.strategies[b].in_specs[main.dst_pos]))
-            picks[k] = b
+        shape, itemsize = _aval_shape(avals[main.value]), _itemsize(avals[main.value])
+        # followers of one kind on one shape repeat (every layer's): their map is computed once
+        map_key = (key, shape, itemsize, src_ids.tobytes())
+        mapped = maps.get(map_key)
+        if mapped is None:
+            uniq, inv = np.unique(src_ids, return_inverse=True)
+            picks = np.empty(len(uniq), dtype=np.int64)
+            for k, u in enumerate(uniq):
+                spec = table.specs[u]
+                b = by_in.get(spec)
+                if b is None:
+                    b = min(range(len(node.strategies)), key=lambda b: node.strategies[b].cost
+                            + cost.reshard_time(shape, itemsize, spec, node.strategies[b].in_specs[main.dst_pos]))
+                picks[k] = b
+            mapped = maps[map_key] = picks[inv.reshape(-1)]
         root[i] = r
-        index_map[i] = picks[inv.reshape(-1)]
+        index_map[i] = mapped
     return MergedGraph(graph, root, tuple(index_map), tuple(int(i) for i in range(n) if root[i] == i))
 
 

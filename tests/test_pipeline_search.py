@@ -275,3 +275,21 @@ def test_stage_program_weighs_ops_by_their_runs_per_step(reduce_gradients):
         assert sums <= set(prog.reduce_weights) <= micro and set(prog.reduce_weights.values()) == {1.0}
     else:
         assert not prog.reduce_weights
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_stage_dp_takes_the_options_in_chunks_without_changing_the_answer(seed, monkeypatch):
+    """The DP builds its candidates a chunk of options at a time (a bounded array at 1,024 devices); one
+    option per chunk gives the same stages, ties broken alike (first option, then first cut)."""
+    from autoshard.pipeline import stage_dp
+
+    rng = np.random.default_rng(100 + seed)
+    L = int(rng.integers(1, 6))
+    sizes, N = [(1, 2, 4), (1, 2, 4, 8), (1, 2, 2, 4)][seed % 3], [4, 8, 8][seed % 3]
+    problem = _random_problem(rng, L, sizes, N, int(rng.integers(1, 9)), with_memory=seed % 2 == 1)
+    whole = assign_stages(problem)
+    monkeypatch.setattr(stage_dp, "CHUNK_CELLS", 1)
+    chunked = assign_stages(problem)
+    assert (whole is None) == (chunked is None)
+    if whole is not None:
+        assert chunked.stages == whole.stages and chunked.latency == whole.latency

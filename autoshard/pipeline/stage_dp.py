@@ -108,32 +108,44 @@ def assign_stages(problem: StageProblem) -> StageSolution | None:
     return best
 
 
+# Cells of the candidate array one vectorised step of :func:`_solve_for` builds at most (it takes the options
+# in chunks of this size): about 32 MB of float64.
+CHUNK_CELLS = 1 << 22
+
+
 def _solve_for(problem: StageProblem, fits, t_max: float, S_max: int):
-    """The DP for one ``t_max``: ``(least Σ t, stages)``, or None when no assignment fits."""
+    """The DP for one ``t_max``: ``(least Σ t, stages)``, or None when no assignment fits.
+
+    Each step takes the options a chunk at a time: ``cand[i, m, j, d]`` is a stage of layers ``[i, j)`` on
+    option ``m`` ahead of the best ``s - 1`` stages of ``j..L`` on ``d - size_m`` devices. The least over
+    ``(m, j)`` in that order keeps the first option, then the first cut, among equals."""
     L, N, T, sizes = problem.num_layers, problem.num_devices, problem.stage_time, np.array(problem.sizes)
     M = len(sizes)
-    allowed = T <= t_max
+    allowed = T <= t_max                                          # [L, L+1, M]
+    shifted = np.arange(N + 1)[None, :] - sizes[:, None]          # [M, N+1]: d - size_m
+    valid = shifted >= 0
+    shifted = np.maximum(shifted, 0)
+    times = np.moveaxis(T, 2, 1)                                  # [L, M, L+1]
+    chunk = max(1, CHUNK_CELLS // (L * (L + 1) * (N + 1)))
     F = np.full((L + 1, N + 1), np.inf)      # F[l, d] with s stages
     F[L, 0] = 0.0
     history = []
     best = None
     for s in range(1, S_max + 1):
+        ok = np.moveaxis(allowed & fits[s], 2, 1)                 # [L, M, L+1]
         new = np.full((L + 1, N + 1), np.inf)
         arg = np.full((L + 1, N + 1, 2), -1, dtype=int)
-        for m in range(M):
-            n = sizes[m]
-            if n > N:
-                continue
-            ok = allowed[:, :, m] & fits[s][:, :, m]                 # [L, L+1]
-            prev = np.full((L + 1, N + 1), np.inf)
-            prev[:, n:] = F[:, : N + 1 - n]                           # prev[j, d] = F[j, d - n]
-            cand = np.where(ok[:, :, None], T[:, :, m][:, :, None] + prev[None, :, :], np.inf)  # [L, L+1, N+1]
-            j_best = np.argmin(cand, axis=1)                          # [L, N+1]
-            val = np.take_along_axis(cand, j_best[:, None, :], axis=1)[:, 0, :]
+        for m0 in range(0, M, chunk):
+            ms = slice(m0, min(m0 + chunk, M))
+            prev = np.where(valid[ms], F[:, shifted[ms]], np.inf)   # [L+1, c, N+1]: F[j, d - size_m]
+            cand = np.where(ok[:, ms, :, None], times[:, ms, :, None] + np.moveaxis(prev, 0, 1)[None], np.inf)
+            flat = cand.reshape(L, -1, N + 1)                     # (m, j) pairs, m major
+            pick = np.argmin(flat, axis=1)                        # [L, N+1]
+            val = np.take_along_axis(flat, pick[:, None, :], axis=1)[:, 0, :]
             better = val < new[:L]
             new[:L] = np.where(better, val, new[:L])
-            arg[:L, :, 0] = np.where(better, j_best, arg[:L, :, 0])
-            arg[:L, :, 1] = np.where(better, m, arg[:L, :, 1])
+            arg[:L, :, 0] = np.where(better, pick % (L + 1), arg[:L, :, 0])
+            arg[:L, :, 1] = np.where(better, m0 + pick // (L + 1), arg[:L, :, 1])
         history.append(arg)
         F = new
         if (problem.num_stages is None or s == problem.num_stages) and np.isfinite(F[0, N]):

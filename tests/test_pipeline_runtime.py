@@ -9,6 +9,8 @@ import pytest
 
 import autoshard
 from autoshard.hlo import collective_stats
+from autoshard.plan import compiled_bytes_by_kind
+from autoshard.spec import MeshInfo
 from benchmarks.models import gpt, mlp
 from benchmarks.models.gpt import GPTConfig
 from benchmarks.models.mlp import MLPConfig
@@ -129,6 +131,32 @@ def test_gradients_reduced_once_per_step():
     assert micro < 0.1 * micro_mb
     # Per step: k microbatches' gradient reductions against one reduction of their sums.
     assert k * micro_mb + once_mb > 3 * (k * micro + once)
+
+
+def test_residuals_are_handed_over_in_the_layout_the_forward_resharded_them_to():
+    """A residual that the forward task reshards for one of its readers and the backward task reads in that layout
+    too is passed over in it: the plan priced that reshard once (one program merges the identical collectives),
+    and the two tasks now pay it once. Each stage's compiled tasks move no more bytes than its plan predicts (the
+    backward of stage 0 made an all-to-all of a residual again before), and the step equals jax.jit."""
+    k = 4
+    opts = autoshard.PipelineOptions(num_stages=2, layers=2, submeshes=LAYOUTS["2x(2,2)"], solver_time_limit=0.5)
+    step, state, batch = check_pipeline(_spec("gpt", k), opts, k)
+    exe = step.prepared(state, batch).executable
+    assert any(exe.handoff)
+    plan, tasks = step.plan(state, batch), exe.compiled_tasks()
+    for s, handoff in enumerate(exe.handoff):
+        f, b = exe.part.tasks[("F", s)], exe.part.tasks[("B", s)]
+        assert set(handoff) <= set(f.outvars) & set(b.invars)
+        for v, spec in handoff.items():
+            assert spec != plan.stages[s].plan.value_specs[v]
+            assert exe.sharding(v, s).spec == spec.to_partition_spec(MeshInfo.from_mesh(exe.meshes[s]))
+        compiled: dict = {}
+        for key, c in tasks.items():
+            if key[1] == s:
+                for kind, nbytes in compiled_bytes_by_kind(c).items():
+                    compiled[kind] = compiled.get(kind, 0.0) + nbytes
+        check = plan.stages[s].plan.check_against(compiled)
+        assert check.compiled_bytes <= check.predicted_bytes, (s, check)
 
 
 def test_reduce_gradients_option_is_checked():

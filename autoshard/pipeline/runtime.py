@@ -2,7 +2,8 @@
 
 Values move between sub-meshes with ``jax.device_put`` onto the receiving stage's sharding (its
 intra-op plan's layout for that value, else replicated). A forward task returns the residuals its
-backward needs, so nothing is recomputed. Frontier values (weight gradients, the summed loss)
+backward needs, so nothing is recomputed; one its forward already resharded for a reader is returned in that
+layout where the backward reads it so too (:func:`~autoshard.pipeline.partition.handoff_layouts`). Frontier values (weight gradients, the summed loss)
 are accumulated inside the task that makes them: the task takes the running sum and returns it
 plus its partial, donating the old buffer. A gradient whose plan all-reduces a contraction's partial
 sums is accumulated unreduced and all-reduced once per step, before the update
@@ -24,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from autoshard.capture import OpGraph, graph_ops
 from autoshard.lower import MICROBATCH, Evaluator
 from autoshard.pipeline.deferred import partial_sums, reduce_partials
-from autoshard.pipeline.partition import Partition, Task
+from autoshard.pipeline.partition import Partition, Task, handoff_layouts
 from autoshard.pipeline.schedule import dispatch_order, stage_orders
 from autoshard.spec import MeshInfo
 
@@ -88,6 +89,8 @@ class PipelineExecutable:
                                          partials={ps.op_index: ps for ps in partials.values()},
                                          draws=analysis.draws))
         full = analysis.full
+        # residuals a backward task reads in the layout its forward already resharded them to
+        self.handoff = [handoff_layouts(part, s, plan, full.graph.outvars) for s, plan in enumerate(self.plans)]
         self.batch_values = {full.graph.invars[p]: p for p in analysis.batch_inputs}
         self.invar_pos = {v: i for i, v in enumerate(full.graph.invars)}
         # Outputs that are the next state keep the layout their input has on that stage.
@@ -110,7 +113,8 @@ class PipelineExecutable:
         graph = OpGraph(task.invars, task.ops, task.outvars)
         n = len(task.invars)
         frontier = {v: i for i, v in enumerate(task.frontier)}
-        out_spec = {}
+        handoff = self.handoff[task.stage]
+        out_spec = {v: handoff[v] for v in task.outvars if v in handoff}
         if task.phase == "R":
             for v in task.outvars:
                 src = self._out_spec.get(v)
@@ -118,7 +122,8 @@ class PipelineExecutable:
                     out_spec[v] = ev.value_specs[src]
 
         def fn(*args):
-            env = {v: ev.constrain(x, ev.value_specs.get(v)) for v, x in zip(task.invars, args[:n], strict=True)}
+            env = {v: ev.constrain(x, handoff.get(v, ev.value_specs.get(v))) for v, x in zip(task.invars, args[:n],
+                                                                                            strict=True)}
             if task.key in self.drawing:   # the microbatch index comes last
                 *args, env[MICROBATCH] = args
             outs = ev.run(graph, env)
@@ -195,7 +200,9 @@ class PipelineExecutable:
 
     # ---- placement ----------------------------------------------------------------------------------
     def sharding(self, v, stage) -> NamedSharding:
-        spec = None if self.plans[stage] is None else self.plans[stage].value_specs.get(v)
+        spec = self.handoff[stage].get(v)
+        if spec is None and self.plans[stage] is not None:
+            spec = self.plans[stage].value_specs.get(v)
         mesh = self.meshes[stage]
         if spec is None or len(spec.dims) != np.ndim(self.analysis.avals[v]):
             return NamedSharding(mesh, PartitionSpec())

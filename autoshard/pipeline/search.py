@@ -74,13 +74,7 @@ def stage_program(analysis: StepAnalysis, part: Partition, stage: int, *,
         for x in op.inputs:
             if isinstance(x, int) and x not in produced and x not in invars:
                 invars.append(x)
-    internal = set()
-    if len(micro) == 2:
-        f, b = micro
-        others = [t for k, t in part.tasks.items() if k not in (f.key, b.key)]
-        read_elsewhere = {v for t in others for v in t.invars}
-        outs = set(analysis.full.graph.outvars)
-        internal = {v for v in f.outvars if v in b.invars and v not in read_elsewhere and v not in outs}
+    internal = part.internal_values(stage, analysis.full.graph.outvars)
     outvars = [v for t in tasks for v in t.outvars if v not in internal]
     full = analysis.full
     pos = {v: i for i, v in enumerate(full.graph.invars)}

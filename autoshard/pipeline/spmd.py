@@ -62,7 +62,7 @@ from autoshard.errors import InputError, MeshError
 from autoshard.hlo import permutes_in_branches
 from autoshard.lower import MICROBATCH, Evaluator
 from autoshard.pipeline.deferred import partial_sums, reduce_partials
-from autoshard.pipeline.partition import Partition
+from autoshard.pipeline.partition import Partition, handoff_layouts
 from autoshard.pipeline.schedule import simulate, stage_orders
 from autoshard.spec import MeshInfo, ShardingSpec
 
@@ -213,6 +213,8 @@ class SpmdPipelineExecutable:
                                  gather_then_slice=True, draws=analysis.draws)
                        for s, p in enumerate(plans)]
         self._full_ev = Evaluator(full, {}, {}, self.mesh, MeshInfo.from_mesh(self.mesh))
+        # residuals a backward task reads in the layout its forward already resharded them to
+        self.handoff = [handoff_layouts(part, s, p, full.graph.outvars) for s, p in enumerate(plans)]
 
         # Branch 0 of the task switch idles; branch i > 0 runs self.tasks[i - 1] (on its own stage only).
         self.tasks = sorted(key for key in part.tasks if key[0] in ("F", "B"))
@@ -237,7 +239,9 @@ class SpmdPipelineExecutable:
     def _pspec(self, stage: int, v) -> PartitionSpec:
         """Stage ``stage``'s plan's layout of ``v`` as a PartitionSpec, replicated where it has none or
         the value does not split evenly."""
-        spec = self._evals[stage].value_specs.get(v)
+        spec = self.handoff[stage].get(v)
+        if spec is None:
+            spec = self._evals[stage].value_specs.get(v)
         shape = getattr(self.analysis.avals[v], "shape", ())
         if spec is None or len(spec.dims) != len(shape):
             return PartitionSpec()
@@ -245,7 +249,8 @@ class SpmdPipelineExecutable:
         return pspec if local_shape(shape, pspec, self.rows.sizes) is not None else PartitionSpec()
 
     def _storage_layouts(self):
-        """Every task output is stored in the layout its producer's plan writes."""
+        """Every task output is stored in the layout its producer's plan writes (a residual: the one its backward
+        reads, :func:`~autoshard.pipeline.partition.handoff_layouts`)."""
         self.store = {}
         self.local = {}
         self.acc_store = {}   # a gradient summed unreduced: its running sum's layout
@@ -545,7 +550,7 @@ class SpmdPipelineExecutable:
                 else:
                     x = jnp.asarray(micro.consts[v])
                 src = None if stored is None else ShardingSpec.from_partition_spec(stored, np.ndim(x), self.sub_info)
-                env[v] = ev.constrain(x, ev.value_specs.get(v), src)
+                env[v] = ev.constrain(x, self.handoff[s].get(v, ev.value_specs.get(v)), src)
             outs = dict(zip(task.outvars, ev.run(graph, env), strict=True))
             mem = dict(mem)
             packed = {}

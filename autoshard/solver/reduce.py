@@ -116,35 +116,68 @@ class _Reducer:
         self.alive = [np.arange(c.size) for c in problem.node_costs]
         self.cost = [c.copy() for c in problem.node_costs]
         self.adj: list[dict[int, np.ndarray]] = [{} for _ in range(n)]
-        self.removed = np.zeros(n, dtype=bool)
+        self.removed = [False] * n
         self.base = np.zeros(n)
         self.records: list = []
         self.stats = dict.fromkeys(("pruned", "dominated", "folded_edges", "fixed", "leaf", "series"), 0)
         self.mem: list[np.ndarray | None] = [None] * n
         # Nodes whose costs, usages or incident matrices changed since their last
-        # dominance check, and edges (keyed by endpoints) already found non-additive
-        # with the matrix they then had: hubs are re-queued once per changed
-        # neighbour, and re-checking them from scratch each time was quadratic.
-        self.dirty = np.ones(n, dtype=bool)
-        self.non_additive: dict[tuple[int, int], np.ndarray] = {}
-        # Per node, the neighbours whose edge matrix changed since the node's last
-        # folding pass: every other edge was already found non-additive, and has a
-        # finite entry in each row, so pruning and folding a hub look at these only.
-        self.touched: list[set[int]] = [set() for _ in range(n)]
+        # dominance check, and per edge (keyed by endpoints) the matrix it had when
+        # last tested for additivity, with the verdict: hubs are re-queued once per
+        # changed neighbour, and re-checking them from scratch each time was quadratic.
+        self.dirty = [True] * n
+        self.additive: dict[tuple[int, int], tuple[np.ndarray, bool]] = {}
         # Per edge, the finiteness summary of the matrix it had when last asked
         # (see _finite): both endpoints and both the pruning and the folding need it.
         self.finite: dict[tuple[int, int], tuple] = {}
         if with_memory:
-            live = problem.intervals[:, 1] > problem.intervals[:, 0]
-            for i in range(n):
-                if live[i]:
-                    self.mem[i] = problem.node_memory[i].copy()
-        for (u, v), m in zip(problem.edges, problem.edge_costs, strict=True):
-            u, v = int(u), int(v)
+            for i in np.flatnonzero(problem.intervals[:, 1] > problem.intervals[:, 0]).tolist():
+                self.mem[i] = problem.node_memory[i].copy()
+        adj = self.adj
+        for (u, v), m in zip(np.asarray(problem.edges).tolist(), problem.edge_costs, strict=True):
             if u == v:
                 self.cost[u] = self.cost[u] + np.diag(m)
+            elif v in adj[u]:
+                self.stats["folded_edges"] += 1
+                m = adj[u][v] + m
+                adj[u][v] = m
+                adj[v][u] = m.T
             else:
-                self._add_edge(u, v, m)
+                adj[u][v] = m
+                adj[v][u] = m.T
+        # Per node, the neighbours whose edge matrix changed since the node's last
+        # folding pass: every other edge was already found non-additive, and has a
+        # finite entry in each row, so pruning and folding a hub look at these only.
+        self.touched: list[set[int]] = [set(nbrs) for nbrs in adj]
+        self._summarize_edges()
+
+    def _summarize_edges(self) -> None:
+        """Fill the finiteness and additivity caches for every edge at once.
+
+        Almost every edge keeps its matrix until both endpoints have looked at it,
+        and one numpy call over all matrices of a shape costs about what one call
+        per matrix does. The additivity verdict is the one :meth:`_fold_additive`
+        reaches on ``adj[lo][hi]``: ``lo`` is visited first, so that is the
+        orientation it first tests (and folds) this matrix in.
+        """
+        groups: dict[tuple[int, int], list] = {}
+        for u, nbrs in enumerate(self.adj):
+            for v, m in nbrs.items():
+                if u < v:
+                    groups.setdefault(m.shape, []).append(((u, v), m))
+        for group in groups.values():
+            keys, mats = zip(*group, strict=True)
+            stack = np.stack(mats)
+            fin = np.isfinite(stack)
+            lo, hi = fin.any(axis=2), fin.any(axis=1)
+            lo_rows = [None if ok else rows for ok, rows in zip(lo.all(axis=1).tolist(), lo, strict=True)]
+            hi_rows = [None if ok else rows for ok, rows in zip(hi.all(axis=1).tolist(), hi, strict=True)]
+            all_finite = fin.all(axis=(1, 2))
+            additive = np.zeros(len(group), dtype=bool)
+            if all_finite.any():
+                additive[all_finite] = _additive(stack[all_finite])
+            self.finite.update(zip(keys, zip(mats, all_finite.tolist(), lo_rows, hi_rows, strict=True), strict=True))
+            self.additive.update(zip(keys, zip(mats, additive.tolist(), strict=True), strict=True))
 
     # -- graph edits -------------------------------------------------------
     def _add_edge(self, u: int, v: int, m: np.ndarray) -> None:
@@ -247,22 +280,18 @@ class _Reducer:
             m = self.adj[i][n]
             key = (i, n) if i < n else (n, i)
             canon = self.adj[key[0]][key[1]]
-            if self.non_additive.get(key) is canon:
+            known = self.additive.get(key)
+            if known is not None and known[0] is canon:
+                if not known[1]:
+                    continue
+            elif not self._finite(key, canon)[1] or not _additive(m):
+                self.additive[key] = (canon, False)
                 continue
-            if not self._finite(key, canon)[1]:
-                self.non_additive[key] = canon
-                continue
-            a = m[:, 0]
-            b = m[0, :] - m[0, 0]
-            resid = np.abs(m - a[:, None] - b[None, :]).max()
-            if resid <= 1e-9 * (1 + np.abs(m).max()):
-                self.cost[i] = self.cost[i] + a
-                self.cost[n] = self.cost[n] + b
-                self._drop_edge(i, n)
-                self.stats["folded_edges"] += 1
-                changed = True
-            else:
-                self.non_additive[key] = canon
+            self.cost[i] = self.cost[i] + m[:, 0]
+            self.cost[n] = self.cost[n] + (m[0, :] - m[0, 0])
+            self._drop_edge(i, n)
+            self.stats["folded_edges"] += 1
+            changed = True
         return changed
 
     def _dominate(self, i: int) -> bool:
@@ -270,18 +299,22 @@ class _Reducer:
         if s < 2 or not self.dirty[i]:
             return False
         self.dirty[i] = False
-        width = 1 + (self.mem[i] is not None) + sum(m.shape[1] for m in self.adj[i].values())
+        cost, mem, mats = self.cost[i], self.mem[i], list(self.adj[i].values())
+        width = 1 + (mem is not None) + sum(m.shape[1] for m in mats)
         if s * s * width > _DOMINANCE_CELLS:
             return False
-        cols = [self.cost[i][:, None]]
-        if self.mem[i] is not None:
-            cols.append(self.mem[i][:, None])
-        cols.extend(self.adj[i].values())
-        f = np.concatenate(cols, axis=1)
-        le = _no_worse(f)  # le[t, s]: t no worse than s
-        # Almost every check finds nothing: no pair off the diagonal is comparable.
-        if np.count_nonzero(le) == np.count_nonzero(le.diagonal()):
-            return False
+        # le[t, s]: t no worse than s. The edge columns decide almost every check,
+        # and always find no pair off the diagonal comparable: they go first, and
+        # a leaf's one matrix is compared without copying it.
+        if not mats:
+            le = cost[:, None] <= cost[None, :]
+        else:
+            le = _no_worse(mats[0] if len(mats) == 1 else np.concatenate(mats, axis=1))
+            if np.count_nonzero(le) == np.count_nonzero(le.diagonal()):
+                return False
+            le &= cost[:, None] <= cost[None, :]
+        if mem is not None:
+            le &= mem[:, None] <= mem[None, :]
         eq = le & le.T
         order = np.arange(s)
         dom = le & (~eq | (order[:, None] < order[None, :]))
@@ -295,7 +328,9 @@ class _Reducer:
         m = self.mem[i]
         if m is None:
             return True
-        if np.all(m == m[0]):
+        # As a list: on these few usages numpy's call overhead is most of the cost.
+        usage = m.tolist()
+        if usage.count(usage[0]) == len(usage):
             self.base[i] = m[0]
             self.mem[i] = None
             self.dirty[i] = True
@@ -350,7 +385,7 @@ class _Reducer:
     def run(self, deadline: float | None = None) -> Reduction:
         n = len(self.cost)
         queue = deque(range(n))
-        queued = np.ones(n, dtype=bool)
+        queued = [True] * n
 
         def push(nodes):
             for x in nodes:
@@ -380,26 +415,37 @@ class _Reducer:
         return self._result()
 
     def _result(self) -> Reduction:
-        core = np.flatnonzero(~self.removed)
-        local = np.full(len(self.cost), -1, dtype=np.int64)
-        local[core] = np.arange(len(core))
+        core = np.flatnonzero(np.logical_not(self.removed))
+        local = dict(zip(core.tolist(), range(len(core))))
         edges, mats = [], []
-        for i in core:
+        for i in local:
             for n, m in self.adj[i].items():
                 if i < n:
                     edges.append((local[i], local[n]))
                     mats.append(m)
         return Reduction(
             core_nodes=core,
-            alive=tuple(self.alive[i] for i in core),
-            node_costs=tuple(self.cost[i] for i in core),
+            alive=tuple(self.alive[i] for i in local),
+            node_costs=tuple(self.cost[i] for i in local),
             edges=np.asarray(edges, dtype=np.int64).reshape(-1, 2),
             edge_costs=tuple(mats),
-            node_memory=tuple(self.mem[i] for i in core),
+            node_memory=tuple(self.mem[i] for i in local),
             base_usage=self.base,
             records=tuple(self.records),
             stats=dict(self.stats),
         )
+
+
+def _additive(m: np.ndarray) -> np.ndarray:
+    """Whether the finite matrix ``m`` (or each of a stack of them) is ``a[s] + b[t]``.
+
+    ``a`` is the first column, ``b`` the first row less its first entry; the
+    residual is measured relative to the largest entry.
+    """
+    a = m[..., :, :1]
+    b = m[..., :1, :] - m[..., :1, :1]
+    resid = np.abs(m - a - b).max(axis=(-2, -1))
+    return resid <= 1e-9 * (1 + np.abs(m).max(axis=(-2, -1)))
 
 
 def _no_worse(f: np.ndarray) -> np.ndarray:

@@ -38,6 +38,10 @@ _DOMINANCE_CELLS = 20_000_000
 # filters of _no_worse only pay off once the full comparison costs more than the
 # extra numpy calls they take (measured on the contest problems).
 _DIRECT_CELLS = 16_384
+# Largest matrix (in row-pair cells) whose rows _apart compares up front, and
+# cells compared at once there (bounds the memory).
+_APART_CELLS = 4096
+_BATCH_CELLS = 4_000_000
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -127,9 +131,9 @@ class _Reducer:
         # changed neighbour, and re-checking them from scratch each time was quadratic.
         self.dirty = [True] * n
         self.additive: dict[tuple[int, int], tuple[np.ndarray, bool]] = {}
-        # Per edge, the finiteness summary of the matrix it had when last asked
-        # (see _finite): both endpoints and both the pruning and the folding need it.
-        self.finite: dict[tuple[int, int], tuple] = {}
+        # Per edge, facts about the matrix it had when last asked (see _facts): both
+        # endpoints, and the pruning, the folding and the dominance check use them.
+        self.facts: dict[tuple[int, int], tuple] = {}
         if with_memory:
             for i in np.flatnonzero(problem.intervals[:, 1] > problem.intervals[:, 0]).tolist():
                 self.mem[i] = problem.node_memory[i].copy()
@@ -148,11 +152,14 @@ class _Reducer:
         # Per node, the neighbours whose edge matrix changed since the node's last
         # folding pass: every other edge was already found non-additive, and has a
         # finite entry in each row, so pruning and folding a hub look at these only.
-        self.touched: list[set[int]] = [set(nbrs) for nbrs in adj]
+        # Dicts (used as ordered sets) of ints are not tracked by the garbage
+        # collector; one set per node was, and cost a tenth of the run in full
+        # collections.
+        self.touched: list[dict[int, None]] = [dict.fromkeys(nbrs) for nbrs in adj]
         self._summarize_edges()
 
     def _summarize_edges(self) -> None:
-        """Fill the finiteness and additivity caches for every edge at once.
+        """Fill the facts and additivity caches for every edge at once.
 
         Almost every edge keeps its matrix until both endpoints have looked at it,
         and one numpy call over all matrices of a shape costs about what one call
@@ -176,7 +183,10 @@ class _Reducer:
             additive = np.zeros(len(group), dtype=bool)
             if all_finite.any():
                 additive[all_finite] = _additive(stack[all_finite])
-            self.finite.update(zip(keys, zip(mats, all_finite.tolist(), lo_rows, hi_rows, strict=True), strict=True))
+            lo_apart, hi_apart = _apart(stack).tolist(), _apart(stack.transpose(0, 2, 1)).tolist()
+            self.facts.update(
+                zip(keys, zip(mats, all_finite.tolist(), lo_rows, hi_rows, lo_apart, hi_apart, strict=True), strict=True)
+            )
             self.additive.update(zip(keys, zip(mats, additive.tolist(), strict=True), strict=True))
 
     # -- graph edits -------------------------------------------------------
@@ -186,8 +196,8 @@ class _Reducer:
             self.stats["folded_edges"] += 1
         self.adj[u][v] = m
         self.adj[v][u] = m.T
-        self.touched[u].add(v)
-        self.touched[v].add(u)
+        self.touched[u][v] = None
+        self.touched[v][u] = None
         self.dirty[u] = self.dirty[v] = True
 
     def _drop_edge(self, u: int, v: int) -> None:
@@ -213,9 +223,9 @@ class _Reducer:
             m = m[idx]
             self.adj[i][n] = m
             self.adj[n][i] = m.T
-            self.touched[n].add(i)
+            self.touched[n][i] = None
             self.dirty[n] = True
-        self.touched[i].update(self.adj[i])
+        self.touched[i].update(dict.fromkeys(self.adj[i]))
         self.dirty[i] = True
         return int(keep.size - kept)
 
@@ -231,19 +241,22 @@ class _Reducer:
             f"strategies left to its neighbours; check the infinite entries of the edges at node {name}"
         )
 
-    def _finite(self, key: tuple[int, int], canon: np.ndarray) -> tuple:
-        """``(canon, all finite, lo_rows, hi_rows)`` for edge ``key = (lo, hi)``.
+    def _facts(self, key: tuple[int, int], canon: np.ndarray) -> tuple:
+        """``(canon, all finite, lo_rows, hi_rows, lo_apart, hi_apart)`` for edge ``key = (lo, hi)``.
 
         ``canon`` is the matrix ``adj[lo][hi]``; ``lo_rows`` marks the strategies of
         ``lo`` with a finite entry in their row (``hi_rows`` those of ``hi``, by
-        column), ``None`` when all have one.
+        column), ``None`` when all have one; ``lo_apart``: no row is no worse than
+        another, so no strategy of ``lo`` is dominated while this edge is there
+        (``hi_apart`` for columns). The apart flags are only known for the matrices
+        :meth:`_summarize_edges` saw, and are False for the others.
         """
-        got = self.finite.get(key)
+        got = self.facts.get(key)
         if got is not None and got[0] is canon:
             return got
         f = np.isfinite(canon)
         if np.count_nonzero(f) == f.size:
-            got = (canon, True, None, None)
+            got = (canon, True, None, None, False, False)
         else:
             lo, hi = f.any(axis=1), f.any(axis=0)
             got = (
@@ -251,8 +264,10 @@ class _Reducer:
                 False,
                 None if np.count_nonzero(lo) == lo.size else lo,
                 None if np.count_nonzero(hi) == hi.size else hi,
+                False,
+                False,
             )
-        self.finite[key] = got
+        self.facts[key] = got
         return got
 
     # -- reductions --------------------------------------------------------
@@ -263,7 +278,7 @@ class _Reducer:
             m = adj.get(n)
             if m is None:  # dropped since
                 continue
-            rows = self._finite((i, n), m)[2] if i < n else self._finite((n, i), self.adj[n][i])[3]
+            rows = self._facts((i, n), m)[2] if i < n else self._facts((n, i), self.adj[n][i])[3]
             if rows is not None:
                 keep &= rows
         dropped = self._restrict(i, keep)
@@ -274,9 +289,9 @@ class _Reducer:
         """Fold edge matrices of the form ``a[s] + b[t]`` into node costs."""
         changed = False
         touched = self.touched[i]
-        self.touched[i] = set()
+        self.touched[i] = {}
         # In adjacency order, as each fold adds to this node's costs.
-        for n in [n for n in self.adj[i] if n in touched] if len(touched) > 1 else touched & self.adj[i].keys():
+        for n in [n for n in self.adj[i] if n in touched] if len(touched) > 1 else touched.keys() & self.adj[i].keys():
             m = self.adj[i][n]
             key = (i, n) if i < n else (n, i)
             canon = self.adj[key[0]][key[1]]
@@ -284,7 +299,7 @@ class _Reducer:
             if known is not None and known[0] is canon:
                 if not known[1]:
                     continue
-            elif not self._finite(key, canon)[1] or not _additive(m):
+            elif not self._facts(key, canon)[1] or not _additive(m):
                 self.additive[key] = (canon, False)
                 continue
             self.cost[i] = self.cost[i] + m[:, 0]
@@ -299,6 +314,17 @@ class _Reducer:
         if s < 2 or not self.dirty[i]:
             return False
         self.dirty[i] = False
+        # Settled by one edge whose rows alone leave no two strategies comparable:
+        # one of the starting edges is, at nearly every node, on its first check.
+        for n, m in self.adj[i].items():
+            if i < n:
+                got = self.facts.get((i, n))
+                if got is not None and got[0] is m and got[4]:
+                    return False
+            else:
+                got = self.facts.get((n, i))
+                if got is not None and got[0] is self.adj[n][i] and got[5]:
+                    return False
         cost, mem, mats = self.cost[i], self.mem[i], list(self.adj[i].values())
         width = 1 + (mem is not None) + sum(m.shape[1] for m in mats)
         if s * s * width > _DOMINANCE_CELLS:
@@ -446,6 +472,27 @@ def _additive(m: np.ndarray) -> np.ndarray:
     b = m[..., :1, :] - m[..., :1, :1]
     resid = np.abs(m - a - b).max(axis=(-2, -1))
     return resid <= 1e-9 * (1 + np.abs(m).max(axis=(-2, -1)))
+
+
+def _apart(stack: np.ndarray) -> np.ndarray:
+    """Per matrix of ``stack`` ``(k, a, b)``: no row is elementwise ``<=`` another.
+
+    Only matrices of up to ``_APART_CELLS`` row-pair cells are compared (the
+    others are False): on larger ones a dominance check's numpy overhead is small
+    next to the comparison itself, which this would only repeat for both sides.
+    """
+    k, a, b = stack.shape
+    out = np.zeros(k, dtype=bool)
+    if a * a * b > _APART_CELLS:
+        return out
+    cols = stack.transpose(2, 0, 1)  # reduced over the first axis, whole slices at a time
+    step = max(1, _BATCH_CELLS // (a * a * b))
+    for start in range(0, k, step):
+        part = cols[:, start : start + step]
+        le = np.logical_and.reduce(part[:, :, :, None] <= part[:, :, None, :], axis=0)
+        off = np.count_nonzero(le, axis=(1, 2)) - np.count_nonzero(le.diagonal(axis1=1, axis2=2), axis=1)
+        out[start : start + step] = off == 0
+    return out
 
 
 def _no_worse(f: np.ndarray) -> np.ndarray:

@@ -126,13 +126,11 @@ class _Reducer:
         self.stats = dict.fromkeys(("pruned", "dominated", "folded_edges", "fixed", "leaf", "series"), 0)
         self.mem: list[np.ndarray | None] = [None] * n
         # Nodes whose costs, usages or incident matrices changed since their last
-        # dominance check, and per edge (keyed by endpoints) the matrix it had when
-        # last tested for additivity, with the verdict: hubs are re-queued once per
-        # changed neighbour, and re-checking them from scratch each time was quadratic.
+        # dominance check, and per edge (keyed by endpoints) facts about the matrix
+        # it had when last asked, among them whether it is additive (see _facts):
+        # hubs are re-queued once per changed neighbour, and re-checking them from
+        # scratch each time was quadratic.
         self.dirty = [True] * n
-        self.additive: dict[tuple[int, int], tuple[np.ndarray, bool]] = {}
-        # Per edge, facts about the matrix it had when last asked (see _facts): both
-        # endpoints, and the pruning, the folding and the dominance check use them.
         self.facts: dict[tuple[int, int], tuple] = {}
         if with_memory:
             for i in np.flatnonzero(problem.intervals[:, 1] > problem.intervals[:, 0]).tolist():
@@ -159,7 +157,7 @@ class _Reducer:
         self._summarize_edges()
 
     def _summarize_edges(self) -> None:
-        """Fill the facts and additivity caches for every edge at once.
+        """Fill the facts cache for every edge at once.
 
         Almost every edge keeps its matrix until both endpoints have looked at it,
         and one numpy call over all matrices of a shape costs about what one call
@@ -174,7 +172,7 @@ class _Reducer:
                     groups.setdefault(m.shape, []).append(((u, v), m))
         for group in groups.values():
             keys, mats = zip(*group, strict=True)
-            stack = np.stack(mats)
+            stack = np.array(mats)  # np.stack's checks per array cost more than the copy
             fin = np.isfinite(stack)
             lo, hi = fin.any(axis=2), fin.any(axis=1)
             lo_rows = [None if ok else rows for ok, rows in zip(lo.all(axis=1).tolist(), lo, strict=True)]
@@ -184,10 +182,8 @@ class _Reducer:
             if all_finite.any():
                 additive[all_finite] = _additive(stack[all_finite])
             lo_apart, hi_apart = _apart(stack).tolist(), _apart(stack.transpose(0, 2, 1)).tolist()
-            self.facts.update(
-                zip(keys, zip(mats, all_finite.tolist(), lo_rows, hi_rows, lo_apart, hi_apart, strict=True), strict=True)
-            )
-            self.additive.update(zip(keys, zip(mats, additive.tolist(), strict=True), strict=True))
+            facts = zip(mats, all_finite.tolist(), lo_rows, hi_rows, lo_apart, hi_apart, additive.tolist(), strict=True)
+            self.facts.update(zip(keys, facts, strict=True))
 
     # -- graph edits -------------------------------------------------------
     def _add_edge(self, u: int, v: int, m: np.ndarray) -> None:
@@ -242,21 +238,22 @@ class _Reducer:
         )
 
     def _facts(self, key: tuple[int, int], canon: np.ndarray) -> tuple:
-        """``(canon, all finite, lo_rows, hi_rows, lo_apart, hi_apart)`` for edge ``key = (lo, hi)``.
+        """``(canon, all finite, lo_rows, hi_rows, lo_apart, hi_apart, additive)`` for edge ``key = (lo, hi)``.
 
         ``canon`` is the matrix ``adj[lo][hi]``; ``lo_rows`` marks the strategies of
         ``lo`` with a finite entry in their row (``hi_rows`` those of ``hi``, by
         column), ``None`` when all have one; ``lo_apart``: no row is no worse than
         another, so no strategy of ``lo`` is dominated while this edge is there
         (``hi_apart`` for columns). The apart flags are only known for the matrices
-        :meth:`_summarize_edges` saw, and are False for the others.
+        :meth:`_summarize_edges` saw, and are False for the others; ``additive``
+        is None until :meth:`_fold_additive` tests the matrix.
         """
         got = self.facts.get(key)
         if got is not None and got[0] is canon:
             return got
         f = np.isfinite(canon)
         if np.count_nonzero(f) == f.size:
-            got = (canon, True, None, None, False, False)
+            got = (canon, True, None, None, False, False, None)
         else:
             lo, hi = f.any(axis=1), f.any(axis=0)
             got = (
@@ -264,6 +261,7 @@ class _Reducer:
                 False,
                 None if np.count_nonzero(lo) == lo.size else lo,
                 None if np.count_nonzero(hi) == hi.size else hi,
+                False,
                 False,
                 False,
             )
@@ -294,13 +292,13 @@ class _Reducer:
         for n in [n for n in self.adj[i] if n in touched] if len(touched) > 1 else touched.keys() & self.adj[i].keys():
             m = self.adj[i][n]
             key = (i, n) if i < n else (n, i)
-            canon = self.adj[key[0]][key[1]]
-            known = self.additive.get(key)
-            if known is not None and known[0] is canon:
-                if not known[1]:
-                    continue
-            elif not self._facts(key, canon)[1] or not _additive(m):
-                self.additive[key] = (canon, False)
+            facts = self._facts(key, m if i < n else self.adj[n][i])
+            additive = facts[6]
+            if additive is None:  # finite, and not tested yet
+                additive = bool(_additive(m))
+                if not additive:
+                    self.facts[key] = (*facts[:6], False)
+            if not additive:
                 continue
             self.cost[i] = self.cost[i] + m[:, 0]
             self.cost[n] = self.cost[n] + (m[0, :] - m[0, 0])
@@ -383,8 +381,8 @@ class _Reducer:
         elif len(nbrs) == 1:
             (v,) = nbrs
             t = self.cost[i][:, None] + self.adj[i][v]  # (S_i, S_v)
-            best = np.argmin(t, axis=0)
-            self.cost[v] = self.cost[v] + t[best, np.arange(t.shape[1])]
+            best = t.argmin(axis=0)
+            self.cost[v] = self.cost[v] + t[best, _arange(t.shape[1])]
             self.records.append(("leaf", i, v, self.alive[v].copy(), self.alive[i][best]))
             self._drop_edge(i, v)
             self.stats["leaf"] += 1
@@ -396,8 +394,8 @@ class _Reducer:
             if su * sv * sw > _SERIES_CELLS:
                 return None
             t = self.cost[i][:, None, None] + self.adj[i][v][:, :, None] + self.adj[i][w][:, None, :]
-            best = np.argmin(t, axis=0)  # (S_v, S_w)
-            m = np.take_along_axis(t, best[None], axis=0)[0]
+            best = t.argmin(axis=0)  # (S_v, S_w)
+            m = t[best, _arange(sv)[:, None], _arange(sw)]
             self.records.append(("series", i, v, w, self.alive[v].copy(), self.alive[w].copy(), self.alive[i][best]))
             self._drop_edge(i, v)
             self._drop_edge(i, w)
@@ -444,10 +442,10 @@ class _Reducer:
         core = np.flatnonzero(np.logical_not(self.removed))
         local = dict(zip(core.tolist(), range(len(core))))
         edges, mats = [], []
-        for i in local:
+        for i, li in local.items():
             for n, m in self.adj[i].items():
                 if i < n:
-                    edges.append((local[i], local[n]))
+                    edges.append((li, local[n]))
                     mats.append(m)
         return Reduction(
             core_nodes=core,
@@ -485,7 +483,7 @@ def _apart(stack: np.ndarray) -> np.ndarray:
     out = np.zeros(k, dtype=bool)
     if a * a * b > _APART_CELLS:
         return out
-    cols = stack.transpose(2, 0, 1)  # reduced over the first axis, whole slices at a time
+    cols = np.ascontiguousarray(stack.transpose(2, 0, 1))  # as in _no_worse
     step = max(1, _BATCH_CELLS // (a * a * b))
     for start in range(0, k, step):
         part = cols[:, start : start + step]
@@ -504,21 +502,40 @@ def _no_worse(f: np.ndarray) -> np.ndarray:
     s, w = f.shape
     if w <= 16 or s * s * w <= _DIRECT_CELLS:
         return (f[:, None, :] <= f[None, :, :]).all(axis=-1)
-    probe = f[:, _probe_columns(w)]
-    le = (probe[:, None, :] <= probe[None, :, :]).all(axis=-1)
+    # Column-major and contiguous, so that each comparison below reduces over its
+    # first axis, whole (s, s) slices at a time: reducing a short last axis, and
+    # broadcasting a strided view, were each several times slower.
+    cols = np.ascontiguousarray(f.T)
+    le = _all_le(cols[_probe_columns(w)])
     # Row t can only be no worse than row s where s is infinite wherever t is.
     # Hubs are forbidden with most strategies of their neighbours, so this rules
     # out the pairs that the probe columns (mostly infinite there) let through; as
-    # bits, it compares 8 columns a byte.
+    # bits, it compares 64 columns a word.
     inf = f == np.inf
     if inf.any():
-        bits = np.packbits(inf, axis=1)
-        le &= ~(bits[:, None, :] & ~bits[None, :, :]).any(axis=-1)
+        packed = np.packbits(inf, axis=1)
+        padded = np.zeros((s, -(-packed.shape[1] // 8) * 8), dtype=np.uint8)
+        padded[:, : packed.shape[1]] = packed
+        words = np.ascontiguousarray(padded.view(np.uint64).T)
+        le &= np.bitwise_or.reduce(words[:, :, None] & ~words[:, None, :], axis=0) == 0
     t_idx, s_idx = np.nonzero(le)
     if t_idx.size > s * s // 2:
-        return (f[:, None, :] <= f[None, :, :]).all(axis=-1)
+        return _all_le(cols)
     le[t_idx, s_idx] = (f[t_idx] <= f[s_idx]).all(axis=1)
     return le
+
+
+def _all_le(cols: np.ndarray) -> np.ndarray:
+    """``le[t, s]``: ``cols[:, t] <= cols[:, s]`` in every row of ``cols``."""
+    return np.logical_and.reduce(cols[:, :, None] <= cols[:, None, :], axis=0)
+
+
+@functools.cache
+def _arange(n: int) -> np.ndarray:
+    """``np.arange(n)``, cached for indexing (read-only, as it is shared)."""
+    a = np.arange(n)
+    a.flags.writeable = False
+    return a
 
 
 @functools.cache

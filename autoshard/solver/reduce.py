@@ -40,7 +40,7 @@ _DOMINANCE_CELLS = 20_000_000
 _DIRECT_CELLS = 16_384
 # Largest matrix (in row-pair cells) whose rows _apart compares up front, and
 # cells compared at once there (bounds the memory).
-_APART_CELLS = 4096
+_APART_CELLS = 2048
 _BATCH_CELLS = 4_000_000
 
 
@@ -154,6 +154,12 @@ class _Reducer:
         # collector; one set per node was, and cost a tenth of the run in full
         # collections.
         self.touched: list[dict[int, None]] = [dict.fromkeys(nbrs) for nbrs in adj]
+        # Per node, the cost array last found all finite (or None): a node's costs
+        # only become infinite through a new array, and most visits then skip the
+        # pruning's own numpy calls.
+        self.finite_cost: list[np.ndarray | None] = [
+            c if ok else None for c, ok in zip(self.cost, _finite_each(self.cost), strict=True)
+        ]
         self._summarize_edges()
 
     def _summarize_edges(self) -> None:
@@ -165,20 +171,21 @@ class _Reducer:
         reaches on ``adj[lo][hi]``: ``lo`` is visited first, so that is the
         orientation it first tests (and folds) this matrix in.
         """
-        groups: dict[tuple[int, int], list] = {}
+        groups: dict[tuple[int, int], tuple[list, list]] = {}
         for u, nbrs in enumerate(self.adj):
             for v, m in nbrs.items():
                 if u < v:
-                    groups.setdefault(m.shape, []).append(((u, v), m))
-        for group in groups.values():
-            keys, mats = zip(*group, strict=True)
+                    keys, mats = groups.setdefault(m.shape, ([], []))
+                    keys.append((u, v))
+                    mats.append(m)
+        for keys, mats in groups.values():
             stack = np.array(mats)  # np.stack's checks per array cost more than the copy
             fin = np.isfinite(stack)
             lo, hi = fin.any(axis=2), fin.any(axis=1)
             lo_rows = [None if ok else rows for ok, rows in zip(lo.all(axis=1).tolist(), lo, strict=True)]
             hi_rows = [None if ok else rows for ok, rows in zip(hi.all(axis=1).tolist(), hi, strict=True)]
             all_finite = fin.all(axis=(1, 2))
-            additive = np.zeros(len(group), dtype=bool)
+            additive = np.zeros(len(keys), dtype=bool)
             if all_finite.any():
                 additive[all_finite] = _additive(stack[all_finite])
             lo_apart, hi_apart = _apart(stack).tolist(), _apart(stack.transpose(0, 2, 1)).tolist()
@@ -270,7 +277,8 @@ class _Reducer:
 
     # -- reductions --------------------------------------------------------
     def _prune(self, i: int) -> bool:
-        keep = np.isfinite(self.cost[i])
+        cost = self.cost[i]
+        keep = None if self.finite_cost[i] is cost else np.isfinite(cost)
         adj = self.adj[i]
         for n in self.touched[i]:
             m = adj.get(n)
@@ -278,8 +286,11 @@ class _Reducer:
                 continue
             rows = self._facts((i, n), m)[2] if i < n else self._facts((n, i), self.adj[n][i])[3]
             if rows is not None:
-                keep &= rows
+                keep = rows if keep is None else keep & rows  # never in place: rows is cached
+        if keep is None:
+            return False
         dropped = self._restrict(i, keep)
+        self.finite_cost[i] = self.cost[i]
         self.stats["pruned"] += dropped
         return dropped > 0
 
@@ -287,9 +298,12 @@ class _Reducer:
         """Fold edge matrices of the form ``a[s] + b[t]`` into node costs."""
         changed = False
         touched = self.touched[i]
+        if not touched:
+            return False
         self.touched[i] = {}
+        adj = self.adj[i]
         # In adjacency order, as each fold adds to this node's costs.
-        for n in [n for n in self.adj[i] if n in touched] if len(touched) > 1 else touched.keys() & self.adj[i].keys():
+        for n in [n for n in adj if n in touched] if len(touched) > 1 else [n for n in touched if n in adj]:
             m = self.adj[i][n]
             key = (i, n) if i < n else (n, i)
             facts = self._facts(key, m if i < n else self.adj[n][i])
@@ -470,6 +484,14 @@ def _additive(m: np.ndarray) -> np.ndarray:
     b = m[..., :1, :] - m[..., :1, :1]
     resid = np.abs(m - a - b).max(axis=(-2, -1))
     return resid <= 1e-9 * (1 + np.abs(m).max(axis=(-2, -1)))
+
+
+def _finite_each(arrays: list[np.ndarray]) -> list[bool]:
+    """Per array, whether all its entries are finite; one numpy pass for all."""
+    if not arrays:
+        return []
+    starts = np.cumsum([0, *(a.size for a in arrays[:-1])])
+    return np.logical_and.reduceat(np.isfinite(np.concatenate(arrays)), starts).tolist()
 
 
 def _apart(stack: np.ndarray) -> np.ndarray:

@@ -150,10 +150,11 @@ class _Reducer:
         # Per node, the neighbours whose edge matrix changed since the node's last
         # folding pass: every other edge was already found non-additive, and has a
         # finite entry in each row, so pruning and folding a hub look at these only.
+        # At the start, only the edges _summarize_edges finds something to do with.
         # Dicts (used as ordered sets) of ints are not tracked by the garbage
         # collector; one set per node was, and cost a tenth of the run in full
         # collections.
-        self.touched: list[dict[int, None]] = [dict.fromkeys(nbrs) for nbrs in adj]
+        self.touched: list[dict[int, None]] = [{} for _ in range(n)]
         # Per node, the cost array last found all finite (or None): a node's costs
         # only become infinite through a new array, and most visits then skip the
         # pruning's own numpy calls.
@@ -163,13 +164,16 @@ class _Reducer:
         self._summarize_edges()
 
     def _summarize_edges(self) -> None:
-        """Fill the facts cache for every edge at once.
+        """Fill the facts cache for every edge at once, and mark as touched the
+        edges that pruning or folding will act on.
 
         Almost every edge keeps its matrix until both endpoints have looked at it,
         and one numpy call over all matrices of a shape costs about what one call
-        per matrix does. The additivity verdict is the one :meth:`_fold_additive`
+        per matrix does. The additivity verdict is the one :meth:`_prune_and_fold`
         reaches on ``adj[lo][hi]``: ``lo`` is visited first, so that is the
-        orientation it first tests (and folds) this matrix in.
+        orientation it first tests (and folds) this matrix in. An edge with a
+        finite entry in each row at one end, and not additive, leaves that end
+        nothing to do until its matrix changes.
         """
         groups: dict[tuple[int, int], tuple[list, list]] = {}
         for u, nbrs in enumerate(self.adj):
@@ -182,12 +186,19 @@ class _Reducer:
             stack = np.array(mats)  # np.stack's checks per array cost more than the copy
             fin = np.isfinite(stack)
             lo, hi = fin.any(axis=2), fin.any(axis=1)
-            lo_rows = [None if ok else rows for ok, rows in zip(lo.all(axis=1).tolist(), lo, strict=True)]
-            hi_rows = [None if ok else rows for ok, rows in zip(hi.all(axis=1).tolist(), hi, strict=True)]
+            lo_all, hi_all = lo.all(axis=1), hi.all(axis=1)
+            lo_rows = [None if ok else rows for ok, rows in zip(lo_all.tolist(), lo, strict=True)]
+            hi_rows = [None if ok else rows for ok, rows in zip(hi_all.tolist(), hi, strict=True)]
             all_finite = fin.all(axis=(1, 2))
             additive = np.zeros(len(keys), dtype=bool)
             if all_finite.any():
                 additive[all_finite] = _additive(stack[all_finite])
+            for j in np.flatnonzero(additive | ~lo_all).tolist():
+                u, v = keys[j]
+                self.touched[u][v] = None
+            for j in np.flatnonzero(additive | ~hi_all).tolist():
+                u, v = keys[j]
+                self.touched[v][u] = None
             lo_apart, hi_apart = _apart(stack).tolist(), _apart(stack.transpose(0, 2, 1)).tolist()
             facts = zip(mats, all_finite.tolist(), lo_rows, hi_rows, lo_apart, hi_apart, additive.tolist(), strict=True)
             self.facts.update(zip(keys, facts, strict=True))
@@ -253,7 +264,7 @@ class _Reducer:
         another, so no strategy of ``lo`` is dominated while this edge is there
         (``hi_apart`` for columns). The apart flags are only known for the matrices
         :meth:`_summarize_edges` saw, and are False for the others; ``additive``
-        is None until :meth:`_fold_additive` tests the matrix.
+        is None until :meth:`_prune_and_fold` tests the matrix.
         """
         got = self.facts.get(key)
         if got is not None and got[0] is canon:
@@ -276,37 +287,35 @@ class _Reducer:
         return got
 
     # -- reductions --------------------------------------------------------
-    def _prune(self, i: int) -> bool:
-        cost = self.cost[i]
-        keep = None if self.finite_cost[i] is cost else np.isfinite(cost)
-        adj = self.adj[i]
-        for n in self.touched[i]:
-            m = adj.get(n)
-            if m is None:  # dropped since
-                continue
-            rows = self._facts((i, n), m)[2] if i < n else self._facts((n, i), self.adj[n][i])[3]
-            if rows is not None:
-                keep = rows if keep is None else keep & rows  # never in place: rows is cached
-        if keep is None:
-            return False
-        dropped = self._restrict(i, keep)
-        self.finite_cost[i] = self.cost[i]
-        self.stats["pruned"] += dropped
-        return dropped > 0
+    def _prune_and_fold(self, i: int) -> bool:
+        """Drop the forbidden strategies of node ``i``, then fold its additive edges.
 
-    def _fold_additive(self, i: int) -> bool:
-        """Fold edge matrices of the form ``a[s] + b[t]`` into node costs."""
-        changed = False
-        touched = self.touched[i]
-        if not touched:
+        Both look only at the edges touched since the node's last pass, in
+        adjacency order (each fold adds to the node's costs), and share one
+        lookup of their facts.
+        """
+        cost, touched, adj = self.cost[i], self.touched[i], self.adj[i]
+        if not touched and self.finite_cost[i] is cost:
             return False
         self.touched[i] = {}
-        adj = self.adj[i]
-        # In adjacency order, as each fold adds to this node's costs.
-        for n in [n for n in adj if n in touched] if len(touched) > 1 else [n for n in touched if n in adj]:
-            m = self.adj[i][n]
-            key = (i, n) if i < n else (n, i)
-            facts = self._facts(key, m if i < n else self.adj[n][i])
+        seen = self._seen_facts(i, [n for n in adj if n in touched] if len(touched) > 1 else [n for n in touched if n in adj])
+        changed = False
+        keep = None if self.finite_cost[i] is cost else np.isfinite(cost)
+        for n, _, facts in seen:
+            rows = facts[2] if i < n else facts[3]
+            if rows is not None:
+                keep = rows if keep is None else keep & rows  # never in place: rows is cached
+        if keep is not None:
+            dropped = self._restrict(i, keep)
+            self.finite_cost[i] = self.cost[i]
+            if dropped:
+                self.stats["pruned"] += dropped
+                changed = True
+                # Every matrix at this node is new: fold looks at them all.
+                self.touched[i] = {}
+                seen = self._seen_facts(i, list(adj))
+        for n, key, facts in seen:
+            m = adj[n]
             additive = facts[6]
             if additive is None:  # finite, and not tested yet
                 additive = bool(_additive(m))
@@ -320,6 +329,14 @@ class _Reducer:
             self.stats["folded_edges"] += 1
             changed = True
         return changed
+
+    def _seen_facts(self, i: int, nbrs: list[int]) -> list[tuple]:
+        """``(n, key, facts)`` for the edges from node ``i`` to ``nbrs``."""
+        adj, seen = self.adj, []
+        for n in nbrs:
+            key = (i, n) if i < n else (n, i)
+            seen.append((n, key, self._facts(key, adj[key[0]][key[1]])))
+        return seen
 
     def _dominate(self, i: int) -> bool:
         s = self.cost[i].size
@@ -441,8 +458,7 @@ class _Reducer:
             queued[i] = False
             if self.removed[i]:
                 continue
-            changed = self._prune(i)
-            changed |= self._fold_additive(i)
+            changed = self._prune_and_fold(i)
             changed |= self._dominate(i)
             nbrs = list(self.adj[i])
             done = self._eliminate(i)

@@ -117,7 +117,7 @@ class _Reducer:
     def __init__(self, problem: ShardingProblem, with_memory: bool):
         n = problem.num_nodes
         self.problem = problem
-        self.alive = [np.arange(c.size) for c in problem.node_costs]
+        self.alive = [_arange(c.size).copy() for c in problem.node_costs]
         self.cost = [c.copy() for c in problem.node_costs]
         self.adj: list[dict[int, np.ndarray]] = [{} for _ in range(n)]
         self.removed = [False] * n
@@ -136,6 +136,7 @@ class _Reducer:
             for i in np.flatnonzero(problem.intervals[:, 1] > problem.intervals[:, 0]).tolist():
                 self.mem[i] = problem.node_memory[i].copy()
         adj = self.adj
+        edges = []  # (lo, hi) of each edge, once
         for (u, v), m in zip(np.asarray(problem.edges).tolist(), problem.edge_costs, strict=True):
             if u == v:
                 self.cost[u] = self.cost[u] + np.diag(m)
@@ -147,6 +148,7 @@ class _Reducer:
             else:
                 adj[u][v] = m
                 adj[v][u] = m.T
+                edges.append((u, v) if u < v else (v, u))
         # Per node, the neighbours whose edge matrix changed since the node's last
         # folding pass: every other edge was already found non-additive, and has a
         # finite entry in each row, so pruning and folding a hub look at these only.
@@ -161,11 +163,11 @@ class _Reducer:
         self.finite_cost: list[np.ndarray | None] = [
             c if ok else None for c, ok in zip(self.cost, _finite_each(self.cost), strict=True)
         ]
-        self._summarize_edges()
+        self._summarize_edges(edges)
 
-    def _summarize_edges(self) -> None:
-        """Fill the facts cache for every edge at once, and mark as touched the
-        edges that pruning or folding will act on.
+    def _summarize_edges(self, edges: list[tuple[int, int]]) -> None:
+        """Fill the facts cache for every edge (``edges``: each ``(lo, hi)`` once) at
+        once, and mark as touched the edges that pruning or folding will act on.
 
         Almost every edge keeps its matrix until both endpoints have looked at it,
         and one numpy call over all matrices of a shape costs about what one call
@@ -176,12 +178,13 @@ class _Reducer:
         nothing to do until its matrix changes.
         """
         groups: dict[tuple[int, int], tuple[list, list]] = {}
-        for u, nbrs in enumerate(self.adj):
-            for v, m in nbrs.items():
-                if u < v:
-                    keys, mats = groups.setdefault(m.shape, ([], []))
-                    keys.append((u, v))
-                    mats.append(m)
+        for key in edges:
+            m = self.adj[key[0]][key[1]]
+            group = groups.get(m.shape)
+            if group is None:
+                group = groups[m.shape] = ([], [])
+            group[0].append(key)
+            group[1].append(m)
         for keys, mats in groups.values():
             stack = np.array(mats)  # np.stack's checks per array cost more than the copy
             fin = np.isfinite(stack)
@@ -394,6 +397,8 @@ class _Reducer:
 
     def _eliminate(self, i: int) -> list[int] | None:
         """Try to eliminate node ``i``; return its former neighbours if done."""
+        if self.cost[i].size > 1 and not self._memory_free(i):
+            return None
         nbrs = list(self.adj[i])
         if self.cost[i].size == 1:
             if self.mem[i] is not None:
@@ -404,8 +409,6 @@ class _Reducer:
                 self._drop_edge(i, n)
             self.records.append(("fix", i, int(self.alive[i][0])))
             self.stats["fixed"] += 1
-        elif not self._memory_free(i):
-            return None
         elif not nbrs:
             self.records.append(("fix", i, int(self.alive[i][np.argmin(self.cost[i])])))
             self.stats["fixed"] += 1
@@ -460,12 +463,11 @@ class _Reducer:
                 continue
             changed = self._prune_and_fold(i)
             changed |= self._dominate(i)
-            nbrs = list(self.adj[i])
             done = self._eliminate(i)
             if done is not None:
                 push(done)
-            elif changed:
-                push(nbrs)
+            elif changed:  # not eliminated: the edges are as they were
+                push(self.adj[i])
         return self._result()
 
     def _result(self) -> Reduction:
@@ -534,30 +536,33 @@ def _apart(stack: np.ndarray) -> np.ndarray:
 def _no_worse(f: np.ndarray) -> np.ndarray:
     """``le[t, s]``: row ``t`` of ``f`` is elementwise ``<=`` row ``s``.
 
-    A few spread columns, and the infinite entries, rule out most pairs cheaply;
+    The infinite entries, and a few spread columns, rule out most pairs cheaply;
     only the pairs left are compared in full.
     """
     s, w = f.shape
     if w <= 16 or s * s * w <= _DIRECT_CELLS:
         return (f[:, None, :] <= f[None, :, :]).all(axis=-1)
-    # Column-major and contiguous, so that each comparison below reduces over its
-    # first axis, whole (s, s) slices at a time: reducing a short last axis, and
-    # broadcasting a strided view, were each several times slower.
-    cols = np.ascontiguousarray(f.T)
-    le = _all_le(cols[_probe_columns(w)])
     # Row t can only be no worse than row s where s is infinite wherever t is.
-    # Hubs are forbidden with most strategies of their neighbours, so this rules
-    # out the pairs that the probe columns (mostly infinite there) let through; as
-    # bits, it compares 64 columns a word.
+    # Hubs are forbidden with most strategies of their neighbours, so this alone
+    # leaves few pairs there; as bits, it compares 64 columns a word.
+    le = None
     inf = f == np.inf
     if inf.any():
         packed = np.packbits(inf, axis=1)
         padded = np.zeros((s, -(-packed.shape[1] // 8) * 8), dtype=np.uint8)
         padded[:, : packed.shape[1]] = packed
         words = np.ascontiguousarray(padded.view(np.uint64).T)
-        le &= np.bitwise_or.reduce(words[:, :, None] & ~words[:, None, :], axis=0) == 0
+        le = np.bitwise_or.reduce(words[:, :, None] & ~words[:, None, :], axis=0) == 0
+    # Column-major and contiguous, so that each comparison reduces over its first
+    # axis, whole (s, s) slices at a time: reducing a short last axis, and
+    # broadcasting a strided view, were each several times slower.
+    cols = None
+    if le is None or np.count_nonzero(le) > s * s // 16:
+        cols = np.ascontiguousarray(f.T)
+        probe = _all_le(cols[_probe_columns(w)])
+        le = probe if le is None else le & probe
     t_idx, s_idx = np.nonzero(le)
-    if t_idx.size > s * s // 2:
+    if t_idx.size > s * s // 2:  # (so more than s * s // 16 were left, and cols was made)
         return _all_le(cols)
     le[t_idx, s_idx] = (f[t_idx] <= f[s_idx]).all(axis=1)
     return le

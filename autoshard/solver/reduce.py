@@ -39,9 +39,10 @@ _DOMINANCE_CELLS = 20_000_000
 # extra numpy calls they take (measured on the contest problems).
 _DIRECT_CELLS = 16_384
 # Largest matrix (in row-pair cells) whose rows _apart compares up front, and
-# cells compared at once there (bounds the memory).
+# cells copied or compared at once when summarizing the starting edges (bounds
+# the memory).
 _APART_CELLS = 2048
-_BATCH_CELLS = 4_000_000
+_BATCH_CELLS = 1_000_000
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -188,26 +189,32 @@ class _Reducer:
                 group = groups[m.shape] = ([], [])
             group[0].append(key)
             group[1].append(m)
-        for keys, mats in groups.values():
-            stack = np.array(mats)  # np.stack's checks per array cost more than the copy
-            fin = np.isfinite(stack)
-            lo, hi = fin.any(axis=2), fin.any(axis=1)
-            lo_all, hi_all = lo.all(axis=1), hi.all(axis=1)
-            lo_rows = [None if ok else rows for ok, rows in zip(lo_all.tolist(), lo, strict=True)]
-            hi_rows = [None if ok else rows for ok, rows in zip(hi_all.tolist(), hi, strict=True)]
-            all_finite = fin.all(axis=(1, 2))
-            additive = np.zeros(len(keys), dtype=bool)
-            if all_finite.any():
-                additive[all_finite] = _additive(stack[all_finite])
-            for j in np.flatnonzero(additive | ~lo_all).tolist():
-                u, v = keys[j]
-                self.touched[u][v] = None
-            for j in np.flatnonzero(additive | ~hi_all).tolist():
-                u, v = keys[j]
-                self.touched[v][u] = None
-            lo_apart, hi_apart = _apart(stack).tolist(), _apart(stack.transpose(0, 2, 1)).tolist()
-            facts = zip(mats, all_finite.tolist(), lo_rows, hi_rows, lo_apart, hi_apart, additive.tolist(), strict=True)
-            self.facts.update(zip(keys, facts, strict=True))
+        for (a, b), (keys, mats) in groups.items():
+            step = max(1, _BATCH_CELLS // (a * b))  # copies of at most this many cells at once
+            for start in range(0, len(keys), step):
+                self._summarize_stack(keys[start : start + step], mats[start : start + step])
+
+    def _summarize_stack(self, keys: list[tuple[int, int]], mats: list[np.ndarray]) -> None:
+        """:meth:`_summarize_edges` for edges ``keys`` whose matrices ``mats`` have one shape."""
+        stack = np.array(mats)  # np.stack's checks per array cost more than the copy
+        fin = np.isfinite(stack)
+        lo, hi = fin.any(axis=2), fin.any(axis=1)
+        lo_all, hi_all = lo.all(axis=1), hi.all(axis=1)
+        lo_rows = [None if ok else rows for ok, rows in zip(lo_all.tolist(), lo, strict=True)]
+        hi_rows = [None if ok else rows for ok, rows in zip(hi_all.tolist(), hi, strict=True)]
+        all_finite = fin.all(axis=(1, 2))
+        additive = np.zeros(len(keys), dtype=bool)
+        if all_finite.any():
+            additive[all_finite] = _additive(stack[all_finite])
+        for j in np.flatnonzero(additive | ~lo_all).tolist():
+            u, v = keys[j]
+            self.touched[u][v] = None
+        for j in np.flatnonzero(additive | ~hi_all).tolist():
+            u, v = keys[j]
+            self.touched[v][u] = None
+        lo_apart, hi_apart = _apart(stack).tolist(), _apart(stack.transpose(0, 2, 1)).tolist()
+        facts = zip(mats, all_finite.tolist(), lo_rows, hi_rows, lo_apart, hi_apart, additive.tolist(), strict=True)
+        self.facts.update(zip(keys, facts, strict=True))
 
     # -- graph edits -------------------------------------------------------
     def _add_edge(self, u: int, v: int, m: np.ndarray) -> None:

@@ -100,6 +100,28 @@ def test_reductions_keep_the_optimum(stop, p):
     assert core_best == pytest.approx(best) if np.isfinite(best) else not np.isfinite(core_best)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_reductions_keep_the_optimum_of_a_large_star(seed):
+    """A hub of 40 strategies, half of them no better than the other half, with 30 leaves of 3 strategies
+    (large enough for the dominance check's filtered comparison): the expanded choice is optimal."""
+    rng = np.random.default_rng(seed)
+    hub, leaves, size = 40, 30, 3
+    rows = rng.integers(0, 4, size=(hub // 2, leaves * size)).astype(float)
+    rows[rng.random(rows.shape) < 0.2] = np.inf
+    hub_rows = np.vstack([rows, rows + rng.integers(0, 2, size=rows.shape)])
+    node_costs = [rng.integers(0, 3, size=hub).astype(float)]
+    node_costs += [rng.integers(0, 3, size=size).astype(float) for _ in range(leaves)]
+    edge_costs = [hub_rows[:, k * size:(k + 1) * size] for k in range(leaves)]
+    p = ShardingProblem(node_costs=node_costs, edges=np.array([(0, 1 + k) for k in range(leaves)]), edge_costs=edge_costs)
+    best = min(node_costs[0][h] + sum(np.min(node_costs[1 + k] + edge_costs[k][h]) for k in range(leaves))
+               for h in range(hub))
+    red = reduce_problem(p, with_memory=False)
+    assert red.stats["dominated"] > 0 and red.stats["leaf"] == leaves
+    core_best = min(p.cost(red.expand(np.array(core, dtype=np.int64), p.num_nodes))
+                    for core in itertools.product(*[range(a.size) for a in red.alive]))
+    assert core_best == best
+
+
 def test_empty_problem():
     sol = solve(ShardingProblem(node_costs=(), edges=np.zeros((0, 2)), edge_costs=()))
     assert sol.choice.shape == (0,) and sol.cost == 0.0 and sol.feasible

@@ -289,7 +289,7 @@ def handoff_layouts(part: Partition, stage: int, plan, outputs) -> dict:
         made = plan.value_specs.get(v)
         if made is None or None in wanted:
             continue
-        for spec in forward.get(v, ()) & wanted:
+        for spec in forward.get(v, set()) & wanted:
             if spec != made and all(_slices_to(spec, w) for w in wanted):
                 out[v] = spec
     return out

@@ -2,10 +2,10 @@
 
 Values move between sub-meshes with ``jax.device_put`` onto the receiving stage's sharding (its
 intra-op plan's layout for that value, else replicated). A forward task returns the residuals its
-backward needs, so nothing is recomputed; one its forward already resharded for a reader is returned in that
-layout where the backward reads it so too (:func:`~autoshard.pipeline.partition.handoff_layouts`). Frontier values (weight gradients, the summed loss)
-are accumulated inside the task that makes them: the task takes the running sum and returns it
-plus its partial, donating the old buffer. A gradient whose plan all-reduces a contraction's partial
+backward needs, so nothing is recomputed; one its forward already resharded for a reader is returned in
+that layout where the backward reads it so too (:func:`~autoshard.pipeline.partition.handoff_layouts`).
+Frontier values (weight gradients, the summed loss) are accumulated inside the task that makes them: the
+task takes the running sum and returns it plus its partial, donating the old buffer. A gradient whose plan all-reduces a contraction's partial
 sums is accumulated unreduced and all-reduced once per step, before the update
 (:mod:`autoshard.pipeline.deferred`; ``PipelineOptions(reduce_gradients=...)``). Everything is dispatched from one Python loop in the
 schedule's order; jax's async dispatch overlaps the stages.

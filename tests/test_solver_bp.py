@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -45,6 +46,34 @@ def test_exact_on_trees(seed):
     choice, cost = MinSumBP(red, damping=0.0).run(time.perf_counter() + 10, max_rounds=2 * n)
     assert cost == pytest.approx(_brute_force(red))
     assert cost == pytest.approx(FlatCosts(red).cost(choice))
+
+
+def test_one_wide_node_does_not_pad_every_node():
+    """A core of small nodes and one very wide one (contest S: 25,872 nodes, one of 853
+    strategies) costs memory by the cells it has: padding every node to the widest made
+    the bound's set-up and belief passes take longer than an 8 s limit on S."""
+    rng = np.random.default_rng(7)
+    n, wide = 4000, 1000
+    sizes = [2] * n
+    sizes[n // 2] = wide
+    edges = [(i, i + 1) for i in range(n - 1)]
+    red = _core(rng, n, edges, sizes)
+    cells = sum(sizes) + sum(m.size for m in red.edge_costs)
+    tracemalloc.start()
+    try:
+        bp = MinSumBP(red)
+        for _ in range(2):
+            bp.step(bp.beliefs())
+        bound = bp.lower_bound()
+        choice = bp.decode()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    padded = n * wide * 8
+    assert peak < padded / 4, (peak, padded)
+    assert peak < 40 * cells * 8, (peak, cells)
+    assert bound <= FlatCosts(red).cost(choice)
+    assert [int(c) < s for c, s in zip(choice, sizes, strict=True)] == [True] * n
 
 
 @pytest.mark.parametrize("seed", range(4))

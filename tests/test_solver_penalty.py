@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from autoshard.solver.local import CoreState, min_memory_choice
+from autoshard.solver.local import CoreState, FlatCosts, min_memory_choice, recosted
 from autoshard.solver.memory import MemoryRows, range_max
 from autoshard.solver.penalty import guarded_descent
 from autoshard.solver.reduce import Reduction
@@ -121,3 +121,39 @@ def test_a_repaired_start_fits_without_forbidden_pairs():
     out = repaired_start(cheapest, time.perf_counter() + 60, 0)
     assert out is not None and out.overflow() <= 0 and not len(violations(out))
     assert out.total_cost() == pytest.approx(CoreState(red, rows, out.choice).total_cost())
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_least_memory_choice_takes_least_usage_then_cost_then_index(seed):
+    rng = np.random.default_rng(50 + seed)
+    red, _ = _memory_core(rng, n=40, s=5)
+    # integer-valued usage and cost, so that ties are common; a third of the nodes without memory
+    memory = tuple(None if k % 3 == 0 else rng.integers(0, 3, 5).astype(np.float64) for k in range(40))
+    costs = tuple(rng.integers(0, 3, 5).astype(np.float64) for _ in range(40))
+    red = dataclasses.replace(red, node_memory=memory, node_costs=costs)
+    expected = []
+    for c, m in zip(costs, memory, strict=True):
+        key = [(0.0 if m is None else m[s], c[s], s) for s in range(5)]
+        expected.append(min(key)[2])
+    assert min_memory_choice(red).tolist() == expected
+
+
+def test_recosted_core_prices_every_choice_like_a_core_built_from_arrays():
+    rng = np.random.default_rng(9)
+    red, rows = _memory_core(rng)
+    flat = FlatCosts(red)
+    values = rng.random(flat.values.size)
+    new = recosted(red, values)
+    sizes = [c.size for c in red.node_costs]
+    built = dataclasses.replace(
+        red,
+        node_costs=tuple(np.array(c) for c in new.node_costs),
+        edge_costs=tuple(np.array(m) for m in new.edge_costs),
+    )
+    assert [c.size for c in new.node_costs] == sizes
+    assert [m.shape for m in new.edge_costs] == [m.shape for m in red.edge_costs]
+    for _ in range(20):
+        choice = np.array([rng.integers(s) for s in sizes])
+        assert CoreState(new, rows, choice).total_cost() == pytest.approx(FlatCosts(built).cost(choice), rel=1e-12)
+    with pytest.raises(ValueError, match="float64 values"):
+        recosted(red, values[:-1])

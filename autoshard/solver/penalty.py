@@ -30,7 +30,7 @@ import numpy as np
 
 from autoshard.solver.bp import MinSumBP
 from autoshard.solver.forest import ForestSearch, min_cost_choice
-from autoshard.solver.local import CoreState, flat_costs, greedy
+from autoshard.solver.local import CoreState, flat_costs, greedy, recosted
 from autoshard.solver.memory import MemoryRows, range_max
 from autoshard.solver.problem import ShardingProblem
 from autoshard.solver.reduce import Reduction, reduce_problem
@@ -327,15 +327,19 @@ def clear_forbidden(state: CoreState, deadline: float, seed: int, log=None) -> C
     if red.num_core == 0 or state.overflow() > 0 or not len(violations(state)):
         return state
     n = red.num_core
-    usage_scale = max((float(np.abs(m).max()) for m in red.node_memory if m is not None), default=0.0) or 1.0
-    cost_scale = max(float(np.abs(c).max()) for c in red.node_costs) or 1.0
+    flat = state.flat
+    nsz = flat.values.size - sum(m.size for m in red.edge_costs)
+    usage = np.concatenate([np.zeros(c.size) if m is None else m
+                            for c, m in zip(red.node_costs, red.node_memory, strict=True)])
+    costs = flat.values[:nsz]
+    usage_scale = float(np.abs(usage).max(initial=0.0)) or 1.0
+    cost_scale = float(np.abs(costs).max(initial=0.0)) or 1.0
     # below one pair in total: usage sums to at most 1/2, cost to at most 1/10
-    node_costs = tuple(
-        (0.0 if m is None else 0.5 / n * m / usage_scale) + 0.1 / n * c / cost_scale
-        for c, m in zip(red.node_costs, red.node_memory, strict=True)
-    )
-    pairs = tuple((m == red.forbidden).astype(np.float64) for m in red.edge_costs)
-    target = CoreState(dataclasses.replace(red, node_costs=node_costs, edge_costs=pairs), rows, state.choice)
+    values = np.empty(flat.values.size)
+    values[:nsz] = 0.5 / n * usage / usage_scale + 0.1 / n * costs / cost_scale
+    np.equal(flat.values[nsz:], red.forbidden, out=values[nsz:])
+    pairs = recosted(red, values)
+    target = CoreState(pairs, rows, state.choice)
     ends = red.edges
     neighbours = [np.array([x for x, _ in row], dtype=np.int64) for row in target.adj]
 

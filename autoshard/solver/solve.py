@@ -132,8 +132,13 @@ _MID_WINDOW_SHARE = 0.3
 # 1.84x the best, at 0.6 1.03x).
 _PENALTY_SHARE = 0.6
 # Large memory cores: at most this share of the time goes to clearing the least-memory
-# start's forbidden pairs (it stops when none is left: 1.5-3 s on contest A, M, S).
+# start's forbidden pairs (it stops when none is left: 1.5-3 s on contest A, M, S), but at
+# least _CLEAR_FLOOR_SECONDS or _CLEAR_FLOOR_SHARE of it, whichever is less: nothing later
+# fits without this start, and the clearing's set-up alone (1.3 s on S) took all of a quarter
+# of 6 s, so at an 8 s limit S and A answered infeasible.
 _CLEAR_SHARE = 0.25
+_CLEAR_FLOOR_SECONDS = 3.0
+_CLEAR_FLOOR_SHARE = 0.5
 
 
 def solve(
@@ -494,10 +499,12 @@ def _memory_core(s: Search, start_time: float) -> CoreAnswer:
 
 
 def _cleared_start(soft: Reduction, rows: MemoryRows, deadline: float, seed: int, log) -> CoreState:
-    """The :func:`soften`-ed core's least-memory choice, cleared of forbidden pairs in ``_CLEAR_SHARE`` of the time."""
+    """The :func:`soften`-ed core's least-memory choice, cleared of forbidden pairs in ``_CLEAR_SHARE`` of the time
+    (at least the floor)."""
     now = time.perf_counter()
-    return clear_forbidden(CoreState(soft, rows, min_memory_choice(soft)),
-                           now + _CLEAR_SHARE * max(deadline - now, 0.0), seed, log)
+    rest = max(deadline - now, 0.0)
+    share = max(_CLEAR_SHARE * rest, min(_CLEAR_FLOOR_SECONDS, _CLEAR_FLOOR_SHARE * rest))
+    return clear_forbidden(CoreState(soft, rows, min_memory_choice(soft)), now + share, seed, log)
 
 
 def _post(s: Search, state: CoreState) -> None:

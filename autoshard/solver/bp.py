@@ -53,6 +53,7 @@ class MinSumBP:
         # the bound's set-up and its two belief passes take 8.5 s, where ragged they scan
         # 0.2M cells.
         self.off = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+        self.node_of = np.repeat(np.arange(self.sizes.size), self.sizes)  # the node of each flat slot
         self.costs = np.empty(int(self.off[-1]))
         self.set_node_costs(red.node_costs)
         self.flat = flat_costs(red)
@@ -98,7 +99,7 @@ class MinSumBP:
         b = self.beliefs() if beliefs is None else beliefs
         if not b.size:
             return np.zeros(0, dtype=np.int64)
-        node = np.repeat(np.arange(self.sizes.size), self.sizes)
+        node = self.node_of
         at = np.flatnonzero(b <= self._node_min(b)[node])
         first = at[np.r_[True, node[at[1:]] != node[at[:-1]]]]
         return (first - self.off[:-1]).astype(np.int64)

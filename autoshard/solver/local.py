@@ -196,7 +196,7 @@ class FlatCosts:
     def __init__(self, red: Reduction):
         sizes = np.array([c.size for c in red.node_costs], dtype=np.int64)
         self.node_off = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-        nsz = int(sizes.sum())
+        nsz = self.node_cells = int(sizes.sum())
         cells = np.array([m.size for m in red.edge_costs], dtype=np.int64)
         self.edge_off = nsz + np.concatenate([[0], np.cumsum(cells)[:-1]]).astype(np.int64)
         self.u, self.v = red.edges[:, 0], red.edges[:, 1]
@@ -238,7 +238,7 @@ def recosted(red: Reduction, values: np.ndarray) -> Reduction:
     base = flat_costs(red)
     if values.shape != base.values.shape or values.dtype != np.float64:
         raise ValueError(f"expected {base.values.size} float64 values, got {values.shape} {values.dtype}")
-    nsz = int(sum(c.size for c in red.node_costs))
+    nsz = base.node_cells
     node_costs = tuple(np.split(values[:nsz], base.node_off[1:])) if red.num_core else ()
     edge_costs = tuple(part.reshape(m.shape) for part, m in
                        zip(np.split(values[nsz:], base.edge_off[1:] - nsz), red.edge_costs, strict=True)
@@ -250,16 +250,20 @@ def recosted(red: Reduction, values: np.ndarray) -> Reduction:
     return out
 
 
+def flat_usage(red: Reduction) -> np.ndarray:
+    """Every node's memory usage vector in one flat array, in :class:`FlatCosts` order (zeros for nodes without)."""
+    return np.concatenate([np.zeros(c.size) if m is None else m
+                           for c, m in zip(red.node_costs, red.node_memory, strict=True)])
+
+
 def min_memory_choice(red: Reduction) -> np.ndarray:
     """Per core node, the cheapest strategy among those of least usage (the first, on ties)."""
     if not red.num_core:
         return np.zeros(0, dtype=np.int64)
     sizes = np.array([c.size for c in red.node_costs], dtype=np.int64)
     node = np.repeat(np.arange(red.num_core), sizes)
-    cost = np.concatenate(red.node_costs)
-    usage = np.concatenate([np.zeros(c.size) if m is None else m
-                            for c, m in zip(red.node_costs, red.node_memory, strict=True)])
-    order = np.lexsort((cost, usage, node))  # stable: equal keys keep the lower strategy first
+    # lexsort is stable: equal keys keep the lower strategy first
+    order = np.lexsort((np.concatenate(red.node_costs), flat_usage(red), node))
     start = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     return order[start] - start
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from autoshard.solver.bp import MinSumBP
 from autoshard.solver.forest import ForestSearch, min_cost_choice
-from autoshard.solver.local import CoreState, flat_costs, greedy, recosted
+from autoshard.solver.local import CoreState, flat_costs, flat_usage, greedy, recosted
 from autoshard.solver.memory import MemoryRows, range_max
 from autoshard.solver.problem import ShardingProblem
 from autoshard.solver.reduce import Reduction, reduce_problem
@@ -328,9 +328,8 @@ def clear_forbidden(state: CoreState, deadline: float, seed: int, log=None) -> C
         return state
     n = red.num_core
     flat = state.flat
-    nsz = flat.values.size - sum(m.size for m in red.edge_costs)
-    usage = np.concatenate([np.zeros(c.size) if m is None else m
-                            for c, m in zip(red.node_costs, red.node_memory, strict=True)])
+    nsz = flat.node_cells
+    usage = flat_usage(red)
     costs = flat.values[:nsz]
     usage_scale = float(np.abs(usage).max(initial=0.0)) or 1.0
     cost_scale = float(np.abs(costs).max(initial=0.0)) or 1.0

@@ -85,7 +85,9 @@ def plan_row(row: Row) -> dict:
                stage_meshes=[list(s.mesh_shape) for s in plan.stages],
                stage_layers=[list(s.layers) for s in plan.stages],
                step_ms=plan.step_time_s * 1e3, bubble=plan.bubble_fraction,
-               peak_bytes=max(s.memory_bytes for s in plan.stages))
+               peak_bytes=max(s.memory_bytes for s in plan.stages),
+               rechecked=[{**r, "dp_ms": r.pop("dp_s") * 1e3, "planned_ms": r.pop("planned_s") * 1e3}
+                          for r in map(dict, st.get("rechecked", []))])
     out["fits"] = out["peak_bytes"] <= cluster.memory
     return out
 

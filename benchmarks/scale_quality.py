@@ -103,6 +103,9 @@ class Row:
 ROWS = (
     Row("2.6B-16", "2.6B", 32, 16),
     Row("6.7B-32", "6.7B", 64, 32),
+    # 64 devices: the single-program methods compile the whole 64-device step (minutes each); the pipelines
+    # compile per stage
+    Row("15B-64", "15B", 128, 64),
     Row("tiny-16", "tiny", 32, 16),  # smoke test of the machinery, not in the default rows
 )
 DEFAULT_ROWS = ("2.6B-16",)

@@ -610,11 +610,11 @@ def plan_stages(analysis: StepAnalysis, mesh, cluster, options: PipelineOptions,
     search_s = time.perf_counter() - t0
     S = len(stages.bounds)
     search.report(f"{S} stages chosen", 2, 2 + S)
-    part, meshes, plans, stage_plans = _realise(analysis, layer_of, stages, search, grid.shape, recompute)
+    part, meshes, plans, stage_plans = _realise(analysis, layer_of, stages, search, grid.shape, recompute=recompute)
     rechecked = [{"stages": S, "dp_s": stages.latency, "planned_s": _step_s(stage_plans, k)}] if rivals else []
     for rival in rivals:
         # the DP cannot tell these apart: plan the rival's stages too and keep the faster plan
-        got = _realise(analysis, layer_of, rival, search, grid.shape, recompute)
+        got = _realise(analysis, layer_of, rival, search, grid.shape, recompute=recompute)
         rechecked.append({"stages": len(rival.bounds), "dp_s": rival.latency, "planned_s": _step_s(got[3], k)})
         if rechecked[-1]["planned_s"] < _step_s(stage_plans, k):
             stages, (part, meshes, plans, stage_plans) = rival, got
@@ -669,7 +669,7 @@ def _step_s(stage_plans, k: int) -> float:
     return float(sum(times) + (k - 1) * max(times))
 
 
-def _realise(analysis, layer_of, stages: _Stages, search: StageSearch, grid_shape, recompute: bool):
+def _realise(analysis, layer_of, stages: _Stages, search: StageSearch, grid_shape, *, recompute: bool):
     """``(partition, meshes, plans, StagePlans)`` of ``stages``: the ops cut into them and each planned."""
     stage_of_layer = {layer: s for s, (i, j, _) in enumerate(stages.bounds) for layer in range(i, j)}
     part = _partition(analysis, lambda p: stage_of_layer[layer_of[p]], len(stages.bounds), recompute)

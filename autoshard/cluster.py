@@ -339,6 +339,15 @@ PRESETS: dict[str, ClusterSpec] = {
         host_bandwidth=50e9,
         name="h100-2node-ib",
     ),
+    # Four such nodes: the same links, for a mesh (4, 8) (or (4k, n)) whose first axis spans the 4 nodes.
+    "h100-4node-ib": ClusterSpec(
+        flops=989e12 * _MATMUL_EFFICIENCY,
+        bandwidth=(50e9, 450e9),
+        latency=(1e-5, 5e-6),
+        memory=80 * _GiB,
+        host_bandwidth=50e9,
+        name="h100-4node-ib",
+    ),
 }
 
 

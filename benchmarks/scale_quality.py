@@ -8,8 +8,9 @@ per job (``XLA_FLAGS`` sets the device count before jax starts), and scored with
 method of ``benchmarks/README.md`` gets, ``autoshard.hlo.estimate_step_time(compiled, cluster,
 mesh)["time_s"]`` (compute from the compiled flops, alpha-beta time of every compiled collective). A
 plan whose compiled per-device peak (``autoshard.hlo.memory_stats``) exceeds the preset's 80 GiB is a
-failure (OOM). Presets: ``h100-nvlink`` (one NVLink domain) and ``h100-2node-ib`` (mesh axis 0 spans
-2 nodes at 50 GB/s, axis 1 stays in a node; only meshes ``(a, b)`` with ``a`` even are allowed).
+failure (OOM). Presets: ``h100-nvlink`` (one NVLink domain), ``h100-2node-ib`` and ``h100-4node-ib`` (mesh
+axis 0 spans 2 or 4 nodes at 50 GB/s, axis 1 stays in a node; only meshes ``(a, b)`` with ``a`` a multiple
+of the node count are allowed).
 
 Methods, each the best of its sweep:
 
@@ -47,18 +48,19 @@ Methods, each the best of its sweep:
 
   Step time = (k + pp - 1) * t_mb + t_update + (k + pp - 1) * 2 * p2p + t_tied.
 
-  Under ``h100-nvlink`` bw = 450 GB/s (alpha 5 us). Under ``h100-2node-ib`` the pp stages are split
-  evenly over the 2 nodes, so every stage's (dp, tp) devices sit inside one node: ``t_mb`` and
-  ``t_update`` are scored with the one-node ``h100-nvlink`` preset, and ``p2p`` and ``t_tied`` use
-  the 50 GB/s inter-node link (alpha 10 us) - the boundary between the nodes is the slowest, and the
-  formula prices every slot at it. Peak memory per device (first stage, 1F1B holds min(k, pp)
+  Under ``h100-nvlink`` bw = 450 GB/s (alpha 5 us). Under the multi-node presets the pp stages are
+  split evenly over the nodes: with pp >= nodes every stage's (dp, tp) devices sit inside one node and
+  ``t_mb`` and ``t_update`` are scored with the one-node ``h100-nvlink`` preset; with pp < nodes (pp 2 on
+  4 nodes) a stage spans nodes / pp nodes along its dp axis (dp must be a multiple of that) and is scored
+  with the multi-node preset. ``p2p`` and ``t_tied`` use the 50 GB/s inter-node link (alpha 10 us) - the
+  boundary between the nodes is the slowest, and the formula prices every slot at it. Peak memory per device (first stage, 1F1B holds min(k, pp)
   microbatches): ``peak(t_mb program) + optimizer state + a gradient accumulator + (min(k, pp) - 1)
   * temp(t_mb program)``, or the update program's peak if larger; ``temp`` holds one microbatch's
   saved activations and the backward's scratch, so the stash is overestimated.
 
 - ``autoshard_pipeline`` (``--methods ...,autoshard_pipeline``): autoshard's own pipeline,
   ``PipelineOptions(num_stages="auto", runtime="device_put")`` with k in {4, 8} microbatches on the whole
-  ``(2, N/2)`` mesh, and with ``num_stages=2`` forced (Megatron's best pp). Every task is compiled (``step.prepared(...).executable.compiled_tasks()``) and
+  ``(2, N/2)`` mesh (``(4, N/4)`` under ``h100-4node-ib``), and with ``num_stages=2`` forced (Megatron's best pp). Every task is compiled (``step.prepared(...).executable.compiled_tasks()``) and
   scored on its stage's sub-mesh (with the one-node preset when the stage's devices share a node);
   t_mb = max over stages of (its F + B tasks), t_update = max over stages of its R (update) tasks,
   p2p as above with the smallest stage's device count, and the same step time
@@ -82,7 +84,7 @@ import sys
 import time
 
 GiB = 2**30
-PRESETS = {"h100-nvlink": 1, "h100-2node-ib": 2}  # preset -> nodes (mesh axis 0 spans the nodes)
+PRESETS = {"h100-nvlink": 1, "h100-2node-ib": 2, "h100-4node-ib": 4}  # preset -> nodes (mesh axis 0 spans them)
 ONE_NODE = "h100-nvlink"  # the preset a pipeline stage inside one node is scored with
 METHODS = ("autoshard", "fsdp_tp", "megatron3d", "autoshard_pipeline")
 DEFAULT_METHODS = METHODS[:3]
@@ -343,7 +345,8 @@ def megatron3d_job(row: Row, pp: int, dp: int, tp: int) -> dict:
     spec = gpt.build(config, row.batch // ks[0])
     fb, up, state, st_sh, stacked_sh = _stage_programs(spec, mesh, dp)
     stacked = jax.tree.map(lambda x: jax.ShapeDtypeStruct((dp, *x.shape), x.dtype), state["params"])
-    update = _scored(up.lower(_with(state, st_sh), _with(stacked, stacked_sh)).compile(), (dp, tp), [ONE_NODE])
+    scored_with = sorted({_megatron_stage_preset(p, pp) for p in PRESETS})
+    update = _scored(up.lower(_with(state, st_sh), _with(stacked, stacked_sh)).compile(), (dp, tp), scored_with)
     opt_bytes = _per_device_bytes(state["opt_state"], st_sh["opt_state"])
     grad_bytes = _per_device_bytes(state["params"], st_sh["params"])
     out.update(update=update, update_compile_s=time.perf_counter() - t0, opt_state_bytes=opt_bytes,
@@ -354,15 +357,18 @@ def megatron3d_job(row: Row, pp: int, dp: int, tp: int) -> dict:
         spec = gpt.build(config, mb)
         fb, *_ = _stage_programs(spec, mesh, dp)
         batch = _replica_batch(spec.abstract_batch(), mesh, dp)
-        stage = _scored(fb.lower(_with(state["params"], st_sh["params"]), batch).compile(), (dp, tp), [ONE_NODE])
+        stage = _scored(fb.lower(_with(state["params"], st_sh["params"]), batch).compile(), (dp, tp), scored_with)
         inflight = min(k, pp)
         peak = max(stage["peak_bytes"] + opt_bytes + grad_bytes + (inflight - 1) * stage["temp_bytes"],
                    update["peak_bytes"])
         cand = {"pp": pp, "dp": dp, "tp": tp, "k": k, "microbatch": mb, "compile_s": time.perf_counter() - t0,
                 "stage": stage, "peak_bytes": peak, "step_time_s": {}, "terms": {}}
         for preset in PRESETS:
+            within = _megatron_stage_preset(preset, pp)
+            if within != ONE_NODE and dp % (PRESETS[preset] // pp):
+                continue  # the stage's nodes cannot split its dp axis evenly
             bw, lat = _link(preset)
-            t_mb, t_up = stage["scores"][ONE_NODE]["time_s"], update["scores"][ONE_NODE]["time_s"]
+            t_mb, t_up = stage["scores"][within]["time_s"], update["scores"][within]["time_s"]
             p2p = lat + mb * config.seq_len * config.hidden * 4 / (dp * tp) / bw
             tied = lat + config.vocab_size * config.hidden * 4 / tp / bw
             slots = k + pp - 1
@@ -372,6 +378,12 @@ def megatron3d_job(row: Row, pp: int, dp: int, tp: int) -> dict:
     return out
 
 
+def _megatron_stage_preset(preset: str, pp: int) -> str:
+    """The preset a Megatron stage is scored with under ``preset``: one node's when each stage fits in a node
+    (pp >= nodes), else ``preset`` itself (its dp axis spans the stage's nodes)."""
+    return ONE_NODE if PRESETS[preset] <= pp else preset
+
+
 def _stage_cluster(devices, n: int, preset: str) -> str:
     """The preset a stage on ``devices`` is scored with: one node's if its devices share a node."""
     nodes = PRESETS[preset]
@@ -379,7 +391,7 @@ def _stage_cluster(devices, n: int, preset: str) -> str:
 
 
 def autoshard_pipeline_job(row: Row, preset: str, k: int, num_stages="auto") -> dict:
-    """``PipelineOptions(num_stages="auto")`` on the whole ``(2, N/2)`` mesh with k microbatches: compile
+    """``PipelineOptions(num_stages="auto")`` on the whole ``(max(2, nodes), N / that)`` mesh with k microbatches: compile
     every task (``compiled_tasks``) and score it on its stage's sub-mesh; step time by the pipeline formula."""
     import autoshard
     from autoshard.hlo import estimate_step_time, memory_stats
@@ -388,7 +400,8 @@ def autoshard_pipeline_job(row: Row, preset: str, k: int, num_stages="auto") -> 
     spec = get_model("gpt", row.config, row.batch)
     state, batch = spec.abstract_state(), spec.abstract_batch()
     cluster = autoshard.cluster_preset(preset)
-    step = autoshard.parallelize(spec.train_step, mesh=_mesh((2, row.devices // 2)), cluster=cluster,
+    rows = max(2, PRESETS[preset])
+    step = autoshard.parallelize(spec.train_step, mesh=_mesh((rows, row.devices // rows)), cluster=cluster,
                                  memory_budget=cluster.memory, donate_argnums=(0,), num_microbatches=k,
                                  progress=None, pipeline=autoshard.PipelineOptions(num_stages=num_stages,
                                                                                    runtime="device_put"))
@@ -492,7 +505,7 @@ def best_of(jobs: dict, row: Row, preset: str) -> dict:
             elif method == "megatron3d":
                 cands += [{"config": f"pp{c['pp']} dp{c['dp']} tp{c['tp']} k{c['k']}",
                            "step_time_s": c["step_time_s"][preset], "peak_bytes": c["peak_bytes"]}
-                          for c in r.get("candidates", [])]
+                          for c in r.get("candidates", []) if preset in c["step_time_s"]]
                 if r.get("error"):
                     cands.append({"config": r["job"].split(":")[-1], "step_time_s": None, "error": r["error"]})
         for c in cands:

@@ -25,7 +25,7 @@ SPEC = ClusterSpec(flops=1e12, bandwidth=(1e9, 4e9), latency=(2e-5, 1e-6), memor
 # -- construction and presets --------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["h100-nvlink", "h200-nvlink", "a100", "tpu-v5e", "cpu-sim", "h100-2node-ib"])
+@pytest.mark.parametrize("name", ["h100-nvlink", "h200-nvlink", "a100", "tpu-v5e", "cpu-sim", "h100-2node-ib", "h100-4node-ib"])
 def test_presets_exist_and_broadcast(name):
     spec = cluster_preset(name)
     assert spec is PRESETS[name] and spec.name == name

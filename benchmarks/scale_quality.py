@@ -1,4 +1,4 @@
-"""Quality at 16 and 32 devices: autoshard's plan against the best hand-written 3-D configurations (issue 16).
+"""Quality at 16, 32 and 64 devices: autoshard's plan against the best hand-written 3-D configurations (issue 16).
 
     python -m benchmarks.scale_quality [--rows 2.6B-16] [--methods autoshard,fsdp_tp,megatron3d]
         [--out benchmarks/results/scale_quality.json] [--timeout 600]
@@ -59,7 +59,7 @@ Methods, each the best of its sweep:
   saved activations and the backward's scratch, so the stash is overestimated.
 
 - ``autoshard_pipeline`` (``--methods ...,autoshard_pipeline``): autoshard's own pipeline,
-  ``PipelineOptions(num_stages="auto", runtime="device_put")`` with k in {4, 8} microbatches on the whole
+  ``PipelineOptions(num_stages="auto", runtime="device_put")`` with k in {4, 8, 16} microbatches on the whole
   ``(2, N/2)`` mesh (``(4, N/4)`` under ``h100-4node-ib``), and with ``num_stages=2`` forced (Megatron's best pp). Every task is compiled (``step.prepared(...).executable.compiled_tasks()``) and
   scored on its stage's sub-mesh (with the one-node preset when the stage's devices share a node);
   t_mb = max over stages of (its F + B tasks), t_update = max over stages of its R (update) tasks,
@@ -88,7 +88,7 @@ PRESETS = {"h100-nvlink": 1, "h100-2node-ib": 2, "h100-4node-ib": 4}  # preset -
 ONE_NODE = "h100-nvlink"  # the preset a pipeline stage inside one node is scored with
 METHODS = ("autoshard", "fsdp_tp", "megatron3d", "autoshard_pipeline")
 DEFAULT_METHODS = METHODS[:3]
-PIPELINE_MICROBATCHES = (4, 8)
+PIPELINE_MICROBATCHES = (4, 8, 16)  # Megatron sweeps k up to 4 pp = 16
 PIPELINE_STAGES = ("auto", 2)  # "auto": the stage search picks; 2: forced, to compare with Megatron's pp = 2
 
 

@@ -280,6 +280,16 @@ class ClusterSpec:
 _GiB = 2**30
 _MATMUL_EFFICIENCY = 0.7
 
+# H100 nodes joined by one 400 Gb/s InfiniBand NIC per GPU (50 GB/s) on mesh axis 0, NVLink on axis 1.
+_H100_IB = ClusterSpec(
+    flops=989e12 * _MATMUL_EFFICIENCY,
+    bandwidth=(50e9, 450e9),
+    latency=(1e-5, 5e-6),
+    memory=80 * _GiB,
+    host_bandwidth=50e9,
+    name="h100-2node-ib",
+)
+
 PRESETS: dict[str, ClusterSpec] = {
     # 8×H100 SXM in one node: 989 TFLOP/s dense bf16; NVLink 4 at 900 GB/s
     # bidirectional = 450 GB/s per direction; PCIe Gen5 x16 to the host.
@@ -331,23 +341,9 @@ PRESETS: dict[str, ClusterSpec] = {
     ),
     # Two 8×H100 nodes joined by one 400 Gb/s InfiniBand NIC per GPU (50 GB/s).
     # For a 2-D mesh (2, 8) whose first axis spans the nodes.
-    "h100-2node-ib": ClusterSpec(
-        flops=989e12 * _MATMUL_EFFICIENCY,
-        bandwidth=(50e9, 450e9),
-        latency=(1e-5, 5e-6),
-        memory=80 * _GiB,
-        host_bandwidth=50e9,
-        name="h100-2node-ib",
-    ),
+    "h100-2node-ib": _H100_IB,
     # Four such nodes: the same links, for a mesh (4, 8) (or (4k, n)) whose first axis spans the 4 nodes.
-    "h100-4node-ib": ClusterSpec(
-        flops=989e12 * _MATMUL_EFFICIENCY,
-        bandwidth=(50e9, 450e9),
-        latency=(1e-5, 5e-6),
-        memory=80 * _GiB,
-        host_bandwidth=50e9,
-        name="h100-4node-ib",
-    ),
+    "h100-4node-ib": dataclasses.replace(_H100_IB, name="h100-4node-ib"),
 }
 
 

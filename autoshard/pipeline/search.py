@@ -447,6 +447,10 @@ class _Stages:
     devices: tuple
     latency: float = math.nan   # the DP's estimate from the layer costs (s)
 
+    def stage_of_layer(self) -> dict[int, int]:
+        """Each DP layer's stage."""
+        return {layer: s for s, (i, j, _) in enumerate(self.bounds) for layer in range(i, j)}
+
 
 def _fixed_submesh_stages(table: _CostTable, grid, num_layers: int, manual: bool) -> _Stages:
     """With ``PipelineOptions.submeshes`` fixed: the layer cut of least latency (a scan over the cuts)."""
@@ -619,7 +623,7 @@ def plan_stages(analysis: StepAnalysis, mesh, cluster, options: PipelineOptions,
         if rechecked[-1]["planned_s"] < _step_s(stage_plans, k):
             stages, (part, meshes, plans, stage_plans) = rival, got
     S = len(stages.bounds)
-    stage_of_layer = {layer: s for s, (i, j, _) in enumerate(stages.bounds) for layer in range(i, j)}
+    stage_of_layer = stages.stage_of_layer()
     times = [sp.time_s for sp in stage_plans]
     first = {}   # each stage's first op with a known source line (the first op may be a jax internal)
     for p_ in sorted(layer_of):
@@ -671,7 +675,7 @@ def _step_s(stage_plans, k: int) -> float:
 
 def _realise(analysis, layer_of, stages: _Stages, search: StageSearch, grid_shape, *, recompute: bool):
     """``(partition, meshes, plans, StagePlans)`` of ``stages``: the ops cut into them and each planned."""
-    stage_of_layer = {layer: s for s, (i, j, _) in enumerate(stages.bounds) for layer in range(i, j)}
+    stage_of_layer = stages.stage_of_layer()
     part = _partition(analysis, lambda p: stage_of_layer[layer_of[p]], len(stages.bounds), recompute)
     return (part, *_plan_each_stage(analysis, part, stages, search, grid_shape))
 

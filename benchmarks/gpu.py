@@ -93,10 +93,15 @@ def _lever(spec, args, tokens: int, *, budget: float, remat: bool) -> dict:
     step = autoshard.parallelize(spec.train_step, donate_argnums=(0,), memory_budget=budget, remat=remat,
                                  progress=None)
     plan = step.plan(spec.abstract_state(), spec.abstract_batch())
-    out = {"budget_bytes": budget, "remat": None if plan.remat is None else str(plan.remat),
-           "offloaded": list(plan.offloaded), "host_bytes": float(getattr(plan.memory, "host_bytes", 0.0)),
-           "predicted_peak_bytes": plan.memory.peak_bytes}
-    out["compiled_peak_bytes"] = _compiled_peak(step, spec)
+    out = {"budget_bytes": budget}
+    if hasattr(plan, "num_microbatches"):  # no full-batch plan fits: the planner chose gradient accumulation
+        out.update(accumulated_microbatches=plan.num_microbatches, why=plan.stats.get("accumulated_because"),
+                   predicted_peak_bytes=max(s.memory_bytes for s in plan.stages),
+                   compiled_peak_bytes=max(plan.stats.get("task_peaks", {0: float("nan")}).values()))
+    else:
+        out.update(remat=None if plan.remat is None else str(plan.remat), offloaded=list(plan.offloaded),
+                   host_bytes=float(getattr(plan.memory, "host_bytes", 0.0)),
+                   predicted_peak_bytes=plan.memory.peak_bytes, compiled_peak_bytes=_compiled_peak(step, spec))
     sec, metrics = _time_steps(step, spec.init_state(jax.random.key(0)), spec.make_batch(jax.random.key(1)),
                                args.steps)
     out.update(step_s=sec, tokens_per_s=tokens / sec, loss=float(metrics["loss"]))
@@ -140,15 +145,19 @@ def main(argv=None) -> int:
                "num_params": spec.num_params(), "tokens_per_step": tokens}
     print(f"GPT-{args.config} ({spec.num_params() / 1e9:.2f}B parameters), batch {args.batch}, attention "
           f"{attention}, on {device.device_kind} (jax {jax.__version__})", flush=True)
-    _run_part(results, "throughput", lambda: _throughput(spec, args, tokens))
-    _run_part(results, "memory", lambda: _memory(spec))
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+
+    def part(name, fn):  # the JSON is rewritten after each part, so a run cut short keeps what it measured
+        _run_part(results, name, fn)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+    part("throughput", lambda: _throughput(spec, args, tokens))
+    part("memory", lambda: _memory(spec))
     peak = results["memory"].get("compiled_peak_bytes")
     if peak:
-        _run_part(results, "remat", lambda: _lever(spec, args, tokens, budget=0.7 * peak, remat=True))
-        _run_part(results, "offload", lambda: _lever(spec, args, tokens, budget=0.6 * peak, remat=False))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1, default=str)
+        part("remat", lambda: _lever(spec, args, tokens, budget=0.7 * peak, remat=True))
+        part("offload", lambda: _lever(spec, args, tokens, budget=0.6 * peak, remat=False))
     tp = results["throughput"]
     if "ratio" in tp:
         print(f"\ntokens/s: jax.jit {tp['jax_jit']['tokens_per_s']:.0f}, autoshard {tp['autoshard']['tokens_per_s']:.0f} "

@@ -36,7 +36,7 @@ import math
 import re
 
 from autoshard.spec import MeshInfo, ShardingSpec
-from autoshard.strategies import is_scan
+from autoshard.strategies import is_scan, scan_counts
 
 BATCH_AXIS_WORDS = frozenset({"data", "batch", "dp", "ddp", "fsdp", "replica"})
 """Words naming a mesh axis as one that carries the batch (``data``, ``Batch``, ``dp``, ``data_parallel``)."""
@@ -158,7 +158,7 @@ def batch_roles(program, strategies_of: dict, batch: tuple[int, ...], mesh: Mesh
 
     def label_scan(op):
         body, p = op.body, op.params
-        n_consts, n_carry = p["num_consts"], p["num_carry"]
+        n_consts, n_carry = scan_counts(p)
         for j, (b, x) in enumerate(zip(body.invars, op.inputs, strict=True)):
             roles = roles_of(x).shifted(-1) if j >= n_consts + n_carry else roles_of(x)  # xs lose the scanned dim
             if roles:

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from autoshard.backends import BackendProfile, resolve_profile
 from autoshard.capture import CapturedProgram, Const, OpGraph
 from autoshard.spec import MeshInfo, ShardingSpec
-from autoshard.strategies import is_scan, op_info
+from autoshard.strategies import is_scan, op_info, scan_counts
 
 
 def operand_spec(layout, op, i: int) -> ShardingSpec | None:
@@ -210,7 +210,7 @@ class Evaluator:
 
     def run_scan(self, op, invals, microbatch=None):
         p = op.params
-        n_consts, n_carry = p["num_consts"], p["num_carry"]
+        n_consts, n_carry = scan_counts(p)
         body = op.body
         consts, init, xs = invals[:n_consts], invals[n_consts:n_consts + n_carry], invals[n_consts + n_carry:]
         b_consts = body.invars[:n_consts]

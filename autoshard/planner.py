@@ -27,7 +27,15 @@ from autoshard.cost import Collective, CostModel
 from autoshard.intent import indivisible_batch, respect_batch_axes, splitting_axes
 from autoshard.solver import ShardingProblem
 from autoshard.spec import ShardingSpec, candidate_specs, replicated
-from autoshard.strategies import RuleContext, Strategy, is_scan, lookup_rule, op_info, replicated_strategy
+from autoshard.strategies import (
+    RuleContext,
+    Strategy,
+    is_scan,
+    lookup_rule,
+    op_info,
+    replicated_strategy,
+    scan_counts,
+)
 
 
 class AutoshardWarning(UserWarning):
@@ -251,7 +259,7 @@ class _GraphBuilder:
     def visit_scan(self, op: Op):
         body, avals, mesh = op.body, self.avals, self.mesh
         p = op.params
-        n_consts, n_carry, length = p["num_consts"], p["num_carry"], int(p["length"])
+        (n_consts, n_carry), length = scan_counts(p), int(p["length"])
         inner_trips = op.trips * length
         carry_nodes = []
         for j, (b, x) in enumerate(zip(body.invars, op.inputs, strict=True)):

@@ -7,6 +7,7 @@ import pytest
 
 import autoshard
 from autoshard.capture import CapturedProgram, Const, OpGraph, capture_graph
+from autoshard.strategies import scan_counts
 
 WRAPPERS = {
     "jit",
@@ -121,7 +122,7 @@ def test_scan_stays_one_op_with_a_body():
     top = {op.index for op in program.graph.ops}
     assert scan.index in top and not top & {op.index for op in scan.body.ops}
     # The body takes one invar per scan operand: consts (w), then the carry, then a slice of xs.
-    assert (scan.params["num_consts"], scan.params["num_carry"]) == (1, 1)
+    assert scan_counts(scan.params) == (1, 1)
     assert [tuple(program.avals[v].shape) for v in scan.body.invars] == [(16, 16), (16,), (16,)]
     assert tuple(program.avals[scan.outputs[1]].shape) == (6,)
 
@@ -326,10 +327,17 @@ def _scanned(w, x):
     return jnp.sum(c) + jnp.sum(ys)
 
 
+# The gradient's ops are jax's: 0.11 differentiates tanh with its own one_minus_square primitive.
+_SCANNED_GRAD_FINGERPRINT = {(0, 10): "5041399ac1116c4d", (0, 11): "5e11bf109853171e"}
+
+
 def test_fingerprints_of_captured_programs_are_unchanged():
     """Saved plans are matched by fingerprint: these values were computed before ``from_graph`` existed."""
     assert capture_graph(_tiny, _tiny_args()).fingerprint() == "4fc9a0f63e393055"
-    assert capture_graph(jax.grad(_scanned), (_sds(3, 4, 4), _sds(2, 4))).fingerprint() == "5041399ac1116c4d"
+    version = tuple(int(x) for x in jax.__version__.split(".")[:2])
+    assert version in _SCANNED_GRAD_FINGERPRINT, f"record the fingerprint of jax {jax.__version__}'s gradient"
+    got = capture_graph(jax.grad(_scanned), (_sds(3, 4, 4), _sds(2, 4))).fingerprint()
+    assert got == _SCANNED_GRAD_FINGERPRINT[version]
 
 
 def test_from_graph_derives_ops_producer_and_uses_from_the_graph():

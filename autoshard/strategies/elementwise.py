@@ -12,12 +12,12 @@ from autoshard.strategies.opinfo import register_op
 ELEMENTWISE = (
     "abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp clz complex conj "
     "convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor "
-    "ge gt igamma igammac imag integer_pow is_finite le lgamma log log1p logistic lt max min mul ne neg "
+    "ge gt igamma igammac imag integer_pow is_finite le lgamma log log1p log2 logistic lt max min mul ne neg "
     "nextafter not or population_count pow real reduce_precision rem round rsqrt select_n "
     "shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square stop_gradient "
     "sub tan tanh xor optimization_barrier_elementwise "
     "bessel_i0e bessel_i1e igamma_grad_a polygamma zeta regularized_incomplete_beta random_gamma_grad "
-    "mulhi eq_to le_to lt_to zeros_like "
+    "mulhi eq_to le_to lt_to zeros_like one_minus_square "
     # counter-based RNG kernels map each counter to its bits, element by element
     "threefry2x32 threefry4x32 philox2x32 philox4x32"
 ).split()
@@ -57,6 +57,6 @@ register_strategy(*ELEMENTWISE, follows=True)(elementwise_strategies)
 
 # Elementwise ops XLA's fusion deems expensive (instruction_fusion.cc IsExpensive): it will not
 # duplicate them into several consumers, so their result is materialised once.
-EXPENSIVE = ("exp exp2 expm1 log log1p logistic tanh erf erfc erf_inv pow sqrt rsqrt cbrt div atan2 "
+EXPENSIVE = ("exp exp2 expm1 log log1p log2 logistic tanh erf erfc erf_inv pow sqrt rsqrt cbrt div atan2 "
              "lgamma digamma igamma igammac").split()
 register_op(*EXPENSIVE, expensive=True)

@@ -23,6 +23,7 @@ from autoshard.strategies.opinfo import op_flops, register_op
 register_replicated(
     "while", "cond", "custom_linear_solve", "composite", "remat_opt", "linear_call", "custom_vmap_call",
     "compute_on", "fused_call", "xla_metadata_call", "call", "custom_jvp_call_jaxpr", "eval_jaxpr",
+    "program_order",
     why="its body is re-bound as is; the operands it carries across the control flow or call boundary "
     "stay whole, so the body sees the values it was written for",
 )
@@ -80,7 +81,8 @@ register_replicated(
 register_replicated(
     "psum", "pmax", "pmin", "ppermute", "all_gather", "all_to_all", "axis_index", "ragged_all_to_all",
     "reduce_scatter", "psum_invariant", "all_gather_invariant", "all_gather_reduced", "pbroadcast",
-    "preduced", "psend", "precv", "unreduced_psum", "unreduced_reduce_scatter", "pvary",
+    "preduced", "psend", "precv", "unreduced_psum", "unreduced_pmax", "unreduced_pmin", "unreduced_reduce_scatter",
+    "pvary",
     "reduced_vary_cast_p", "vary_unreduced_cast_p",
     "all_gather_start", "all_gather_done", "all_gather_reduced_start", "all_to_all_start", "all_to_all_done",
     "pbroadcast_start", "pbroadcast_done", "ppermute_start", "ppermute_done", "psum_start", "psum_done",
@@ -141,10 +143,12 @@ def _optimization_barrier(op, ctx: RuleContext) -> list[Strategy]:
 
 
 @register_strategy("reshard", "layout_constraint", "name", "consume", "assert_consumed_value",
-                   "xla_metadata_value", "device_put", "shard_alike", "stage", follows=True)
+                   "xla_metadata_value", "device_put", "shard_alike", "stage", "relayout",
+                   "with_memory_space_constraint", follows=True)
 def _identity(op, ctx: RuleContext) -> list[Strategy]:
     """Identities on values. ``reshard`` (explicit sharding) is one too: the plan picks the layout,
-    and lowering pins it, so the user's target sharding is a hint, not a constraint."""
+    and lowering pins it, so the user's target sharding is a hint, not a constraint. ``relayout`` (a device
+    layout) and ``with_memory_space_constraint`` (a memory kind) change where the value lives, not its values."""
     return identity_strategies(ctx)
 
 

@@ -146,3 +146,13 @@ def op_flops(op, avals) -> float:
 def is_scan(op) -> bool:
     """A ``scan`` captured with its body (capture keeps it as one op over a nested graph)."""
     return op.body is not None and op_info(op.name).structure == "scan"
+
+
+def scan_counts(params) -> tuple[int, int]:
+    """``(consts, carry)``: how many of a ``scan``'s operands are loop constants and carried values (the rest
+    are the scanned ``xs``). jax <= 0.10 names them ``num_consts`` / ``num_carry``; jax 0.11 keeps them in
+    ``ft_in``, a flat tree packed as ``(consts, carry, xs)`` whose ``len`` counts leaves."""
+    if "num_consts" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)

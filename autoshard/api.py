@@ -233,8 +233,11 @@ class Parallelized:
                 return stage_plan.stats["memory_budget"]
             return o.memory_budget if o.memory_budget is not None else error.smallest_memory
 
-        step, program = choose_microbatches(lambda k: PipelinedStep(fun, base.replace(num_microbatches=k)),
-                                            call.dyn, budget_of, error)
+        def make_step(k, limit):
+            return PipelinedStep(fun, base.replace(num_microbatches=k, **({} if limit is None else
+                                                                           {"memory_budget": limit})))
+
+        step, program = choose_microbatches(make_step, call.dyn, budget_of, error)
         return AccumulatedStep(step, program)
 
     def _apply_saved(self, program):

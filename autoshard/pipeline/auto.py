@@ -5,7 +5,9 @@ all tried, see ``autoshard.driver.LEVERS``), the step is split into ``k`` microb
 smallest ``k`` dividing the batch whose tasks fit: activations shrink by ``k``, parameters and
 optimizer state do not. "Fit" is XLA's compiled peak of every task (microbatch forward/backward
 with its running gradient sum, and the update), not the planner's estimate: the accumulator and
-the un-donated update are not in the microbatch plan's memory row.
+the un-donated update are not in the microbatch plan's memory row. A ``k`` whose compiled peak is
+over the budget is planned again under a budget shrunk by the ratio, as every memory lever does
+(:func:`autoshard.compile.fit_compiled`), before a larger ``k`` is tried.
 
 Only steps that :func:`~autoshard.pipeline.accumulate.analyze_step` accepts are split: their
 gradients are sums over the batch, so the split step equals the full step up to float reordering.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from autoshard.compile import fit_compiled
 from autoshard.errors import InfeasibleError, InputError
 from autoshard.hlo import memory_stats
 
@@ -32,7 +35,8 @@ def choose_microbatches(make_step, args: tuple, budget_of, error: InfeasibleErro
     """The smallest ``k`` whose accumulated step fits; raises ``error`` (annotated) when none does.
 
     Args:
-      make_step: ``k -> PipelinedStep`` with ``num_microbatches=k``.
+      make_step: ``(k, memory_budget) -> PipelinedStep`` with ``num_microbatches=k``, its stage planned within
+        ``memory_budget`` (None: the step's own).
       args: the step's (dynamic) arguments.
       budget_of: ``PipelinePlan -> bytes`` per device the tasks must fit.
       error: the full batch's :class:`InfeasibleError`.
@@ -41,7 +45,7 @@ def choose_microbatches(make_step, args: tuple, budget_of, error: InfeasibleErro
       ``(step, program)``: the step and its :class:`~autoshard.pipeline.step.PipelinedProgram` for
       ``args`` (``program.plan.stats["num_microbatches"] == k``).
     """
-    probe = make_step(1)
+    probe = make_step(1, None)
     call = probe.bind(args)
     try:
         batch_size = probe.batch_size(call)
@@ -50,18 +54,25 @@ def choose_microbatches(make_step, args: tuple, budget_of, error: InfeasibleErro
 
     def attempt(k):
         """``(step, entry, peaks)`` when k microbatches fit, else why not."""
-        step = make_step(k)
-        try:
+
+        def build(limit):
+            step = make_step(k, limit)
             entry = step.build(step.bind(args))
+            return step, entry, compiled_task_peaks(entry.executable)
+
+        try:
+            first = build(None)
         except InfeasibleError as e:
             return f"k={k}: planner's smallest peak {e.smallest_memory or 0:.4g} bytes"
         except InputError as e:  # not accumulation-compatible at this k (see below)
             return e
-        peaks = compiled_task_peaks(entry.executable)
-        peak = max(peaks.values(), default=0.0)
-        if peak > budget_of(entry.plan):
-            return f"k={k}: compiled peak {peak:.4g} bytes"
-        return step, entry, peaks
+        pending = [first]
+        try:
+            return fit_compiled(lambda limit: pending.pop() if pending else build(limit),
+                                lambda got: max(got[2].values(), default=0.0), budget_of(first[1].plan),
+                                refuse=lambda peak: _Over(f"k={k}: compiled peak {peak:.4g} bytes"))
+        except _Over as e:
+            return str(e)
 
     candidates = _divisors(batch_size)
     if not candidates:
@@ -91,6 +102,10 @@ def choose_microbatches(make_step, args: tuple, budget_of, error: InfeasibleErro
         if not isinstance(got, (str, InputError)):
             return _chosen(k, *got, error)
     return _chosen(k_most, *got_most, error)
+
+
+class _Over(Exception):
+    """No plan at this ``k`` compiles within the budget (its message says by how much)."""
 
 
 def _chosen(k, step, entry, peaks, error):

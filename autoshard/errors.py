@@ -20,11 +20,18 @@ class MeshError(AutoshardError, ValueError):
 
 
 class InfeasibleError(AutoshardError, ValueError):
-    """No strategy assignment meets the constraints (memory limit, forbidden strategies)."""
+    """No strategy assignment meets the constraints (memory limit, forbidden strategies).
 
-    def __init__(self, message: str, *, smallest_memory: float | None = None):
+    Attributes:
+      smallest_memory: the least per-device peak seen, in bytes (None: memory is not why).
+      checked: ``smallest_memory`` is a whole plan's peak as a lever's final check measured it (XLA's
+        compiled peak; the model's own on an AbstractMesh), not a bound from the solver's memory row.
+    """
+
+    def __init__(self, message: str, *, smallest_memory: float | None = None, checked: bool = False):
         super().__init__(message)
         self.smallest_memory = smallest_memory
+        self.checked = checked
 
 
 class ProblemFormatError(AutoshardError, ValueError):

@@ -134,7 +134,8 @@ def plan_with_offload(solve_with, program, ties: dict[int, int], error: Infeasib
             f"the best offload plan found has a device peak of {compiled:.4g} bytes (compiled, or predicted "
             f"where there are no devices to compile for), above the planner's memory row. Fix: raise "
             f"memory_budget (a plan at {compiled:.4g} fits), use more devices, or pipeline the model "
-            "(parallelize(..., pipeline=autoshard.PipelineOptions(num_stages='auto'))).", smallest_memory=compiled),
+            "(parallelize(..., pipeline=autoshard.PipelineOptions(num_stages='auto'))).", smallest_memory=compiled,
+            checked=True),
         rounds=check_rounds if check is not None else 0)
 
 

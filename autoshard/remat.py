@@ -493,7 +493,7 @@ class _RematSearch:
             return InfeasibleError(
                 f"no plan fits {budget:.4g} bytes per device: the best rematerialised plan ({last['chosen'][0]} of "
                 f"{n} forward segments) compiles to a peak of {lowest:.4g} bytes (XLA's memory_analysis). Fix: raise "
-                f"memory_budget to at least {lowest:.4g}, or use more devices.", smallest_memory=lowest)
+                f"memory_budget to at least {lowest:.4g}, or use more devices.", smallest_memory=lowest, checked=True)
 
         # XLA kept more alive than predicted (its schedule is not ours): each round plans against less.
         fit_compiled(search, compiled_peak, budget, limit=budget, refuse=refuse, rounds=rounds, margin=0.97)

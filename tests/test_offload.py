@@ -246,3 +246,27 @@ def _step_for(spec, budget):
     return autoshard.parallelize(spec.train_step, mesh=autoshard.make_mesh((8,), ("data",)), progress=None,
                                  cluster=autoshard.cluster_preset("h100-nvlink"), memory_budget=budget,
                                  donate_argnums=(0,), accumulate=False)
+
+
+def test_the_error_names_the_lever_that_came_closest():
+    """Remat compiles just over a budget that offload misses by more: the error is remat's, with its peak."""
+    import jax.numpy as jnp
+
+    spec = get_model("gpt", "tiny", 8, dtype=jnp.bfloat16, attention_impl="xla")
+    state, b = spec.abstract_state(), spec.abstract_batch()
+    one = autoshard.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+
+    def step(**options):
+        return autoshard.parallelize(spec.train_step, mesh=one, progress=None, donate_argnums=(0,), accumulate=False,
+                                     **options)
+
+    budget = 0.7 * memory_stats(step().lower(state, b).compile())["peak"]
+    with pytest.raises(autoshard.InfeasibleError) as offload_only:
+        step(memory_budget=budget, remat=False).plan(state, b)
+    with pytest.raises(autoshard.InfeasibleError) as both:
+        step(memory_budget=budget, remat=True).plan(state, b)
+    err = both.value
+    assert err.checked and budget < err.smallest_memory
+    if offload_only.value.checked:
+        assert err.smallest_memory <= offload_only.value.smallest_memory
+    assert f"{err.smallest_memory:.4g}" in str(err)

@@ -474,7 +474,8 @@ class _RematSearch:
             if k is None:
                 errors = self.errors
                 smallest = min(e.smallest_memory for e in errors.values() if e.smallest_memory is not None)
-                raise InfeasibleError(f"{errors[(0, budget)]} Rematerialising the first 1..{n} forward segments "
+                # this round's limit: the first round's (the budget) may have had plans that compiled over it
+                raise InfeasibleError(f"{errors[(0, limit)]} Rematerialising the first 1..{n} forward segments "
                                       f"does not fit either; the smallest peak the solver found is {smallest:.4g} "
                                       f"bytes.", smallest_memory=smallest) from None
             last["chosen"], last["compiled"] = (k, limit), None

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 
 import autoshard
+from autoshard.capture import capture_graph
+from autoshard.compile import compile_plan
 from autoshard.hlo import memory_stats
 from benchmarks.models import get_model
 from tests.helpers import assert_trees_close, run_steps
@@ -270,3 +274,42 @@ def test_the_error_names_the_lever_that_came_closest():
     if offload_only.value.checked:
         assert err.smallest_memory <= offload_only.value.smallest_memory
     assert f"{err.smallest_memory:.4g}" in str(err)
+
+
+def test_calibrated_row_scale_is_the_models_peak_over_xlas():
+    from autoshard import driver
+    from benchmarks.models import mlp
+
+    spec = mlp.build(mlp.MLPConfig(num_layers=2, input_dim=256, hidden_dim=256, output_dim=256), 64)
+    mesh = autoshard.make_mesh((8,), ("data",))
+    program = capture_graph(spec.train_step, (spec.abstract_state(), spec.abstract_batch()))
+    request = driver.PlanRequest(program, mesh=mesh, cluster=autoshard.cluster_preset("h100-nvlink"), memory_budget=1e9)
+    on = driver.MeshTarget.create(request, mesh)
+    scale = driver.calibrated_row_scale(request, on)
+    free = driver.attempt_sharding(request, dataclasses.replace(on, budget=None), None).plan
+    compiled = memory_stats(compile_plan(program, free))["peak"]
+    assert scale == pytest.approx(free.memory.peak_bytes / compiled, rel=1e-9)
+    abstract = dataclasses.replace(on, mesh=jax.sharding.AbstractMesh((8,), ("data",)))
+    assert driver.calibrated_row_scale(request, abstract) is None  # nothing to compile
+
+
+def test_a_pessimistic_model_retries_with_a_scaled_row_and_never_returns_a_plan_over_budget(monkeypatch):
+    """A model that over-predicts: the levers run again with the row scaled; every plan is still checked."""
+    from autoshard import driver
+    from benchmarks.models import mlp
+
+    spec = mlp.build(mlp.MLPConfig(num_layers=4, input_dim=512, hidden_dim=512, output_dim=512), 256)
+    state, b = spec.abstract_state(), spec.abstract_batch()
+    with pytest.raises(autoshard.InfeasibleError) as floor:
+        _step_for(spec, 1.0).plan(state, b)
+    calls = []
+    monkeypatch.setattr(driver, "calibrated_row_scale", lambda request, on: calls.append(on.budget) or 1.5)
+    budget = 0.9 * floor.value.smallest_memory
+    step = _step_for(spec, budget)
+    try:
+        step.plan(state, b)
+    except autoshard.InfeasibleError as e:
+        assert e.smallest_memory > budget
+    else:
+        assert memory_stats(step.lower(state, b).compile())["peak"] <= budget
+    assert calls == [budget]

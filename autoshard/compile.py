@@ -68,7 +68,13 @@ def fit_compiled(search, check, budget: float, *, limit=None, refuse, rounds: in
     is planned again under the limit shrunk by the ratio, at most ``rounds`` times; when none
     fits, ``refuse(lowest compiled peak seen)`` is raised. A search that fails after the first
     round ends the loop (its smallest peak is the memory row's, under a shrunk budget). ``margin``
-    shrinks each new limit further (remat's recompute schedules keep more alive: 0.97)."""
+    shrinks each new limit further (remat's recompute schedules keep more alive: 0.97).
+
+    For a plan that says the peak the solver's memory row gave it (``plan.stats["solver_peak"]``), the
+    new limit is also at most that peak shrunk by the ratio, which the same plan cannot meet again: a
+    plan the row put well inside the limit but that compiled over the budget would otherwise come back
+    round after round (a stage at 170 KB in the row, compiled at 203 KB, under 200 KB: a 197 KB limit
+    still admits it)."""
     from autoshard.errors import InfeasibleError
 
     smallest = math.inf
@@ -84,6 +90,10 @@ def fit_compiled(search, check, budget: float, *, limit=None, refuse, rounds: in
             return plan
         smallest = min(smallest, compiled)
         limit = (limit if limit is not None else budget) * budget / compiled * margin
+        stats = getattr(plan, "stats", None)
+        row = stats.get("solver_peak") if isinstance(stats, dict) else None
+        if row:
+            limit = min(limit, row * budget / compiled * margin)
     raise refuse(smallest)
 
 

@@ -252,28 +252,28 @@ def _step_for(spec, budget):
                                  donate_argnums=(0,), accumulate=False)
 
 
-def test_the_error_names_the_lever_that_came_closest():
-    """Remat compiles just over a budget that offload misses by more: the error is remat's, with its peak."""
-    import jax.numpy as jnp
+def test_the_error_names_the_lever_that_came_closest(monkeypatch):
+    """Remat compiled just over the budget, offload further over: the error raised is remat's. A solver-row
+    bound (unchecked) is not compared with compiled peaks; with no checked error the last lever's stands."""
+    from autoshard import driver
+    from autoshard.errors import InfeasibleError
 
-    spec = get_model("gpt", "tiny", 8, dtype=jnp.bfloat16, attention_impl="xla")
-    state, b = spec.abstract_state(), spec.abstract_batch()
-    one = autoshard.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    shard = InfeasibleError("shard", smallest_memory=3.0e6)  # the solver's row: optimistic, never chosen
+    remat = InfeasibleError("remat", smallest_memory=4.598e6, checked=True)
+    offload = InfeasibleError("offload", smallest_memory=5.884e6, checked=True)
 
-    def step(**options):
-        return autoshard.parallelize(spec.train_step, mesh=one, progress=None, donate_argnums=(0,), accumulate=False,
-                                     **options)
+    def failing(error):
+        return lambda request, on, limit, previous: driver.Attempt(error=error)
 
-    budget = 0.7 * memory_stats(step().lower(state, b).compile())["peak"]
-    with pytest.raises(autoshard.InfeasibleError) as offload_only:
-        step(memory_budget=budget, remat=False).plan(state, b)
-    with pytest.raises(autoshard.InfeasibleError) as both:
-        step(memory_budget=budget, remat=True).plan(state, b)
-    err = both.value
-    assert err.checked and budget < err.smallest_memory
-    if offload_only.value.checked:
-        assert err.smallest_memory <= offload_only.value.smallest_memory
-    assert f"{err.smallest_memory:.4g}" in str(err)
+    def levers(*errors):
+        return tuple(failing(e) for e in errors)
+
+    monkeypatch.setattr(driver, "LEVERS", levers(shard, remat, offload))
+    with pytest.raises(InfeasibleError, match="^remat$"):
+        driver.run_levers(None, None, None)
+    monkeypatch.setattr(driver, "LEVERS", levers(shard, InfeasibleError("last", smallest_memory=9e6)))
+    with pytest.raises(InfeasibleError, match="^last$"):
+        driver.run_levers(None, None, None)
 
 
 def test_calibrated_row_scale_is_the_models_peak_over_xlas():

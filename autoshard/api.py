@@ -234,8 +234,8 @@ class Parallelized:
             return o.memory_budget if o.memory_budget is not None else error.smallest_memory
 
         def make_step(k, limit):
-            return PipelinedStep(fun, base.replace(num_microbatches=k, **({} if limit is None else
-                                                                           {"memory_budget": limit})))
+            budget = base.memory_budget if limit is None else limit
+            return PipelinedStep(fun, base.replace(num_microbatches=k, memory_budget=budget))
 
         step, program = choose_microbatches(make_step, call.dyn, budget_of, error)
         return AccumulatedStep(step, program)

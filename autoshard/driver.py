@@ -263,7 +263,7 @@ def plan_on_mesh(request: PlanRequest, on: MeshTarget):
         try:
             return levers(dataclasses.replace(on, row_scale=scale))
         except InfeasibleError as again:
-            raise min((again, failed), key=lambda e: e.smallest_memory if e.checked else math.inf) from None
+            raise closest_error([failed, again], fallback=again) from None
 
 
 def calibrated_row_scale(request: PlanRequest, on: MeshTarget) -> float | None:
@@ -299,8 +299,15 @@ def run_levers(request: PlanRequest, on: MeshTarget, limit: float | None):
             errors.append(attempt.error)
     if attempt.fits:
         return attempt.plan
+    raise closest_error(errors, fallback=attempt.error)
+
+
+def closest_error(errors, *, fallback: InfeasibleError) -> InfeasibleError:
+    """Of ``errors`` (in the order they were raised), the checked one (``InfeasibleError.checked``) with the least
+    peak, the later on a tie; ``fallback`` when none is checked (a solver-row bound is never compared with a
+    compiled peak)."""
     checked = [e for e in reversed(errors) if e.checked and e.smallest_memory is not None]
-    raise min(checked, key=lambda e: e.smallest_memory) if checked else attempt.error
+    return min(checked, key=lambda e: e.smallest_memory) if checked else fallback
 
 
 def shard_lever(request: PlanRequest, on: MeshTarget, limit, previous: Attempt | None) -> Attempt:

@@ -45,7 +45,7 @@ def test_sharding_alone_cannot_meet_the_budget(monkeypatch):
     """Without offload the smallest reachable peak is above BUDGET: offload is what makes it fit."""
     monkeypatch.setattr("autoshard.offload.offload_candidates", lambda program, ties: ())
     spec, step = _step(BUDGET)
-    with pytest.raises(autoshard.InfeasibleError, match="raise memory_budget to at least") as err:
+    with pytest.raises(autoshard.InfeasibleError, match="raise memory_budget to (at least|about)") as err:
         step.plan(spec.abstract_state(), spec.abstract_batch())
     assert err.value.smallest_memory > BUDGET
 

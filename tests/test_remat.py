@@ -92,7 +92,7 @@ def test_prefix_search_matches_brute_force_over_every_remat_subset(fraction):
     mesh = autoshard.make_mesh((8,), ("data",))
     plan_fn, cluster = _plan_fn(mesh)
     free = plan_fn(program, None).plan
-    budget = fraction * free.stats["solver_peak"]  # the unconstrained plan does not fit the solver's memory row
+    budget = fraction * free.memory.peak_bytes  # the unconstrained plan does not fit
     best = None
     for r in range(len(units) + 1):
         for subset in itertools.combinations(units, r):

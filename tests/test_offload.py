@@ -313,3 +313,25 @@ def test_a_pessimistic_model_retries_with_a_scaled_row_and_never_returns_a_plan_
     else:
         assert memory_stats(step.lower(state, b).compile())["peak"] <= budget
     assert calls == [budget]
+
+
+@pytest.mark.parametrize("row,compiled,expected", [
+    (170e3, 203e3, 0.99 * 170e3),         # the row well inside the limit: just below it, or the plan comes back
+    (150e3, 300e3, 200e3 * 200 / 300),    # the ratio shrinks further than the row: the ratio's limit
+])
+def test_fit_compiled_replans_just_below_the_refused_plans_row(row, compiled, expected):
+    """A refused plan's next limit is the shrunk budget, or just under the plan's own row peak when that is less;
+    not the row shrunk by the ratio too, which over-shrinks where the row is far under the check."""
+    from types import SimpleNamespace
+
+    from autoshard.compile import BELOW_ROW, fit_compiled
+
+    limits = []
+
+    def search(limit):
+        limits.append(limit)
+        return SimpleNamespace(stats={"solver_peak": row}, peak=compiled if len(limits) == 1 else 190e3)
+
+    plan = fit_compiled(search, lambda p: p.peak, 200e3, limit=200e3, refuse=AssertionError)
+    assert plan.peak == 190e3 and limits[0] == 200e3
+    assert limits[1] == pytest.approx(min(200e3 * 200e3 / compiled, BELOW_ROW * row)) == pytest.approx(expected)

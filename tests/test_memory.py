@@ -137,10 +137,11 @@ def _free_and_budgeted(budget_of, family="gpt", config="tiny", batch=64, shape=(
 
 
 def test_a_budget_the_estimate_meets_is_not_refused_for_the_rows_sake():
-    """The memory row prices live values in program order and says more than the estimate (1.16x here): a
-    budget between the two keeps the free plan; no lever is pulled and nothing is resharded for memory."""
+    """The memory row prices live values in program order and says more than the estimate (1.16x here on jax
+    0.10, 1.07x on 0.11, whose tanh derivative is one op): a budget between the two keeps the free plan; no
+    lever is pulled and nothing is resharded for memory."""
     free, plan = _free_and_budgeted(lambda f: 0.5 * (f.memory.peak_bytes + f.stats["solver_peak"]), remat=True)
-    assert free.stats["solver_peak"] > 1.1 * free.memory.peak_bytes  # the row is pessimistic here
+    assert free.stats["solver_peak"] > 1.05 * free.memory.peak_bytes  # the row is pessimistic here
     assert plan.stats["budget_bound"] is False and plan.remat is None and not plan.offloaded
     assert plan.cost.objective == pytest.approx(free.cost.objective, rel=1e-9)
 

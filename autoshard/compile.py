@@ -63,7 +63,8 @@ BELOW_ROW = 0.99
 """:func:`fit_compiled` re-plans a refused plan under at most this share of its own row peak."""
 
 
-def fit_compiled(search, check, budget: float, *, limit=None, refuse, rounds: int = 2, margin: float = 1.0):
+def fit_compiled(search, check, budget: float, *, limit=None, refuse, rounds: int = 2, margin: float = 1.0,
+                 planned=None):
     """Re-plan until XLA's compiled peak fits: the loop the memory levers share.
 
     ``search(limit) -> plan`` plans under ``limit`` (None: the default budget ``budget``) and
@@ -72,7 +73,8 @@ def fit_compiled(search, check, budget: float, *, limit=None, refuse, rounds: in
     is planned again under the limit shrunk by the ratio, at most ``rounds`` times; when none
     fits, ``refuse(lowest compiled peak seen)`` is raised. A search that fails after the first
     round ends the loop (its smallest peak is the memory row's, under a shrunk budget). ``margin``
-    shrinks each new limit further (remat's recompute schedules keep more alive: 0.97).
+    shrinks each new limit further (remat's recompute schedules keep more alive: 0.97). ``planned``: the
+    first round's plan (``search(limit)``), when the caller has it already.
 
     For a plan that says the peak the solver's memory row gave it (``plan.stats["solver_peak"]``), the
     new limit is also at most ``BELOW_ROW`` of that peak, which the same plan cannot meet again: a plan
@@ -87,7 +89,7 @@ def fit_compiled(search, check, budget: float, *, limit=None, refuse, rounds: in
     smallest = math.inf
     for round_ in range(1 + rounds):
         try:
-            plan = search(limit)
+            plan = planned if round_ == 0 and planned is not None else search(limit)
         except InfeasibleError:
             if round_ == 0:
                 raise

@@ -303,10 +303,9 @@ def shard_lever(request: PlanRequest, on: MeshTarget, limit, previous: Attempt |
     budget = limit if limit is not None else on.budget
     if not first.fits or budget is None:
         return first
-    tried = {limit: first}
 
     def search(lim):
-        got = tried.get(lim) or attempt_sharding(request, on, lim, remat_split=request.remat)
+        got = attempt_sharding(request, on, lim, remat_split=request.remat)
         if not got.fits:
             raise got.error
         return got.plan
@@ -321,7 +320,7 @@ def shard_lever(request: PlanRequest, on: MeshTarget, limit, previous: Attempt |
 
     try:
         plan_ = fit_compiled(search, lambda p: checked_peak(request, on, p, budget), budget, limit=limit,
-                             refuse=refuse)
+                             refuse=refuse, planned=first.plan)
     except InfeasibleError as e:
         return Attempt(None, e, True, first.unconstrained_objective)
     return dataclasses.replace(first, plan=plan_)
@@ -515,7 +514,10 @@ def solve_under_budget(request: PlanRequest, on: MeshTarget, built, budget, limi
     # are slow to fit (GPT-1.3B on (2, 4) under 1.5x its least-memory peak: 1.76x the best at 5 s, 1.01x
     # at 30 s), and a free solve that took the whole limit left them 1 s.
     sol = solve(free, time_limit=min(request.time_limit, max(PROBE_SHARE * request.time_limit, PROBE_MIN_S)))
-    free_objective, budget_bound = float(sol.cost), not fits(sol)
+    # the probe's estimate, wanted only where its row is over the budget
+    estimate = peak_of(sol) if peak_of is not None and sol.peak_memory > budget else None
+    free_objective = float(sol.cost)
+    budget_bound = sol.peak_memory > budget and (estimate is None or estimate > budget)
     left = request.time_limit - (time.perf_counter() - t)
     if not budget_bound:
         if not sol.optimal and left > PROBE_MIN_S:
@@ -524,7 +526,7 @@ def solve_under_budget(request: PlanRequest, on: MeshTarget, built, budget, limi
             if more.cost < sol.cost and fits(more):
                 sol = more
         return sol, free_objective, False, None, 1.0
-    calibration = 1.0 if peak_of is None else min(max(sol.peak_memory / peak_of(sol), 1.0), ROW_CALIBRATION)
+    calibration = 1.0 if estimate is None else min(max(sol.peak_memory / estimate, 1.0), ROW_CALIBRATION)
     problem = built.problem if calibration == 1.0 else dataclasses.replace(built.problem,
                                                                            memory_limit=budget * calibration)
     try:

@@ -66,11 +66,9 @@ def choose_microbatches(make_step, args: tuple, budget_of, error: InfeasibleErro
             return f"k={k}: planner's smallest peak {e.smallest_memory or 0:.4g} bytes"
         except InputError as e:  # not accumulation-compatible at this k (see below)
             return e
-        pending = [first]
         try:
-            return fit_compiled(lambda limit: pending.pop() if pending else build(limit),
-                                lambda got: max(got[2].values(), default=0.0), budget_of(first[1].plan),
-                                refuse=lambda peak: _Over(f"k={k}: compiled peak {peak:.4g} bytes"))
+            return fit_compiled(build, lambda got: max(got[2].values(), default=0.0), budget_of(first[1].plan),
+                                refuse=lambda peak: _Over(f"k={k}: compiled peak {peak:.4g} bytes"), planned=first)
         except _Over as e:
             return str(e)
 

@@ -31,7 +31,8 @@ class PipelineOptions:
         argument whose leaves are not returned updated (the state is; the batch is not).
       stage_cost: ``"planner"`` (each distinct layer planned on each candidate sub-mesh) or
         ``"estimate"`` (flops and data-parallel gradient all-reduce only, much faster).
-      solver_time_limit: seconds the intra-op solver may spend on each stage candidate.
+      solver_time_limit: seconds the intra-op solver may spend on each stage candidate. The chosen
+        stages' own plans get ``parallelize(solver_time_limit=...)`` (or this, when larger).
       runtime: ``"device_put"`` (one jitted program per task, arrays moved between stage
         sub-meshes by ``jax.device_put``: one process only), ``"spmd"`` (the whole pipeline as one
         SPMD program over a ``("stage", "data", "model")`` mesh, each stage under its intra-op plan,

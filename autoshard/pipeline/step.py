@@ -109,8 +109,9 @@ class PipelinedStep:
     Same call interface and options as :class:`autoshard.Parallelized`; ``plan(...)`` returns a
     :class:`~autoshard.pipeline.PipelinePlan` and ``timeline(...)`` measures a step. Donated
     arguments are a permission, as in ``jax.jit``: the tasks reuse their own accumulators, not the
-    caller's buffers. ``solver_time_limit`` bounds the plan of a microbatched step; each stage
-    candidate of a pipeline has ``PipelineOptions.solver_time_limit``.
+    caller's buffers. ``solver_time_limit`` bounds the plan of a microbatched step and each chosen pipeline
+    stage's plan (or ``PipelineOptions.solver_time_limit`` when larger); each stage candidate of the search
+    has ``PipelineOptions.solver_time_limit``.
     """
 
     def __init__(self, fun, options: Options | None = None, **kwargs):
@@ -242,7 +243,8 @@ class PipelinedStep:
                 got = plan_stages_everywhere(
                     lambda: plan_stages(analysis, mesh, cluster, self.pipeline, o.memory_budget, progress=progress,
                                         tie_layers=o.tie_layers, profile=o.profile, uniform=runtime == "spmd",
-                                        recompute=recompute),
+                                        recompute=recompute,
+                                        stage_time_limit=max(o.solver_time_limit, self.pipeline.solver_time_limit)),
                     analysis, mesh, self.pipeline)
             return got, caught
 

@@ -8,6 +8,7 @@ solver's own clock (``stats["elapsed"]``, ``stats["stop"]``), never by the test'
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from pathlib import Path
@@ -305,3 +306,52 @@ def test_a_parallel_answer_without_any_worker_answer_still_has_a_bound(monkeypat
     sol = solve(p, time_limit=MIN_PARALLEL_SECONDS + 0.5, workers=2)
     assert sol.stats["workers"] == 2 and sol.stats["worker_costs"] == [] and sol.feasible
     assert np.isfinite(sol.stats["bound"]) and sol.stats["bound"] <= sol.cost + 1e-9 * abs(sol.cost)
+
+
+def _spy_memory_milps(monkeypatch, time_limit=None):
+    """Record the core MILPs ``solve`` runs with memory rows (and cut each to ``time_limit`` seconds)."""
+    import sys
+
+    module = sys.modules["autoshard.solver.solve"]
+    real, calls = module.solve_milp, []
+
+    def spy(red, rows, **kw):
+        if rows is not None:
+            calls.append(kw["time_limit"])
+            if time_limit is not None:
+                kw["time_limit"] = time_limit
+        return real(red, rows, **kw)
+
+    monkeypatch.setattr(module, "solve_milp", spy)
+    return calls
+
+
+def test_a_small_memory_core_starts_from_its_memory_free_relaxation(monkeypatch):
+    """GPT-39B's first pipeline stage on (8, 4) under the memory limit (a planner core of 86 nodes, 7 memory
+    points; the MILP proves it in about 2 s). With the memory MILP cut to 0.05 s and no windows after it, the
+    answer comes from the memory-free LP optimum, rounded and repaired to fit: within 0.1% of the optimum
+    (greedy's start alone is 55% above it, the MILP's incumbent after 0.8 s 19%)."""
+    import sys
+
+    problem = ShardingProblem.load(FIXTURES / "gpt39b_stage0_8x4.npz")
+    best = solve(problem, time_limit=30.0, workers=1)
+    assert best.optimal
+    calls = _spy_memory_milps(monkeypatch, time_limit=0.05)
+    monkeypatch.setattr(sys.modules["autoshard.solver.solve"], "_windows", lambda s, state, *a, **k: state)
+    sol = solve(problem, time_limit=5.0, workers=1)
+    assert calls and sol.feasible and not sol.optimal
+    assert sol.cost <= best.cost * 1.001, (sol.cost, best.cost)
+    assert sol.stats["bound"] <= best.cost
+
+
+def test_a_memory_free_optimum_that_fits_is_the_answer_without_the_memory_milp(monkeypatch):
+    """When the memory-free optimum fits the limit, it is the optimum under it: no MILP with memory rows."""
+    problem = ShardingProblem.load(FIXTURES / "gpt39b_stage0_8x4.npz")
+    free = solve(dataclasses.replace(problem, memory_limit=None), time_limit=10.0, workers=1)
+    assert free.optimal
+    roomy = dataclasses.replace(problem, memory_limit=free.peak_memory * 1.0001)
+    assert roomy.peak_memory([int(np.argmax(m)) for m in roomy.node_memory]) > roomy.memory_limit  # it binds some
+    calls = _spy_memory_milps(monkeypatch)
+    sol = solve(roomy, time_limit=10.0, workers=1)
+    assert sol.optimal and sol.stats["stop"] == "optimal" and not calls
+    assert sol.cost == pytest.approx(free.cost, rel=1e-9)

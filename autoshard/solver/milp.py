@@ -76,6 +76,7 @@ def solve_milp(
     rel_gap: float = 1e-9,
     verbose: bool = False,
     relaxation_first: bool = False,
+    relaxation_only: bool = False,
 ) -> MilpResult:
     """Solve the core MILP, or a window of it.
 
@@ -93,6 +94,9 @@ def solve_milp(
       relaxation_first: solve the LP relaxation first (dual simplex, at most
         ``RELAXATION_SHARE`` of the time) and answer from it when its optimum is
         integral, which proves it optimal; else the MILP runs in the time left.
+      relaxation_only: only the LP relaxation, with all of ``time_limit``: an integral optimum is
+        answered as above; a fractional one as status "relaxed", its choice each node's largest
+        variable (rounded: its cost is not the objective, which is nan) and its value the bound.
     """
     n = red.num_core
     lay = _layout(red, np.ones(n, dtype=bool) if free is None else free)
@@ -117,11 +121,15 @@ def solve_milp(
         ub_var[zvar] = np.inf
     const = 0.0 if peak else eq.const
     start = time.perf_counter()
-    if relaxation_first:
-        x, value = _integral_relaxation(c, constraints, ub=ub_var, nx=lay.nx,
-                                        time_limit=min(RELAXATION_SHARE * float(time_limit), RELAXATION_MAX_S))
-        if x is not None:
+    if relaxation_first or relaxation_only:
+        limit = time_limit if relaxation_only else min(RELAXATION_SHARE * float(time_limit), RELAXATION_MAX_S)
+        x, value, integral = _relaxation(c, constraints, ub=ub_var, nx=lay.nx, time_limit=limit)
+        if integral:
             return MilpResult(_choice_of(x, lay, n, choice), "optimal", value + const, value + const)
+        if relaxation_only:
+            if x is None:
+                return MilpResult(None, "time_limit", np.inf, np.nan)
+            return MilpResult(_choice_of(x, lay, n, choice), "relaxed", np.nan, value + const)
     left = float(time_limit) - (time.perf_counter() - start)
     options = {"time_limit": max(left, 1e-3), "disp": verbose, "mip_rel_gap": rel_gap}
     res = _run_highs(c, constraints, nx=lay.nx, ub=ub_var, options=options)
@@ -150,9 +158,10 @@ def _choice_of(x: np.ndarray, lay: _Layout, n: int, choice) -> np.ndarray:
     return out
 
 
-def _integral_relaxation(c: np.ndarray, constraints: list, *, ub: np.ndarray, nx: int, time_limit: float):
-    """The LP relaxation's optimum ``(x, objective)`` when HiGHS's dual simplex finds one with every
-    assignment variable integral (then it is the MILP's optimum too), else ``(None, nan)``."""
+def _relaxation(c: np.ndarray, constraints: list, *, ub: np.ndarray, nx: int, time_limit: float):
+    """The LP relaxation's optimum by HiGHS's dual simplex, ``(x, objective, integral)``: ``integral`` when
+    every assignment variable is (then it is the MILP's optimum too); ``(None, nan, False)`` when none was
+    found in time."""
     eq, rest = constraints[0], constraints[1:]
     a_ub = scipy.sparse.vstack([m.A for m in rest]).tocsr() if rest else None
     b_ub = np.concatenate([m.ub for m in rest]) if rest else None
@@ -160,11 +169,9 @@ def _integral_relaxation(c: np.ndarray, constraints: list, *, ub: np.ndarray, nx
                                  bounds=np.stack([np.zeros(c.size), ub], axis=1), method="highs-ds",
                                  options={"time_limit": max(time_limit, 1e-3)})
     if res.status != 0 or res.x is None:
-        return None, np.nan
+        return None, np.nan, False
     x = res.x[:nx]
-    if np.abs(x - np.round(x)).max(initial=0.0) > _INTEGRAL_TOL:
-        return None, np.nan
-    return res.x, float(res.fun)
+    return res.x, float(res.fun), bool(np.abs(x - np.round(x)).max(initial=0.0) <= _INTEGRAL_TOL)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ Methods, each the best of its sweep:
 - ``fsdp_tp``: ``benchmarks.baselines.fsdp_tp`` (Megatron tensor parallelism on ``model``, parameters
   and optimizer state also split over ``data``, ZeRO-3 style) on every ``(dp, tp)`` factorization; the
   best measured one that fits.
-- ``megatron3d``: Megatron-LM pipeline x data x tensor parallelism, pp in {2, 4}, tp in {1, 2, 4, 8},
+- ``megatron3d``: Megatron-LM pipeline x data x tensor parallelism, pp in {2, 4, 8}, tp in {1, 2, 4, 8},
   dp = N / (pp tp), k microbatches in {pp, 2 pp, 4 pp} with the global batch B divisible by k dp; the
   best that fits. One pipeline program does not exist as one XLA program, so it is scored from
   compiled pieces:
@@ -108,6 +108,8 @@ ROWS = (
     # 64 devices: the single-program methods compile the whole 64-device step (minutes each); the pipelines
     # compile per stage
     Row("15B-64", "15B", 128, 64),
+    # the issue's GPT-39B shape and batch (benchmarks/scale.py plans it on an AbstractMesh); here compiled
+    Row("39B-64", "39B", 64, 64),
     Row("tiny-16", "tiny", 32, 16),  # smoke test of the machinery, not in the default rows
 )
 DEFAULT_ROWS = ("2.6B-16",)
@@ -119,9 +121,9 @@ def factorizations(n: int, nodes: int = 1) -> list[tuple[int, int]]:
 
 
 def megatron3d_shapes(row: Row, config) -> list[tuple[int, int, int]]:
-    """``(pp, dp, tp)`` of the sweep: pp in {2, 4}, tp in {1, 2, 4, 8}, the layers split evenly."""
+    """``(pp, dp, tp)`` of the sweep: pp in {2, 4, 8}, tp in {1, 2, 4, 8}, the layers split evenly."""
     out = []
-    for pp in (2, 4):
+    for pp in (2, 4, 8):
         for tp in (1, 2, 4, 8):
             if row.devices % (pp * tp) == 0 and config.num_layers % pp == 0 and config.hidden % tp == 0:
                 out.append((pp, row.devices // (pp * tp), tp))

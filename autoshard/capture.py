@@ -123,10 +123,7 @@ class CapturedProgram:
         The plan's reported cost stays that of one run of every op.
       reduce_weights: op index -> how many times the objective counts the op's own communication (the
         reduction of its partial sums); absent: as ``op_weights``. A pipeline reduces the gradients of its
-        microbatches once per step (:mod:`autoshard.pipeline.deferred`), but a reduce-scatter's only in
-        the memory a stage has spare, so those count as ``op_weights`` unless ``defer_scatters``.
-      defer_scatters: count a reduce-scatter among ``reduce_weights`` too (a pipeline's stage candidates:
-        :class:`autoshard.pipeline.search._CostTable`).
+        microbatches once per step (:mod:`autoshard.pipeline.deferred`).
     """
 
     graph: OpGraph
@@ -142,7 +139,6 @@ class CapturedProgram:
     in_roles: tuple[str, ...] = ()
     op_weights: Mapping[int, float] = dataclasses.field(default_factory=dict)
     reduce_weights: Mapping[int, float] = dataclasses.field(default_factory=dict)
-    defer_scatters: bool = False
 
     @classmethod
     def from_graph(cls, graph: OpGraph, avals, *, in_tree, out_tree, in_paths, out_paths, consts,

@@ -532,7 +532,7 @@ class BuiltProblem:
     root_index: dict  # root node -> problem node index
 
 
-def deferrable_comm(strategy) -> float:
+def _deferrable_comm(strategy) -> float:
     """The communication of ``strategy`` that a pipeline can defer to once per step: all of it, unless it
     reduce-scatters (then none)."""
     if any(c.kind is CollectiveKind.REDUCE_SCATTER for c in strategy.collectives):
@@ -578,7 +578,7 @@ class _SpecTable:
         key = (id(node.strategies), field)
         a = self._arrays.get(key)
         if a is None:
-            a = self._arrays[key] = np.array([deferrable_comm(s) if field == "deferrable_comm" else
+            a = self._arrays[key] = np.array([_deferrable_comm(s) if field == "deferrable_comm" else
                                               getattr(s, field) for s in node.strategies], float)
         return a
 
@@ -652,10 +652,9 @@ def build_problem(merged: MergedGraph, program: CapturedProgram, cost: CostModel
         if node.comm_weight != node.weight:
             # its reductions count comm_weight times, except a reduce-scatter's: a pipeline keeps those
             # unreduced only in the memory a stage has spare (autoshard.pipeline.deferred), so they are
-            # priced as the runtime reduces them otherwise, once per run of the op (CapturedProgram.defer_scatters)
+            # priced as the runtime reduces them otherwise, once per run of the op
             extra = node.trips * (node.comm_weight - node.weight)
-            field = "comm" if program.defer_scatters else "deferrable_comm"
-            node_costs[root_of[i]] += table.costs(node, field)[merged.index_map[i]] * extra
+            node_costs[root_of[i]] += table.costs(node, "deferrable_comm")[merged.index_map[i]] * extra
     pair_costs: dict[tuple[int, int], np.ndarray] = {}
     for e in graph.edges:
         ru, rv = int(root_of[e.src]), int(root_of[e.dst])

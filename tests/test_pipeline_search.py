@@ -342,7 +342,7 @@ def test_a_pipeline_defers_only_the_reductions_that_do_not_scatter():
     under the memory limit chose them and compiled to 582.5 ms a step against the 508.6 predicted; priced
     per microbatch, its plan compiles to 514.6 ms."""
     from autoshard.collectives import Collective
-    from autoshard.planner import deferrable_comm
+    from autoshard.planner import _Node, _SpecTable
     from autoshard.spec import ShardingSpec
     from autoshard.strategies import Strategy
 
@@ -351,4 +351,6 @@ def test_a_pipeline_defers_only_the_reductions_that_do_not_scatter():
                        collectives=(Collective("all-reduce", (0,), 64.0),))
     scattered = Strategy("reduce-scatter", (spec, spec), (spec,), compute=1.0, comm=3.0,
                          collectives=(Collective("reduce-scatter", (0,), 64.0), Collective("all-reduce", (1,), 8.0)))
-    assert deferrable_comm(reduced) == 2.0 and deferrable_comm(scattered) == 0.0
+    node = _Node("op", [reduced, scattered], (0,), weight=4.0, comm_weight=1.0)
+    assert _SpecTable().costs(node, "deferrable_comm").tolist() == [2.0, 0.0]
+    assert _SpecTable().costs(node, "comm").tolist() == [2.0, 3.0]

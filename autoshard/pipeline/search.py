@@ -298,14 +298,8 @@ class _CostTable:
     def layer_cost(self, layer: int, option: SubmeshOption) -> _LayerCost:
         prog = self.programs.get(layer)
         if prog is None:
-            # A candidate's reduce-scatters are priced as deferred (CapturedProgram.defer_scatters), like its
-            # free state ties: its plan keeps ZeRO's sharded gradients where they are cheap, the least memory a
-            # stage of the layer can reach, so the DP sees every assignment that can fit (priced per
-            # microbatch, GPT-39B's candidates all-reduced instead and no pipeline of 4 or 8 microbatches fit
-            # 80 GiB). The chosen stages are planned as the runtime reduces (:func:`_plan_stage`).
-            prog = self.programs[layer] = dataclasses.replace(
-                stage_program(self.analysis, self.part, layer, reduce_gradients=self.search.options.reduce_gradients),
-                defer_scatters=True)
+            prog = self.programs[layer] = stage_program(self.analysis, self.part, layer,
+                                                        reduce_gradients=self.search.options.reduce_gradients)
             self.fingerprints[layer] = _fingerprint(prog)
         key = (self.fingerprints[layer], option)
         hit = self.cache.get(key)

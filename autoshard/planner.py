@@ -23,7 +23,6 @@ import warnings
 import numpy as np
 
 from autoshard.capture import CapturedProgram, Const, Op
-from autoshard.collectives import CollectiveKind
 from autoshard.cost import Collective, CostModel
 from autoshard.intent import indivisible_batch, respect_batch_axes, splitting_axes
 from autoshard.solver import ShardingProblem
@@ -532,14 +531,6 @@ class BuiltProblem:
     root_index: dict  # root node -> problem node index
 
 
-def _deferrable_comm(strategy) -> float:
-    """The communication of ``strategy`` that a pipeline can defer to once per step: all of it, unless it
-    reduce-scatters (then none)."""
-    if any(c.kind is CollectiveKind.REDUCE_SCATTER for c in strategy.collectives):
-        return 0.0
-    return strategy.comm
-
-
 class _SpecTable:
     """Interns specs as small ints, and caches per-node strategy arrays, so edge
     matrices are built with numpy from the few distinct (source, destination) pairs."""
@@ -573,13 +564,11 @@ class _SpecTable:
         return a
 
     def costs(self, node: _Node, field: str = "cost") -> np.ndarray:
-        """Each strategy's ``field`` of ``node``: ``"cost"`` (compute + communication), ``"comm"``, or
-        ``"deferrable_comm"`` (its communication when none of it is a reduce-scatter, else 0)."""
+        """Each strategy's ``field`` (``"cost"``: compute + communication; ``"comm"``) of ``node``."""
         key = (id(node.strategies), field)
         a = self._arrays.get(key)
         if a is None:
-            a = self._arrays[key] = np.array([_deferrable_comm(s) if field == "deferrable_comm" else
-                                              getattr(s, field) for s in node.strategies], float)
+            a = self._arrays[key] = np.array([getattr(s, field) for s in node.strategies], float)
         return a
 
     def reshard_matrix(self, cost: CostModel, shape, itemsize, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
@@ -650,11 +639,8 @@ def build_problem(merged: MergedGraph, program: CapturedProgram, cost: CostModel
     for i, node in enumerate(graph.nodes):
         node_costs[root_of[i]] += table.costs(node)[merged.index_map[i]] * (node.trips * node.weight)
         if node.comm_weight != node.weight:
-            # its reductions count comm_weight times, except a reduce-scatter's: a pipeline keeps those
-            # unreduced only in the memory a stage has spare (autoshard.pipeline.deferred), so they are
-            # priced as the runtime reduces them otherwise, once per run of the op
-            extra = node.trips * (node.comm_weight - node.weight)
-            node_costs[root_of[i]] += table.costs(node, "deferrable_comm")[merged.index_map[i]] * extra
+            extra = node.trips * (node.comm_weight - node.weight)   # its reductions count comm_weight times
+            node_costs[root_of[i]] += table.costs(node, "comm")[merged.index_map[i]] * extra
     pair_costs: dict[tuple[int, int], np.ndarray] = {}
     for e in graph.edges:
         ru, rv = int(root_of[e.src]), int(root_of[e.dst])

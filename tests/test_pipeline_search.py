@@ -332,25 +332,3 @@ def test_chosen_stages_are_planned_with_the_steps_solver_time_limit(monkeypatch)
     limits = {kind: {t for k, t in calls if k == kind} for kind in ("candidate", "stage")}
     assert limits == {"candidate": {1.5}, "stage": {7.0}}, calls
     assert len([k for k, _ in calls if k == "stage"]) >= plan.num_stages
-
-
-def test_a_pipeline_defers_only_the_reductions_that_do_not_scatter():
-    """A stage's objective counts a gradient's all-reduce once per step (the runtime sums the microbatches'
-    partials first), but a reduce-scatter as often as the op runs: the runtime keeps those partials unreduced
-    only in the memory a stage has spare (:func:`autoshard.pipeline.deferred.partial_sums`), so a plan
-    tight on memory reduce-scatters every microbatch. Priced once, GPT-39B's second stage of four on (4, 4)
-    under the memory limit chose them and compiled to 582.5 ms a step against the 508.6 predicted; priced
-    per microbatch, its plan compiles to 514.6 ms."""
-    from autoshard.collectives import Collective
-    from autoshard.planner import _Node, _SpecTable
-    from autoshard.spec import ShardingSpec
-    from autoshard.strategies import Strategy
-
-    spec = ShardingSpec(((), ()))
-    reduced = Strategy("all-reduce", (spec, spec), (spec,), compute=1.0, comm=2.0,
-                       collectives=(Collective("all-reduce", (0,), 64.0),))
-    scattered = Strategy("reduce-scatter", (spec, spec), (spec,), compute=1.0, comm=3.0,
-                         collectives=(Collective("reduce-scatter", (0,), 64.0), Collective("all-reduce", (1,), 8.0)))
-    node = _Node("op", [reduced, scattered], (0,), weight=4.0, comm_weight=1.0)
-    assert _SpecTable().costs(node, "deferrable_comm").tolist() == [2.0, 0.0]
-    assert _SpecTable().costs(node, "comm").tolist() == [2.0, 3.0]

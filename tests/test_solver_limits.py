@@ -349,7 +349,9 @@ def test_a_memory_free_optimum_that_fits_is_the_answer_without_the_memory_milp(m
     problem = ShardingProblem.load(FIXTURES / "gpt39b_stage0_8x4.npz")
     free = solve(dataclasses.replace(problem, memory_limit=None), time_limit=10.0, workers=1)
     assert free.optimal
-    roomy = dataclasses.replace(problem, memory_limit=free.peak_memory * 1.0001)
+    # 5% above that optimum's peak: another optimal choice of a slightly higher peak (HiGHS may break the
+    # tie otherwise in another version) still fits
+    roomy = dataclasses.replace(problem, memory_limit=free.peak_memory * 1.05)
     assert roomy.peak_memory([int(np.argmax(m)) for m in roomy.node_memory]) > roomy.memory_limit  # it binds some
     calls = _spy_memory_milps(monkeypatch)
     sol = solve(roomy, time_limit=10.0, workers=1)

@@ -124,6 +124,13 @@ class CapturedProgram:
       reduce_weights: op index -> how many times the objective counts the op's own communication (the
         reduction of its partial sums); absent: as ``op_weights``. A pipeline reduces the gradients of its
         microbatches once per step (:mod:`autoshard.pipeline.deferred`).
+      held: value ids a pipeline's runtime holds for the whole step, the running sums of one stage's
+        microbatches (:mod:`autoshard.pipeline.accumulate`): their memory counts from the program's start.
+        A sum among them in ``reduce_weights`` that a strategy reduce-scatters is offered twice, reduced in
+        every run (its communication counted as ``op_weights``) and held unreduced, reduced
+        ``reduce_weights`` times (:func:`autoshard.planner.deferral_twins`). Empty: every value as made
+        and read, a reduce-scatter counted ``reduce_weights`` times at its reduced size, the least either
+        costs (a bound, which a pipeline's layer costs take).
     """
 
     graph: OpGraph
@@ -139,6 +146,7 @@ class CapturedProgram:
     in_roles: tuple[str, ...] = ()
     op_weights: Mapping[int, float] = dataclasses.field(default_factory=dict)
     reduce_weights: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    held: frozenset = frozenset()
 
     @classmethod
     def from_graph(cls, graph: OpGraph, avals, *, in_tree, out_tree, in_paths, out_paths, consts,

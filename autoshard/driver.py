@@ -579,8 +579,9 @@ def _decoded_memory(request: PlanRequest, on: MeshTarget, solved: _Solved):
     reduced = frozenset(v for node, s in zip(built.merged.graph.nodes, dec.node_strategy, strict=True)
                         if node.kind == "op" and node.trips == 1
                         and any(c.kind == "all-reduce" for c in s.collectives) for v in node.outputs)
-    memory = estimate_memory(program, dec.value_specs, on.info, donated=request.donated, out_specs=out_specs,
-                             ties=request.ties, offloaded=solved.offloaded, operand_specs=dec.operand_specs,
+    # a gradient kept unreduced over a pipeline's microbatches holds its partial sums' size (Plan.deferred)
+    memory = estimate_memory(program, {**dec.value_specs, **dec.deferred}, on.info, donated=request.donated,
+                             out_specs=out_specs, ties=request.ties, offloaded=solved.offloaded, operand_specs=dec.operand_specs,
                              reduced=reduced, profile=resolve_profile(request.profile, on.mesh))
     return dec, out_specs, memory
 
@@ -609,6 +610,7 @@ def _decoded_plan(request: PlanRequest, on: MeshTarget, solved: _Solved, *, stat
         fingerprint=program.fingerprint(), stats=stats, warnings=sgraph.unsupported, memory=memory,
         host_inputs=tuple(sorted(offloaded)),
         host_outputs=tuple(sorted(o for o, i in ties.items() if i in set(offloaded))),
+        deferred=frozenset(dec.deferred),
     )
 
 

@@ -51,7 +51,8 @@ class MemoryEstimate:
       breakdown: at the peak, bytes per category: ``parameters`` (carried state that is not
         optimizer state), ``optimizer_state``, ``inputs`` (fresh inputs: the batch), ``outputs``
         (new values not aliased to a donated input), ``intermediates`` (activations, gradients,
-        temporaries).
+        temporaries), and in a microbatched stage's program ``accumulators`` (the running sums it holds for
+        the step, ``CapturedProgram.held``).
       peak_position: the op position (in program order) where the peak occurs.
       host_bytes: bytes per device kept in host memory (offloaded state, see
         :mod:`autoshard.offload`); not part of ``peak_bytes``.
@@ -550,7 +551,9 @@ def estimate_memory(program: CapturedProgram, value_specs: dict, mesh: MeshInfo,
     fixed = entry.fixed
     breakdown = {k: fixed.get(k, 0.0) for k in ("parameters", "optimizer_state", "inputs", "outputs")}
     breakdown["intermediates"] = temp
-    return MemoryEstimate(sum(fixed.values()) + temp, breakdown, at + 1, entry.host_bytes)
+    if program.held:
+        breakdown["accumulators"] = sum(value_bytes(program.avals[v], value_specs.get(v), mesh) for v in program.held)
+    return MemoryEstimate(sum(breakdown.values()), breakdown, at + 1, entry.host_bytes)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -624,6 +627,8 @@ def _liveness(program: CapturedProgram, value_specs, mesh, entry: _Entry, *, ope
     made = {t: tuple(v for v in ops[t].outputs if v in materialised) for t in nodes}
     for t in nodes:
         for v in made[t]:
+            if v in program.held:  # a running sum over microbatches: an argument of the runtime's programs
+                continue
             if v not in outputs or v in entry.host_values:
                 size[v] = _aligned(value_bytes(program.avals[v], value_specs.get(v), mesh), profile)
             elif v in entry.out_bytes:  # the result's buffer, which holds other temporaries before it is written

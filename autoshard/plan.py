@@ -92,6 +92,9 @@ class Plan(Report):
         planner leaves for :meth:`explain`. Not saved: a plan loaded from JSON has None.
       in_roles: each flat argument's role (:data:`autoshard.roles.ROLES`), aligned with ``in_paths``;
         ``()`` for a plan saved before roles were recorded.
+      deferred: value ids of the gradients a pipeline stage's plan keeps as unreduced partial sums over
+        its microbatches although it reduce-scatters them, reducing them once per step
+        (:mod:`autoshard.pipeline.deferred`); the plan's memory counts their unreduced size.
     """
 
     mesh: Any
@@ -115,6 +118,7 @@ class Plan(Report):
     remat: Any = None
     replan: Any = dataclasses.field(default=None, repr=False, compare=False)
     in_roles: tuple[str, ...] = ()
+    deferred: frozenset = frozenset()
 
     @property
     def mesh_info(self) -> MeshInfo:
@@ -310,6 +314,7 @@ class Plan(Report):
             "host_inputs": list(self.host_inputs),
             "host_outputs": list(self.host_outputs),
             "in_roles": list(self.in_roles),
+            "deferred": sorted(self.deferred),
             **({"remat": [self.remat.units, self.remat.num_units, self.remat.max_units, self.remat.extra_flops]}
                if self.remat is not None else {}),
         })
@@ -350,6 +355,7 @@ class Plan(Report):
                 host_outputs=tuple(d.get("host_outputs", ())),
                 remat=_remat_from(d.get("remat")),
                 in_roles=tuple(d.get("in_roles", ())),
+                deferred=frozenset(d.get("deferred", ())),
             )
         except KeyError as e:
             raise PlanError(f"saved plan is missing field {e.args[0]!r}") from None

@@ -33,6 +33,7 @@ from autoshard.strategies import (
     is_scan,
     lookup_rule,
     op_info,
+    partial_sum_axes,
     replicated_strategy,
     scan_counts,
 )
@@ -50,6 +51,8 @@ class _Node:
     trips: int = 1
     weight: float = 1.0  # the objective counts the node this many times per trip (CapturedProgram.op_weights)
     comm_weight: float = 1.0  # ... and its strategies' communication this many (CapturedProgram.reduce_weights)
+    each_run: tuple[int, ...] = ()  # strategies whose reduction runs every time: their communication counts `weight`
+    deferred: dict = dataclasses.field(default_factory=dict)  # twin strategy -> layout of the unreduced sum it holds
     op: Op | None = None
     weak: bool = False  # a layout source we'd rather not follow (inputs, broadcasts, iota)
     label: str = ""
@@ -87,6 +90,28 @@ def _itemsize(aval) -> int:
         return np.dtype(dt).itemsize
     except TypeError:  # extended dtypes (PRNG keys)
         return 8
+
+
+def deferral_twins(op: Op, strategies: list[Strategy]):
+    """``(strategies, each_run, deferred)`` of a sum whose partial sums a pipeline may keep unreduced over its
+    microbatches (``CapturedProgram.held``; :mod:`autoshard.pipeline.deferred`).
+
+    A strategy that all-reduces its partial sums keeps them unreduced at no cost in memory, and stays as
+    it is. One that reduce-scatters them (its result split over the summed axes) is given twice: as it is,
+    reduced in every run (its index in ``each_run``), and as a twin that holds the unreduced sum, the
+    result's layout without the summed axes (``deferred``: twin index -> that layout), for the whole
+    step and reduces it once. The solver weighs the twin's memory against its communication."""
+    twins, each_run, deferred = [], [], {}
+    for j, s in enumerate(strategies):
+        axes = set(partial_sum_axes(op, s.in_specs))
+        out = s.out_specs[0]
+        if not axes or not (out.used_axes & axes):
+            continue
+        each_run.append(j)
+        deferred[len(strategies) + len(twins)] = ShardingSpec(tuple(tuple(a for a in d if a not in axes)
+                                                                    for d in out.dims))
+        twins.append(dataclasses.replace(s, name=f"{s.name} deferred"))
+    return [*strategies, *twins], tuple(each_run), deferred
 
 
 def _params_key(params):
@@ -249,8 +274,12 @@ class _GraphBuilder:
             # bits, whose dropout mask is as big as the activation it masks, and remat fences).
             weak = op_info(op.name).weak_layout
             weight = float(self.program.op_weights.get(op.index, 1.0))
+            each_run, deferred = (), {}
+            if len(op.outputs) == 1 and op.outputs[0] in self.program.held and op.index in self.program.reduce_weights:
+                strategies, each_run, deferred = deferral_twins(op, strategies)
             n = self.add_node(_Node("op", strategies, op.outputs, trips=op.trips, op=op, weak=weak, label=op.name,
-                                    weight=weight, comm_weight=float(self.program.reduce_weights.get(op.index, weight))))
+                                    weight=weight, comm_weight=float(self.program.reduce_weights.get(op.index, weight)),
+                                    each_run=each_run, deferred=deferred))
             self.follows[n] = is_follower
             for i, x in enumerate(op.inputs):
                 if strategies[0].in_specs[i] is not None:
@@ -449,7 +478,7 @@ def tie_repeated_layers(merged: MergedGraph, avals, rounds: int = 3) -> dict[int
         if op is None:
             return (node.kind, shapes, strategies_key(node), node.trips, node.weight, node.comm_weight)
         return (node.kind, op.name, _params_key(op.params) or op.name, shapes, strategies_key(node), node.trips,
-                node.weight, node.comm_weight)
+                node.weight, node.comm_weight, node.each_run, tuple(node.deferred.items()))
 
     members: dict[int, list] = {}
     for i, node in enumerate(graph.nodes):
@@ -484,7 +513,8 @@ def liveness(program: CapturedProgram, donated_inputs=()) -> dict[int, tuple[int
     """Half-open live interval of every value, over top-level op positions.
 
     Inputs live from 0; non-donated inputs until the end (the caller keeps them).
-    Values inside a scan body live at the scan's position only."""
+    Values inside a scan body live at the scan's position only. A held value (``CapturedProgram.held``, a
+    running sum over microbatches) lives from 0."""
     ops = program.graph.ops
     end_t = len(ops) + 1
     start, end = {}, {}
@@ -519,6 +549,9 @@ def liveness(program: CapturedProgram, donated_inputs=()) -> dict[int, tuple[int
     for x in program.graph.outvars:
         if isinstance(x, int):
             end[x] = end_t
+    for v in program.held:
+        if v in start:
+            start[v] = 0
     return {v: (start[v], end[v]) for v in start}
 
 
@@ -639,8 +672,10 @@ def build_problem(merged: MergedGraph, program: CapturedProgram, cost: CostModel
     for i, node in enumerate(graph.nodes):
         node_costs[root_of[i]] += table.costs(node)[merged.index_map[i]] * (node.trips * node.weight)
         if node.comm_weight != node.weight:
-            extra = node.trips * (node.comm_weight - node.weight)   # its reductions count comm_weight times
-            node_costs[root_of[i]] += table.costs(node, "comm")[merged.index_map[i]] * extra
+            # its reductions count comm_weight times, but those that run every time (deferral_twins)
+            extra = np.full(len(node.strategies), node.trips * (node.comm_weight - node.weight))
+            extra[list(node.each_run)] = 0.0
+            node_costs[root_of[i]] += (table.costs(node, "comm") * extra)[merged.index_map[i]]
     pair_costs: dict[tuple[int, int], np.ndarray] = {}
     for e in graph.edges:
         ru, rv = int(root_of[e.src]), int(root_of[e.dst])
@@ -706,7 +741,12 @@ def _memory(merged, program, root_of, sizes, *, mesh, table: _SpecTable, donated
             if v not in live or v in aliased_out or (fused and v not in outputs and uses.get(v, 0) <= 1):
                 continue
             aval = program.avals[v]
-            per_strategy = table.value_bytes(_aval_shape(aval), _itemsize(aval), table.out_ids(node, k), mesh)
+            shape, itemsize = _aval_shape(aval), _itemsize(aval)
+            per_strategy = table.value_bytes(shape, itemsize, table.out_ids(node, k), mesh)
+            if node.deferred:  # a twin holds the unreduced sum
+                per_strategy = per_strategy.copy()
+                for j, spec in node.deferred.items():
+                    per_strategy[j] = _value_bytes_shape(shape, itemsize, spec, mesh)
             members.setdefault(r, []).append((live[v], per_strategy[merged.index_map[i]]))
     memory, intervals = [], []
     for r in range(len(sizes)):
@@ -745,16 +785,20 @@ class Decoded:
     collectives: tuple[tuple[Collective, int], ...]  # (collective, multiplicity)
     compute_seconds: float
     comm_seconds: float
+    deferred: dict = dataclasses.field(default_factory=dict)  # value -> layout of the unreduced sum its strategy holds
 
 
 def decode(built: BuiltProblem, choice, program: CapturedProgram, cost: CostModel) -> Decoded:
     """Pass 4: the chosen strategy of every node, value layouts and the predicted collectives."""
     merged = built.merged
     graph = merged.graph
-    node_strategy = []
+    node_strategy, deferred = [], {}
     for i, node in enumerate(graph.nodes):
         r = built.root_index[int(merged.root[i])]
-        node_strategy.append(node.strategies[int(merged.index_map[i][int(choice[r])])])
+        j = int(merged.index_map[i][int(choice[r])])
+        node_strategy.append(node.strategies[j])
+        if j in node.deferred:  # a twin of deferral_twins
+            deferred[node.outputs[0]] = node.deferred[j]
     value_specs: dict[int, ShardingSpec] = {}
     for node, s in zip(graph.nodes, node_strategy, strict=True):
         for v, spec in zip(node.outputs, s.out_specs, strict=True):
@@ -785,7 +829,7 @@ def decode(built: BuiltProblem, choice, program: CapturedProgram, cost: CostMode
         t, cs = cost.reshard(_aval_shape(aval), _itemsize(aval), src_spec, dst_spec)
         comm += t * e.scale
         colls.extend((c, e.scale) for c in cs)
-    return Decoded(tuple(node_strategy), value_specs, operand_specs, tuple(colls), compute, comm)
+    return Decoded(tuple(node_strategy), value_specs, operand_specs, tuple(colls), compute, comm, deferred)
 
 
 def warn_unsupported(names) -> None:

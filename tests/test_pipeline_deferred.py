@@ -22,6 +22,7 @@ class _Plan:
     value_specs: dict
     operand_specs: dict
     mesh_info: MeshInfo = MESH
+    deferred: frozenset = frozenset()
 
 
 @dataclasses.dataclass
@@ -73,14 +74,14 @@ def test_operands_split_differently_are_not_a_partial_sum():
     assert summed_axes(_plan(op, [S(((0, 1), ())), S(((0,), ()))], S(((), ()))), op) == ()
 
 
-def test_reduce_scatter_kept_unreduced_only_within_spare_memory():
+def test_reduce_scatter_kept_unreduced_only_where_the_plan_defers_it():
     prog = _program(_wgrad, (16, 8), (16, 12))
     op = _only(prog, "dot_general")
     plan = _plan(op, [S(((0,), ())), S(((0,), ()))], S(((0,), ())))   # ZeRO: the sum scattered over "data"
     tasks = [_Task(prog.ops, (op.outputs[0],))]
+    assert partial_sums(tasks, plan, prog.avals) == {}
+    got = partial_sums(tasks, dataclasses.replace(plan, deferred=frozenset({op.outputs[0]})), prog.avals)
     # running sum 8*12*4 bytes per device, against 4*12*4 reduced
-    assert partial_sums(tasks, plan, prog.avals, spare_bytes=100.0) == {}
-    got = partial_sums(tasks, plan, prog.avals, spare_bytes=192.0)
     assert got[op.outputs[0]].scatters and extra_bytes(got, prog.avals, MESH) == 192.0
 
 

@@ -11,8 +11,9 @@ that qualify under its plan: made by a sum (a contraction, ``reduce_sum``) whose
 are split over ``A`` on every operand alike. Such a value's running sum has one more leading
 dimension, of size ``|A|`` and split over ``A``: each device's row is its own partial sum. Where
 the plan all-reduces, that takes exactly the memory the reduced value did; where it reduce-scatters
-(ZeRO's sharded gradient) it takes ``|A|`` times more, so those are kept unreduced only while the
-stage's memory limit allows. ``Evaluator`` makes the partial with a ``shard_map`` manual over ``A``
+(ZeRO's sharded gradient) it takes ``|A|`` times more, so the stage's plan chooses, per gradient, between
+reducing it every microbatch and holding it unreduced (``Plan.deferred``), with that memory counted
+(:func:`autoshard.planner.deferral_twins`). ``Evaluator`` makes the partial with a ``shard_map`` manual over ``A``
 only (:meth:`autoshard.lower.Evaluator.partial_sum`); once per step the runtime sums the leading
 dimension into the planned layout (:func:`reduce_partials`), which XLA does as one all-reduce.
 """
@@ -24,7 +25,7 @@ import math
 
 from autoshard.lower import operand_spec
 from autoshard.spec import MeshInfo, ShardingSpec
-from autoshard.strategies import op_info
+from autoshard.strategies import partial_sum_axes
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -69,39 +70,20 @@ class PartialSum:
 
 
 def summed_axes(plan, op) -> tuple[int, ...]:
-    """The mesh axes over which ``op`` (a sum: :attr:`~autoshard.strategies.OpInfo.summed_dims`) leaves partial
-    sums under ``plan``: those that split its summed dimensions alike on every operand and nothing else; ``()``
-    when there are none or the operands disagree."""
-    summed_dims = op_info(op.name).summed_dims
-    if summed_dims is None:
-        return ()
-    specs = [operand_spec(plan, op, i) for i in range(len(op.inputs))]
-    if any(s is None for s in specs):
-        return ()
-    per_operand = summed_dims(op, tuple(s.rank for s in specs))
-    aligned = [[spec.dims[d] for d in dims] for spec, dims in zip(specs, per_operand, strict=False) if dims]
-    if not aligned:
-        return ()
-    lead, *rest = aligned
-    if any(other != lead for other in rest):
-        return ()
-    axes = {a for d in lead for a in d}
-    for spec, dims in zip(specs, per_operand, strict=True):
-        if any(axes & set(d) for i, d in enumerate(spec.dims) if i not in dims):
-            return ()
-    return tuple(sorted(axes))
+    """The mesh axes over which ``op`` leaves partial sums under ``plan``
+    (:func:`~autoshard.strategies.partial_sum_axes` of the layouts it reads)."""
+    return partial_sum_axes(op, [operand_spec(plan, op, i) for i in range(len(op.inputs))])
 
 
-def partial_sums(tasks, plan, avals, spare_bytes: float = math.inf) -> dict[int, PartialSum]:
+def partial_sums(tasks, plan, avals) -> dict[int, PartialSum]:
     """The frontier values of ``tasks`` (one stage's) to accumulate unreduced under ``plan``, by value id.
 
-    Every value the plan all-reduces qualifies (its running sum takes the memory the reduced one did).
-    One the plan reduce-scatters qualifies while the running sums' extra bytes per device stay within
-    ``spare_bytes``, the largest first."""
+    Every value the plan all-reduces qualifies (its running sum takes the memory the reduced one did), and
+    every one it reduce-scatters that its solver chose to hold unreduced (``Plan.deferred``, which its
+    memory counts; :func:`autoshard.planner.deferral_twins`)."""
     if plan is None:
         return {}
-    mesh = plan.mesh_info
-    kept, scattered = {}, []
+    kept = {}
     for task in tasks:
         frontier = set(task.frontier)
         for op in task.ops:
@@ -113,15 +95,8 @@ def partial_sums(tasks, plan, avals, spare_bytes: float = math.inf) -> dict[int,
             if spec is None or not axes or len(spec.dims) != len(avals[v].shape):
                 continue
             ps = PartialSum(v, op.index, axes, spec)
-            if ps.scatters:
-                scattered.append(ps)
-            else:
+            if not ps.scatters or v in plan.deferred:
                 kept[v] = ps
-    for ps in sorted(scattered, key=lambda p: -p.bytes(avals[p.value], mesh)[0]):
-        acc, reduced = ps.bytes(avals[ps.value], mesh)
-        if acc - reduced <= spare_bytes:
-            kept[ps.value] = ps
-            spare_bytes -= acc - reduced
     return kept
 
 

@@ -40,8 +40,8 @@ class PipelineOptions:
         (``"spmd"`` when the stages' devices belong to several processes, else ``"device_put"``).
       reduce_gradients: ``"step"``: a gradient that a stage's plan all-reduces over the devices splitting
         the batch is accumulated unreduced over the microbatches and all-reduced once per step (as
-        Megatron-LM does; :mod:`autoshard.pipeline.deferred`; one the plan reduce-scatters, only within the
-        stage's spare memory);
+        Megatron-LM does; :mod:`autoshard.pipeline.deferred`); one the plan reduce-scatters is either held
+        unreduced, at its unreduced size, or reduced every microbatch, as the stage's solver chooses;
         ``"microbatch"``: every microbatch's gradients are reduced as its plan says.
 
     Example:

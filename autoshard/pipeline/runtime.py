@@ -14,7 +14,6 @@ schedule's order; jax's async dispatch overlaps the stages.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 
 import jax
@@ -61,11 +60,11 @@ class PipelineExecutable:
     """Jitted tasks plus the dispatch loop for one argument structure.
 
     ``reduce_gradients``: ``"step"`` keeps the stages' partial gradient sums unreduced over the microbatches
-    (:mod:`autoshard.pipeline.deferred`); ``spare_bytes``: per stage, the bytes per device its running sums
-    may take beyond the reduced values (None: no limit)."""
+    (:mod:`autoshard.pipeline.deferred`): those it all-reduces, and those it reduce-scatters that its plan holds
+    unreduced (``Plan.deferred``)."""
 
     def __init__(self, analysis, part: Partition, meshes, plans, *, schedule: str, out_ties: dict,
-                 reduce_gradients: str = "step", spare_bytes=None):
+                 reduce_gradients: str = "step"):
         self.analysis = analysis
         self.part = part
         self.meshes = list(meshes)
@@ -81,8 +80,7 @@ class PipelineExecutable:
             plan = self.plans[s]
             vs = {} if plan is None else plan.value_specs
             os_ = {} if plan is None else plan.operand_specs
-            spare = math.inf if spare_bytes is None else spare_bytes[s]
-            partials = (partial_sums(part.micro_tasks(s), plan, analysis.avals, spare)
+            partials = (partial_sums(part.micro_tasks(s), plan, analysis.avals)
                         if reduce_gradients == "step" and self.k > 1 else {})
             self.partials.append(partials)
             self._evals.append(Evaluator(analysis.micro, vs, os_, mesh, MeshInfo.from_mesh(mesh),

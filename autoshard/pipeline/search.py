@@ -48,7 +48,7 @@ AXES = ("data", "model")
 
 
 def stage_program(analysis: StepAnalysis, part: Partition, stage: int, *,
-                  reduce_gradients: str = "step") -> CapturedProgram:
+                  reduce_gradients: str = "step", held: bool = False) -> CapturedProgram:
     """One microbatch's forward + backward of ``stage``, then the update of what the stage owns, as a program
     the intra-op planner takes.
 
@@ -60,7 +60,13 @@ def stage_program(analysis: StepAnalysis, part: Partition, stage: int, *,
     microbatch's ops ``k`` times, the update once, and, with ``reduce_gradients="step"``, the reduction of the
     sums that make gradients once too (the runtime reduces their partials once per step,
     :mod:`autoshard.pipeline.deferred`).
-    So a layout that gathers weights in every microbatch is not traded for a cheaper update."""
+    So a layout that gathers weights in every microbatch is not traded for a cheaper update.
+
+    ``held`` (``CapturedProgram.held``): the running sums of the gradients are held for the whole step, as
+    the runtime holds them, and one the plan reduce-scatters is either reduced every microbatch or held
+    unreduced, as the plan chooses (``Plan.deferred``); a stage the runtime runs is planned so. Without
+    it, a reduce-scatter is priced once at its reduced size, and the sums count while made and read: the
+    least a stage can cost, which the layer costs of the stage search take."""
     micro = part.micro_tasks(stage)
     tasks = [*micro, *(t for t in part.update_tasks() if t.key[1] == stage)]
     ops, produced, invars = [], set(), []
@@ -88,7 +94,8 @@ def stage_program(analysis: StepAnalysis, part: Partition, stage: int, *,
                                          analysis.micro.avals, in_tree=None, out_tree=None, in_paths=paths,
                                          out_paths=tuple(f"<value {v}>" for v in dict.fromkeys(outvars)), consts={})
     runs, reductions = _per_step_weights(analysis, micro, reduce_gradients)
-    return dataclasses.replace(program, op_weights=runs, reduce_weights=reductions)
+    sums = frozenset(v for t in micro for v in t.frontier) if held and analysis.num_microbatches > 1 else frozenset()
+    return dataclasses.replace(program, op_weights=runs, reduce_weights=reductions, held=sums)
 
 
 def _per_step_weights(analysis: StepAnalysis, micro_tasks, reduce_gradients: str):
@@ -570,7 +577,7 @@ def _plan_each_stage(analysis, part, stages: _Stages, search: StageSearch, grid_
     meshes, plans, stage_plans = [], [], []
     for s, o in enumerate(stages.chosen):
         mesh = mesh_like(search.mesh, o.logical, AXES, devices=list(stages.devices[s]))
-        prog = stage_program(analysis, part, s, reduce_gradients=options.reduce_gradients)
+        prog = stage_program(analysis, part, s, reduce_gradients=options.reduce_gradients, held=True)
         act = residual_bytes(analysis, part, s) / o.size
         live = max_in_flight(orders[s])
         plan = _plan_stage(prog, part, mesh, cluster_for(search.cluster, o, grid_shape), search,

@@ -180,13 +180,12 @@ class SpmdPipelineExecutable:
       process_local: flat positions of batch leaves that each process passes its own rows of (they enter split
         over the mesh axes that span processes, :func:`autoshard.distributed.process_axes`).
       reduce_gradients: ``"step"``: the gradients a stage's plan reduces are summed unreduced over the
-        microbatches and reduced once, after the last tick (:mod:`autoshard.pipeline.deferred`).
-      spare_bytes: per stage, the bytes per device its unreduced running sums may take beyond the reduced
-        values (None: no limit).
+        microbatches and reduced once, after the last tick (:mod:`autoshard.pipeline.deferred`): those it
+        all-reduces, and those it reduce-scatters that its plan holds unreduced (``Plan.deferred``).
     """
 
     def __init__(self, analysis, part: Partition, meshes, plans, *, schedule: str, out_ties: dict | None = None,
-                 process_local=(), reduce_gradients: str = "step", spare_bytes=None):
+                 process_local=(), reduce_gradients: str = "step"):
         self.k = k = analysis.num_microbatches
         self.schedule = schedule
         self.S = S = part.num_stages
@@ -201,10 +200,9 @@ class SpmdPipelineExecutable:
         self.invar_pos = {v: i for i, v in enumerate(full.graph.invars)}
         frontier = part.frontier_values
         self._check_outputs(frontier)
-        # Gradients each stage's plan all-reduces are accumulated unreduced and reduced after the last tick
-        # (autoshard.pipeline.deferred; only those whose running sum takes no more memory).
-        spare = [math.inf] * S if spare_bytes is None else spare_bytes
-        self.partials = [partial_sums(part.micro_tasks(s), p, micro.avals, spare[s])
+        # Gradients each stage's plan all-reduces, or holds unreduced, are accumulated unreduced and reduced
+        # after the last tick (autoshard.pipeline.deferred).
+        self.partials = [partial_sums(part.micro_tasks(s), p, micro.avals)
                          if reduce_gradients == "step" and k > 1 else {} for s, p in enumerate(plans)]
         # Each stage's ops run under its plan, named on the global mesh by the sub-mesh's axis names.
         self._evals = [Evaluator(micro, {} if p is None else p.value_specs, {} if p is None else p.operand_specs,

@@ -185,13 +185,11 @@ class PipelinedStep:
         elif runtime == "spmd":
             exe = SpmdPipelineExecutable(analysis, part, meshes, plans, schedule=schedule, out_ties=ties,
                                          process_local=() if local is None else local.leaves,
-                                         reduce_gradients=self._reduce_gradients(),
-                                         spare_bytes=self._spare_bytes(pplan, meshes[0]))
+                                         reduce_gradients=self._reduce_gradients())
             pplan = _with_spmd_state(pplan, exe, self._memory_limit(meshes[0]))
         else:
             exe = PipelineExecutable(analysis, part, meshes, plans, schedule=schedule, out_ties=ties,
-                                     reduce_gradients=self._reduce_gradients(),
-                                     spare_bytes=self._spare_bytes(pplan, meshes[0]))
+                                     reduce_gradients=self._reduce_gradients())
         if o.verify:
             pplan = _verified(pplan, exe, abstract)
         return PipelinedProgram(analysis, exe, pplan, analysis.full.out_tree, local)
@@ -279,15 +277,10 @@ class PipelinedStep:
             return o.memory_budget
         return getattr(default_cluster(mesh) if o.cluster is None else o.cluster, "memory", None)
 
-    def _spare_bytes(self, pplan: PipelinePlan, mesh):
-        """Per stage, the bytes per device its memory limit leaves beside its predicted peak (None: no limit)."""
-        limit = self._memory_limit(mesh)
-        return None if not limit else [float(limit) - st.memory_bytes for st in pplan.stages]
-
     def _single_stage(self, analysis: StepAnalysis, progress):
         o = self.options
         part = partition(analysis, lambda p: 0, 1)
-        prog = stage_program(analysis, part, 0)
+        prog = stage_program(analysis, part, 0, reduce_gradients=self._reduce_gradients(), held=True)
         t0 = time.perf_counter()
         if prog.graph.ops:
             plan = plan_request(PlanRequest(prog, mesh=self._mesh(), cluster=o.cluster, ties=state_ties(prog, analysis),

@@ -34,5 +34,6 @@ from autoshard.strategies.opinfo import OpInfo as OpInfo
 from autoshard.strategies.opinfo import is_scan as is_scan
 from autoshard.strategies.opinfo import op_flops as op_flops
 from autoshard.strategies.opinfo import op_info as op_info
+from autoshard.strategies.opinfo import partial_sum_axes as partial_sum_axes
 from autoshard.strategies.opinfo import register_op as register_op
 from autoshard.strategies.opinfo import scan_counts as scan_counts

@@ -124,6 +124,27 @@ def op_info(name: str) -> OpInfo:
     return info if info is not None else OpInfo(name)
 
 
+def partial_sum_axes(op, in_specs) -> tuple[int, ...]:
+    """The mesh axes (indices) over which ``op``, read in the layouts ``in_specs``, leaves each device a partial
+    sum: those that split its :attr:`OpInfo.summed_dims` alike on every operand and nothing else of them.
+    ``()`` when the op is not a sum, an operand's layout is unknown (None), or the operands disagree."""
+    summed_dims = op_info(op.name).summed_dims
+    if summed_dims is None or not in_specs or any(s is None for s in in_specs):
+        return ()
+    per_operand = summed_dims(op, tuple(s.rank for s in in_specs))
+    aligned = [[spec.dims[d] for d in dims] for spec, dims in zip(in_specs, per_operand, strict=False) if dims]
+    if not aligned:
+        return ()
+    lead, *rest = aligned
+    if any(other != lead for other in rest):
+        return ()
+    axes = {a for d in lead for a in d}
+    for spec, dims in zip(in_specs, per_operand, strict=True):
+        if any(axes & set(d) for i, d in enumerate(spec.dims) if i not in dims):
+            return ()
+    return tuple(sorted(axes))
+
+
 def registered_ops() -> dict[str, OpInfo]:
     """Every primitive with a registry entry, by name."""
     return dict(_INFO)

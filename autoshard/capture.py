@@ -131,6 +131,10 @@ class CapturedProgram:
         ``reduce_weights`` times (:func:`autoshard.planner.deferral_twins`). Empty: every value as made
         and read, a reduce-scatter counted ``reduce_weights`` times at its reduced size, the least either
         costs (a bound, which a pipeline's layer costs take).
+      in_flight_bytes: bytes per device of the other microbatches' activations a pipeline stage keeps
+        while its microbatches run (its schedule's in-flight count): they count beside the running sums,
+        from the program's start to the first reader of a ``held`` value (the update, which runs after
+        the last microbatch).
     """
 
     graph: OpGraph
@@ -147,6 +151,7 @@ class CapturedProgram:
     op_weights: Mapping[int, float] = dataclasses.field(default_factory=dict)
     reduce_weights: Mapping[int, float] = dataclasses.field(default_factory=dict)
     held: frozenset = frozenset()
+    in_flight_bytes: float = 0.0
 
     @classmethod
     def from_graph(cls, graph: OpGraph, avals, *, in_tree, out_tree, in_paths, out_paths, consts,

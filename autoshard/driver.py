@@ -254,7 +254,7 @@ def calibrated_row_scale(request: PlanRequest, on: MeshTarget) -> float | None:
     The model is fitted to XLA's buffer assignment, but a backend can keep less alive than it predicts (XLA:GPU
     with cuDNN attention: GPT-1.3B in bf16 on one H200, 42.9 GB predicted, 37.2 GB compiled). A budget between
     the two is then refused by every lever's solver row although the plans would compile within it."""
-    if on.abstract or on.budget is None:
+    if predicted_only(request, on) or on.budget is None:
         return None
     from autoshard.compile import compiled_peak
 
@@ -263,6 +263,14 @@ def calibrated_row_scale(request: PlanRequest, on: MeshTarget) -> float | None:
         return None
     compiled = compiled_peak(request.program, free.plan, (), request.donated)
     return free.plan.memory.peak_bytes / compiled if compiled > 0 else None
+
+
+def predicted_only(request: PlanRequest, on: MeshTarget) -> bool:
+    """Whether a plan's memory is checked by its predicted peak, not by compiling its program: on an
+    AbstractMesh (no devices to compile for), and for a microbatched pipeline stage (``CapturedProgram.held``),
+    which runs as several programs (its microbatch's tasks beside the activations in flight, then its
+    update) whose peaks the prediction models and its one program's compile does not."""
+    return on.abstract or bool(request.program.held)
 
 
 def run_levers(request: PlanRequest, on: MeshTarget, limit: float | None):
@@ -311,7 +319,8 @@ def shard_lever(request: PlanRequest, on: MeshTarget, limit, previous: Attempt |
         return got.plan
 
     def refuse(smallest):
-        measured = "the predicted peak (an AbstractMesh: no compile)" if on.abstract else "XLA's compiled peak"
+        measured = ("the predicted peak (an AbstractMesh: no compile)" if on.abstract else
+                    "the predicted peak (a pipeline stage's programs)" if request.program.held else "XLA's compiled peak")
         return InfeasibleError(
             f"no sharding plan fits memory budget {budget:.4g} bytes per device on mesh {on.shape}: the planner's "
             f"memory model says one does, but {measured} of each plan found is higher (the lowest, "
@@ -332,7 +341,7 @@ def checked_peak(request: PlanRequest, on: MeshTarget, plan_, budget: float) -> 
     the estimate itself on an AbstractMesh (no devices to compile for)."""
     from autoshard.compile import compiled_peak
 
-    if on.abstract:
+    if predicted_only(request, on):
         return plan_.memory.peak_bytes
     if plan_.memory.peak_bytes <= CHECK_ABOVE * budget:
         return None
@@ -353,7 +362,7 @@ def remat_lever(request: PlanRequest, on: MeshTarget, limit, previous: Attempt) 
         plan_, choice = choose_remat(
             lambda prog, lim: attempt_sharding(request, on, lim, program=prog, remat_split=True),
             program, request.ties, budget=budget, flops_per_second=on.cluster.flops * on.num_devices,
-            check=(lambda p, prog, groups: p.memory.peak_bytes) if on.abstract else (
+            check=(lambda p, prog, groups: p.memory.peak_bytes) if predicted_only(request, on) else (
                 lambda p, prog, groups: compiled_peak(prog, p, groups, request.donated)),
             base=previous)
     except InfeasibleError as e:
@@ -382,7 +391,7 @@ def offload_lever(request: PlanRequest, on: MeshTarget, limit, previous: Attempt
     try:
         plan_ = plan_with_offload(solve_with, program, dict(request.ties), previous.error, budget=budget,
                                   num_devices=on.num_devices,
-                                  check=(lambda p: p.memory.peak_bytes) if on.abstract else (
+                                  check=(lambda p: p.memory.peak_bytes) if predicted_only(request, on) else (
                                       lambda p: compiled_peak(program, p, (), request.donated)))
     except InfeasibleError as e:
         return dataclasses.replace(previous, error=e)
@@ -580,9 +589,10 @@ def _decoded_memory(request: PlanRequest, on: MeshTarget, solved: _Solved):
                         if node.kind == "op" and node.trips == 1
                         and any(c.kind == "all-reduce" for c in s.collectives) for v in node.outputs)
     # a gradient kept unreduced over a pipeline's microbatches holds its partial sums' size (Plan.deferred)
-    memory = estimate_memory(program, {**dec.value_specs, **dec.deferred}, on.info, donated=request.donated,
-                             out_specs=out_specs, ties=request.ties, offloaded=solved.offloaded, operand_specs=dec.operand_specs,
-                             reduced=reduced, profile=resolve_profile(request.profile, on.mesh))
+    memory = estimate_memory(program, dec.value_specs, on.info, donated=request.donated, out_specs=out_specs,
+                             ties=request.ties, offloaded=solved.offloaded, operand_specs=dec.operand_specs,
+                             reduced=reduced, profile=resolve_profile(request.profile, on.mesh),
+                             held_specs=dec.deferred)
     return dec, out_specs, memory
 
 

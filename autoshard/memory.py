@@ -51,8 +51,8 @@ class MemoryEstimate:
       breakdown: at the peak, bytes per category: ``parameters`` (carried state that is not
         optimizer state), ``optimizer_state``, ``inputs`` (fresh inputs: the batch), ``outputs``
         (new values not aliased to a donated input), ``intermediates`` (activations, gradients,
-        temporaries), and in a microbatched stage's program ``accumulators`` (the running sums it holds for
-        the step, ``CapturedProgram.held``).
+        temporaries; in a microbatched stage's program also the running sums it holds for the step,
+        ``CapturedProgram.held``).
       peak_position: the op position (in program order) where the peak occurs.
       host_bytes: bytes per device kept in host memory (offloaded state, see
         :mod:`autoshard.offload`); not part of ``peak_bytes``.
@@ -511,7 +511,7 @@ def combine_all_reduces(nodes, reads, made, size, reduced) -> None:
 
 def estimate_memory(program: CapturedProgram, value_specs: dict, mesh: MeshInfo, *, donated=(),
                     out_specs=None, ties=None, offloaded=(), operand_specs=None,
-                    reduced=frozenset(), profile: BackendProfile | None = None) -> MemoryEstimate:
+                    reduced=frozenset(), profile: BackendProfile | None = None, held_specs=None) -> MemoryEstimate:
     """Per-device peak as XLA accounts it: arguments + outputs + the peak of live temporaries.
 
     XLA allocates the entry's arguments and results apart from its temporaries, for the whole
@@ -534,6 +534,10 @@ def estimate_memory(program: CapturedProgram, value_specs: dict, mesh: MeshInfo,
         combines the independent ones (:func:`combine_all_reduces`).
       profile: the backend that compiles the plan (:mod:`autoshard.backends`); None: the
         default backend's (``jax.default_backend()``).
+      held_specs: value id -> the layout of its running sum, for the values of ``program.held`` held
+        unreduced (``Plan.deferred``); the others' running sums take their own layout. A held value's
+        running sum lives from the step's start until its first reader, where it is reduced into the
+        value (:func:`hold_running_sums`), as the pipeline runtime does.
     """
     if profile is None:
         import jax
@@ -542,18 +546,19 @@ def estimate_memory(program: CapturedProgram, value_specs: dict, mesh: MeshInfo,
     entry = _entry_buffers(program, value_specs, mesh, donated=set(donated), out_specs=out_specs,
                            ties=ties or {}, offloaded=set(offloaded))
     live = _liveness(program, value_specs, mesh, entry, operand_specs=operand_specs or {}, reduced=reduced,
-                     profile=profile)
+                     profile=profile, held_specs=held_specs or {})
     best = _sweep(live.nodes, live)
     best = min(best, _sweep(_list_schedule(live), live), key=lambda r: r[0])
     temp, at = best
     if at < -1:  # a combined all-reduce: report the op after which it runs
         at = max((n for n in live.nodes[:live.nodes.index(at)] if n >= -1), default=-1)
-    fixed = entry.fixed
+    fixed = dict(entry.fixed)
+    if program.held:   # results made by an op count among the temporaries, from that op on (see _liveness)
+        fixed["outputs"] = fixed.get("outputs", 0.0) - sum(b for v, b in entry.out_bytes.items()
+                                                           if v in live.size and v not in live.kept)
     breakdown = {k: fixed.get(k, 0.0) for k in ("parameters", "optimizer_state", "inputs", "outputs")}
     breakdown["intermediates"] = temp
-    if program.held:
-        breakdown["accumulators"] = sum(value_bytes(program.avals[v], value_specs.get(v), mesh) for v in program.held)
-    return MemoryEstimate(sum(breakdown.values()), breakdown, at + 1, entry.host_bytes)
+    return MemoryEstimate(sum(fixed.values()) + temp, breakdown, at + 1, entry.host_bytes)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -613,7 +618,7 @@ def _entry_buffers(program: CapturedProgram, value_specs, mesh, *, donated, out_
 
 
 def _liveness(program: CapturedProgram, value_specs, mesh, entry: _Entry, *, operand_specs, reduced,
-              profile: BackendProfile) -> _Liveness:
+              profile: BackendProfile, held_specs) -> _Liveness:
     """The temporaries and the ops that write and read them, with the buffers lowering adds."""
     graph = program.graph
     ops = graph.ops
@@ -627,13 +632,12 @@ def _liveness(program: CapturedProgram, value_specs, mesh, entry: _Entry, *, ope
     made = {t: tuple(v for v in ops[t].outputs if v in materialised) for t in nodes}
     for t in nodes:
         for v in made[t]:
-            if v in program.held:  # a running sum over microbatches: an argument of the runtime's programs
-                continue
             if v not in outputs or v in entry.host_values:
                 size[v] = _aligned(value_bytes(program.avals[v], value_specs.get(v), mesh), profile)
             elif v in entry.out_bytes:  # the result's buffer, which holds other temporaries before it is written
                 size[v] = entry.out_bytes[v]
-                kept.add(v)
+                if not program.held:   # a microbatched stage's update is a program of its own (below)
+                    kept.add(v)
     inplace = {t: _loop_fused(ops[t]) for t in nodes}
     transient = {t: _graph_peak(ops[t].body, program, value_specs, mesh, profile=profile) for t in nodes
                  if ops[t].body is not None}
@@ -661,7 +665,49 @@ def _liveness(program: CapturedProgram, value_specs, mesh, entry: _Entry, *, ope
         made[at] = made[at] + (fake,)
         reads[scheduled(last_reader)] = reads[scheduled(last_reader)] + (fake,)
     nodes = [start] + nodes
-    if reduced:
-        combine_all_reduces(nodes, reads, made, size, reduced)
-        inplace.update({n: False for n in nodes if n not in inplace})  # the combined all-reduces
+    if reduced - program.held:
+        combine_all_reduces(nodes, reads, made, size, reduced - program.held)
+    if program.held:
+        reducing = hold_running_sums(nodes, reads, made, size, {
+            v: _aligned(value_bytes(program.avals[v], held_specs.get(v, value_specs.get(v)), mesh), profile)
+            for v in program.held})
+        if reducing and program.in_flight_bytes:  # other microbatches' activations, until the update
+            first = min(reducing, key=nodes.index)
+            fake = min([v for v in size if v < 0] + [n for n in nodes if n < 0] + [-1]) - 1
+            size[fake] = float(program.in_flight_bytes)
+            made[nodes[0]] = made[nodes[0]] + (fake,)
+            reads[first] = reads[first] + (fake,)
+        # The update runs after the last microbatch, as a program of its own: its results are allocated
+        # when it runs, not for the whole step, and stay to the end.
+        end = min([v for v in size if v < 0] + [n for n in nodes if n < 0] + [-1]) - 1
+        nodes.append(end)
+        reads[end], made[end] = tuple(v for v in entry.out_bytes if v in size), ()
+    inplace.update({n: False for n in nodes if n not in inplace})  # the nodes added above
     return _Liveness(nodes, reads, made, size, inplace, transient, alloc_at, kept)
+
+
+def hold_running_sums(nodes, reads, made, size, held: dict) -> list:
+    """The running sums of a microbatched stage (``CapturedProgram.held``: value id -> bytes of its running
+    sum), applied to a liveness graph in place (its arguments as :func:`combine_all_reduces`'s).
+
+    The pipeline runtime keeps a running sum of each over the microbatches for the whole step (its first
+    node, ``nodes[0]``, makes them) and reduces it into the value before the value's first reader: an extra
+    node (a negative id) reads the running sum and makes the value. Where the op that makes it was, a
+    token of no bytes keeps the order. Returns the nodes added."""
+    fake = min([v for v in size if v < 0] + [n for n in nodes if n < 0] + [-1]) - 1
+    position = {n: k for k, n in enumerate(nodes)}
+    maker = {v: n for n in nodes for v in made[n] if v in held}
+    added = []
+    for v, at in maker.items():
+        first = next((n for n in nodes[position[at] + 1:] if v in reads[n]), None)
+        if first is None:
+            continue
+        node, acc, token = fake, fake - 1, fake - 2
+        fake -= 3
+        size[acc], size[token] = held[v], 0.0
+        made[nodes[0]] = made[nodes[0]] + (acc,)
+        made[at] = tuple(token if x == v else x for x in made[at])
+        reads[node], made[node] = (acc, token), (v,)
+        nodes.insert(nodes.index(first), node)
+        added.append(node)
+    return added

@@ -513,8 +513,7 @@ def liveness(program: CapturedProgram, donated_inputs=()) -> dict[int, tuple[int
     """Half-open live interval of every value, over top-level op positions.
 
     Inputs live from 0; non-donated inputs until the end (the caller keeps them).
-    Values inside a scan body live at the scan's position only. A held value (``CapturedProgram.held``, a
-    running sum over microbatches) lives from 0."""
+    Values inside a scan body live at the scan's position only."""
     ops = program.graph.ops
     end_t = len(ops) + 1
     start, end = {}, {}
@@ -549,9 +548,6 @@ def liveness(program: CapturedProgram, donated_inputs=()) -> dict[int, tuple[int
     for x in program.graph.outvars:
         if isinstance(x, int):
             end[x] = end_t
-    for v in program.held:
-        if v in start:
-            start[v] = 0
     return {v: (start[v], end[v]) for v in start}
 
 
@@ -701,9 +697,26 @@ def build_problem(merged: MergedGraph, program: CapturedProgram, cost: CostModel
                                 donated_inputs=donated_inputs, aliased_in=aliased_in, aliased_out=aliased_out,
                                 offloaded=offloaded, carried=carried or {})
     names = tuple(_label(graph.nodes[r]) for r in roots)
+    reserve = _in_flight_interval(program)
+    if reserve is not None:  # a constant: one more node, of one strategy, that nothing reads
+        node_costs.append(np.zeros(1))
+        memory = (*memory, np.array([program.in_flight_bytes]))
+        intervals = np.concatenate([intervals, np.array([reserve], np.int64)])
+        names = (*names, "activations of the microbatches in flight")
     problem = ShardingProblem(tuple(node_costs), edges, tuple(pair_costs.values()), memory, intervals,
                               memory_limit, names)
     return BuiltProblem(problem, merged, root_index)
+
+
+def _in_flight_interval(program: CapturedProgram) -> tuple[int, int] | None:
+    """Where ``program.in_flight_bytes`` count, over top-level op positions: from the start to the first
+    reader of a held value (:func:`liveness`'s positions); None when they do not."""
+    if not program.in_flight_bytes or not program.held:
+        return None
+    position = {op.index: t for t, op in enumerate(program.graph.ops, start=1)}
+    first = min((position[u] for v in program.held for u, _ in program.uses.get(v, ()) if u in position),
+                default=None)
+    return None if first is None else (0, first)
 
 
 def _label(node: _Node) -> str:
@@ -733,6 +746,7 @@ def _memory(merged, program, root_of, sizes, *, mesh, table: _SpecTable, donated
         aliased_out = set(aliased_out) - set(host_resident)
     uses = {v: len(u) for v, u in program.uses.items()}
     outputs = {x for x in program.graph.outvars if isinstance(x, int)}
+    position = {op.index: t for t, op in enumerate(program.graph.ops, start=1)}
     members: dict[int, list] = {}
     for i, node in enumerate(graph.nodes):
         r = int(root_of[i])
@@ -743,10 +757,16 @@ def _memory(merged, program, root_of, sizes, *, mesh, table: _SpecTable, donated
             aval = program.avals[v]
             shape, itemsize = _aval_shape(aval), _itemsize(aval)
             per_strategy = table.value_bytes(shape, itemsize, table.out_ids(node, k), mesh)
-            if node.deferred:  # a twin holds the unreduced sum
-                per_strategy = per_strategy.copy()
-                for j, spec in node.deferred.items():
-                    per_strategy[j] = _value_bytes_shape(shape, itemsize, spec, mesh)
+            if v in program.held:  # its running sum, from the step's start until it is reduced for its first reader
+                first = min((position[u] for u, _ in program.uses.get(v, ()) if u in position), default=None)
+                if first is not None and first > live[v][0]:
+                    running = per_strategy.copy()
+                    for j, spec in node.deferred.items():   # a twin holds it unreduced
+                        running[j] = _value_bytes_shape(shape, itemsize, spec, mesh)
+                    members.setdefault(r, []).append(((0, first), running[merged.index_map[i]]))
+                    live_v = (first, live[v][1])
+                    members[r].append((live_v, per_strategy[merged.index_map[i]]))
+                    continue
             members.setdefault(r, []).append((live[v], per_strategy[merged.index_map[i]]))
     memory, intervals = [], []
     for r in range(len(sizes)):

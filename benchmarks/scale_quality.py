@@ -423,8 +423,7 @@ def autoshard_pipeline_job(row: Row, preset: str, k: int, num_stages="auto") -> 
     for st, plan_st in zip(stages, pplan.stages, strict=True):
         by = {ph: sum(t["time_s"] for t in st["tasks"].values() if t["phase"] == ph) for ph in "FBR"}
         st.update(t_mb=by["F"] + by["B"], t_update=by["R"])
-        st["peak_bytes"] = (max(t["peak_bytes"] for t in st["tasks"].values())
-                            + (plan_st.in_flight - 1) * plan_st.activation_bytes)
+        st["peak_bytes"] = plan_st.compiled_peak({_task_key(name): t["peak_bytes"] for name, t in st["tasks"].items()})
     S, cfg = len(stages), spec_config(row)
     bw, lat = _link(preset) if S > 1 else (1.0, 0.0)
     p2p = 0.0 if S == 1 else lat + (row.batch // k) * cfg.seq_len * cfg.hidden * 4 / min(st["devices"] for st in stages) / bw
@@ -434,6 +433,11 @@ def autoshard_pipeline_job(row: Row, preset: str, k: int, num_stages="auto") -> 
             "predicted_step_s": pplan.step_time_s, "stages": stages, "step_time_s": step_time,
             "terms": {"t_mb": t_mb, "t_update": t_up, "p2p": p2p, "slots": k + S - 1},
             "peak_bytes": max(st["peak_bytes"] for st in stages)}
+
+
+def _task_key(name: str) -> tuple:
+    """A task's key from its name in the job's JSON (``"F0"``, ``"R00"``, ``"R0reduce"``): its phase first."""
+    return (name[0], name[1:])
 
 
 def spec_config(row: Row):

@@ -40,7 +40,8 @@ class StagePlan:
       plan: its intra-op :class:`autoshard.Plan` (one microbatch's forward and backward).
       time_s: predicted seconds per microbatch: a k-th of the stage's step (k microbatches' forward and backward,
         its update and gradient reductions once; :func:`autoshard.pipeline.search.stage_seconds`).
-      memory_bytes: predicted per-device peak with ``in_flight`` microbatches' activations kept.
+      memory_bytes: predicted per-device peak, with ``in_flight`` microbatches' activations kept while the
+        microbatches run (the update runs after the last).
       activation_bytes: per-device bytes of one microbatch's residuals (forward -> backward).
       in_flight: the most microbatches the schedule keeps alive on this stage.
     """
@@ -54,6 +55,14 @@ class StagePlan:
     memory_bytes: float
     activation_bytes: float
     in_flight: int
+
+    def compiled_peak(self, task_peaks: dict) -> float:
+        """The stage's peak from its compiled tasks' (task key -> peak bytes per device): a microbatch's
+        tasks (``"F"``, ``"B"``) run beside the other microbatches' activations in flight, the update and
+        the reduction of the running sums (``"R"``) after the last microbatch."""
+        micro = max((p for key, p in task_peaks.items() if key[0] != "R"), default=0.0)
+        after = max((p for key, p in task_peaks.items() if key[0] == "R"), default=0.0)
+        return max(micro + max(0, self.in_flight - 1) * self.activation_bytes, after)
 
     def to_dict(self) -> dict:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "plan"}

@@ -539,7 +539,8 @@ def _assign(table: _CostTable, opts, *, L: int, N: int, k: int, limit: float, fi
 
 def _plan_stage(prog, part, mesh, cluster, search: StageSearch, *, keep: float, carried=None):
     """A stage's intra-op plan of one microbatch, within what the memory limit leaves beside the ``keep``
-    bytes of other microbatches' activations the schedule holds, its next-state outputs tied to their
+    bytes of other microbatches' activations the schedule holds (those ``prog.in_flight_bytes`` does not
+    place while the microbatches run), its next-state outputs tied to their
     arguments (``carried``). When no tied plan fits, the untied one (the runtime then gathers a weight
     updated in shards without the plan pricing it, as the layer costs assumed); when none fits at all, the
     whole device (its predicted memory then says by how much it is over)."""
@@ -562,9 +563,10 @@ def _plan_stage(prog, part, mesh, cluster, search: StageSearch, *, keep: float, 
             return planned(budget)
         except InfeasibleError as e:
             smallest = e.smallest_memory
-    warnings.warn(f"a pipeline stage on sub-mesh {mesh_shape(mesh)} has no plan within the {budget:.4g} bytes "
-                  f"per device its in-flight activations ({keep:.4g} bytes) leave ({smallest or 0:.4g} "
-                  "is the least found); it is planned for the whole device, and plan.stages[...].memory_bytes "
+    warnings.warn(f"a pipeline stage on sub-mesh {mesh_shape(mesh)} has no plan within the "
+                  f"{search.memory_budget:.4g} bytes per device together with its in-flight activations "
+                  f"({keep + prog.in_flight_bytes:.4g} bytes; {(smallest or 0) + keep:.4g} is the least found); "
+                  "it is planned for the whole device, and plan.stages[...].memory_bytes "
                   "says how far over the limit it is. Fix: more microbatches, or a larger memory_budget.",
                   stacklevel=2)
     return planned()
@@ -580,11 +582,14 @@ def _plan_each_stage(analysis, part, stages: _Stages, search: StageSearch, grid_
         prog = stage_program(analysis, part, s, reduce_gradients=options.reduce_gradients, held=True)
         act = residual_bytes(analysis, part, s) / o.size
         live = max_in_flight(orders[s])
+        keep = max(0, live - 1) * act
+        if prog.held:   # the plan counts them while the microbatches run, not during the update
+            prog, keep = dataclasses.replace(prog, in_flight_bytes=keep), 0.0
         plan = _plan_stage(prog, part, mesh, cluster_for(search.cluster, o, grid_shape), search,
-                           keep=max(0, live - 1) * act, carried=state_ties(prog, analysis)) if prog.graph.ops else None
+                           keep=keep, carried=state_ties(prog, analysis)) if prog.graph.ops else None
         search.report(f"stage {s} planned", 2 + s + 1, 2 + S)
         t = stage_seconds(plan, analysis)
-        mem = (plan.cost.peak_memory_bytes if plan is not None else 0.0) + max(0, live - 1) * act
+        mem = (plan.cost.peak_memory_bytes if plan is not None else 0.0) + keep
         meshes.append(mesh)
         plans.append(plan)
         # an AbstractMesh's grid holds device positions (ints), a concrete mesh's grid devices

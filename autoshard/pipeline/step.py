@@ -355,13 +355,12 @@ def _verified(pplan: PipelinePlan, exe, abstract) -> PipelinePlan:
         require_devices(exe.mesh, "verify the plan (verify=True)")
     t0 = time.perf_counter()
     if isinstance(exe, PipelineExecutable):
-        peaks = [0.0] * len(pplan.stages)
+        peaks = [{} for _ in pplan.stages]
         for key, compiled in exe.compiled_tasks().items():
-            peaks[key[1]] = max(peaks[key[1]], memory_stats(compiled)["peak"])
+            peaks[key[1]][key] = memory_stats(compiled)["peak"]
         seconds = time.perf_counter() - t0
-        stages = [{k: v for k, v in verify_report(peak + max(0, st.in_flight - 1) * st.activation_bytes,
-                                                  st.memory_bytes, seconds).items() if k != "compile_s"}
-                  for peak, st in zip(peaks, pplan.stages, strict=True)]
+        stages = [{k: v for k, v in verify_report(st.compiled_peak(peak), st.memory_bytes, seconds).items()
+                   if k != "compile_s"} for peak, st in zip(peaks, pplan.stages, strict=True)]
         report = {"compile_s": seconds, "stages": stages,
                   "memory_ratio": max(r["memory_ratio"] for r in stages)}
     else:   # one SPMD program: every device holds one stage's values and its share of the state

@@ -10,12 +10,20 @@ import subprocess
 
 def finish(rows: list[dict], table, out: str | None) -> None:
     """Print ``table(rows)``; write ``out`` (if given) with the rows, jax's version, the commit, the CPU count
-    and the load average (other work on the machine slows a timing row)."""
+    and the load average (other work on the machine slows a timing row). Each row records the commit it was
+    measured at; the rows of an earlier ``out`` that were not run again (``--rows``) are kept."""
     import jax
 
     print()
     print(table(rows))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    rows = [{**r, "commit": commit} for r in rows]
+    if out and os.path.exists(out):
+        with open(out) as f:
+            earlier = json.load(f)
+        ran = {r.get("row") for r in rows}
+        kept = [{"commit": earlier.get("commit"), **r} for r in earlier.get("rows", []) if r.get("row") not in ran]
+        rows = kept + rows
     if out:
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         with open(out, "w") as f:

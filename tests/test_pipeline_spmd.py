@@ -113,10 +113,16 @@ def test_spmd_stages_run_their_intra_op_plans(sub, schedule):
     # a limit no stage solve reaches (each is proven optimal first), so load cannot leave a stage unsplit
     opts = autoshard.PipelineOptions(num_stages=2, layers=2, schedule=schedule, submeshes=[sub] * 2,
                                      solver_time_limit=10.0, runtime="spmd")
-    step = autoshard.parallelize(train_step, mesh=devices, num_microbatches=4, pipeline=opts, memory_budget=480_000)
-    # the budget binds the stage plans; the state the runtime holds besides is over it, and the step says so
+    # under a budget below the state the runtime holds between steps, the step says so
+    tight = autoshard.parallelize(train_step, mesh=devices, num_microbatches=4, pipeline=opts, memory_budget=480_000)
     with pytest.warns(UserWarning, match="of train state per device between steps"):
-        step.plan(state, batch)
+        tight.plan(state, batch)
+    # a budget between the least a stage can take and what it takes replicated binds the stage plans
+    budget = 2_200_000
+    step = autoshard.parallelize(train_step, mesh=devices, num_microbatches=4, pipeline=opts, memory_budget=budget)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert max(st.memory_bytes for st in step.plan(state, batch).stages) <= budget
     out = _two_steps_match(step, state, batch, ref, ref_losses)
     exe = step.prepared(state, batch).executable
     assert exe.mesh.devices.shape == (2, *sub)

@@ -197,7 +197,7 @@ class Evaluator:
         summed = {a for d in op_info(op.name).contracted_dims(op) for a in lhs.dims[d]}
         if not any(summed.intersection(d) and not summed.issuperset(d) for d in out.dims):
             return None
-        return ShardingSpec(tuple(tuple(a for a in d if a not in summed) for d in out.dims))
+        return out.without(summed)
 
     def draw(self, op, invals, m):
         """``op``'s random bits for microbatch ``m``: the full batch's bits, sliced along the batch axis."""

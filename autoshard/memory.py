@@ -463,6 +463,11 @@ def _resharded_buffers(program: CapturedProgram, value_specs: dict, operand_spec
     return [(b, None if x in invars else lo, hi) for (x, _), (lo, hi, b) in spans.items()]
 
 
+def _fresh_id(size: dict, nodes) -> int:
+    """A negative id below every fake value (``size``), added node and the step's start (-1) of a liveness graph."""
+    return min([v for v in size if v < 0] + [n for n in nodes if n < 0] + [-1]) - 1
+
+
 def combine_all_reduces(nodes, reads, made, size, reduced) -> None:
     """XLA's all-reduce combiner, applied to a liveness graph in place.
 
@@ -492,7 +497,7 @@ def combine_all_reduces(nodes, reads, made, size, reduced) -> None:
                 group_of[v] = len(groups) - 1
             else:
                 group_of[v] = dep
-    fake = min([v for v in size if v < 0] + [-1]) - 1  # below the step's start node (-1) and every fake value
+    fake = _fresh_id(size, nodes)  # below the step's start node (-1) and every fake value
     for members in groups:
         if len(members) < 2:
             continue
@@ -673,13 +678,13 @@ def _liveness(program: CapturedProgram, value_specs, mesh, entry: _Entry, *, ope
             for v in program.held})
         if reducing and program.in_flight_bytes:  # other microbatches' activations, until the update
             first = min(reducing, key=nodes.index)
-            fake = min([v for v in size if v < 0] + [n for n in nodes if n < 0] + [-1]) - 1
+            fake = _fresh_id(size, nodes)
             size[fake] = float(program.in_flight_bytes)
             made[nodes[0]] = made[nodes[0]] + (fake,)
             reads[first] = reads[first] + (fake,)
         # The update runs after the last microbatch, as a program of its own: its results are allocated
         # when it runs, not for the whole step, and stay to the end.
-        end = min([v for v in size if v < 0] + [n for n in nodes if n < 0] + [-1]) - 1
+        end = _fresh_id(size, nodes)
         nodes.append(end)
         reads[end], made[end] = tuple(v for v in entry.out_bytes if v in size), ()
     inplace.update({n: False for n in nodes if n not in inplace})  # the nodes added above
@@ -694,7 +699,7 @@ def hold_running_sums(nodes, reads, made, size, held: dict) -> list:
     node, ``nodes[0]``, makes them) and reduces it into the value before the value's first reader: an extra
     node (a negative id) reads the running sum and makes the value. Where the op that makes it was, a
     token of no bytes keeps the order. Returns the nodes added."""
-    fake = min([v for v in size if v < 0] + [n for n in nodes if n < 0] + [-1]) - 1
+    fake = _fresh_id(size, nodes)
     position = {n: k for k, n in enumerate(nodes)}
     maker = {v: n for n in nodes for v in made[n] if v in held}
     added = []

@@ -108,8 +108,7 @@ def deferral_twins(op: Op, strategies: list[Strategy]):
         if not axes or not (out.used_axes & axes):
             continue
         each_run.append(j)
-        deferred[len(strategies) + len(twins)] = ShardingSpec(tuple(tuple(a for a in d if a not in axes)
-                                                                    for d in out.dims))
+        deferred[len(strategies) + len(twins)] = out.without(axes)
         twins.append(dataclasses.replace(s, name=f"{s.name} deferred"))
     return [*strategies, *twins], tuple(each_run), deferred
 
@@ -713,10 +712,20 @@ def _in_flight_interval(program: CapturedProgram) -> tuple[int, int] | None:
     reader of a held value (:func:`liveness`'s positions); None when they do not."""
     if not program.in_flight_bytes or not program.held:
         return None
+    first = _first_reads(program)
+    return (0, min(first.values())) if first else None
+
+
+def _first_reads(program: CapturedProgram) -> dict[int, int]:
+    """Held value (``CapturedProgram.held``) -> the position of its first top-level reader (:func:`liveness`'s
+    positions), for those that have one."""
     position = {op.index: t for t, op in enumerate(program.graph.ops, start=1)}
-    first = min((position[u] for v in program.held for u, _ in program.uses.get(v, ()) if u in position),
-                default=None)
-    return None if first is None else (0, first)
+    first = {}
+    for v in program.held:
+        at = [position[u] for u, _ in program.uses.get(v, ()) if u in position]
+        if at:
+            first[v] = min(at)
+    return first
 
 
 def _label(node: _Node) -> str:
@@ -746,7 +755,7 @@ def _memory(merged, program, root_of, sizes, *, mesh, table: _SpecTable, donated
         aliased_out = set(aliased_out) - set(host_resident)
     uses = {v: len(u) for v, u in program.uses.items()}
     outputs = {x for x in program.graph.outvars if isinstance(x, int)}
-    position = {op.index: t for t, op in enumerate(program.graph.ops, start=1)}
+    first_read = _first_reads(program)
     members: dict[int, list] = {}
     for i, node in enumerate(graph.nodes):
         r = int(root_of[i])
@@ -757,16 +766,14 @@ def _memory(merged, program, root_of, sizes, *, mesh, table: _SpecTable, donated
             aval = program.avals[v]
             shape, itemsize = _aval_shape(aval), _itemsize(aval)
             per_strategy = table.value_bytes(shape, itemsize, table.out_ids(node, k), mesh)
-            if v in program.held:  # its running sum, from the step's start until it is reduced for its first reader
-                first = min((position[u] for u, _ in program.uses.get(v, ()) if u in position), default=None)
-                if first is not None and first > live[v][0]:
-                    running = per_strategy.copy()
-                    for j, spec in node.deferred.items():   # a twin holds it unreduced
-                        running[j] = _value_bytes_shape(shape, itemsize, spec, mesh)
-                    members.setdefault(r, []).append(((0, first), running[merged.index_map[i]]))
-                    live_v = (first, live[v][1])
-                    members[r].append((live_v, per_strategy[merged.index_map[i]]))
-                    continue
+            first = first_read.get(v)   # a held value: its running sum, from the start until its first reader
+            if first is not None and first > live[v][0]:
+                running = per_strategy.copy()
+                for j, spec in node.deferred.items():   # a twin holds it unreduced
+                    running[j] = _value_bytes_shape(shape, itemsize, spec, mesh)
+                members.setdefault(r, []).append(((0, first), running[merged.index_map[i]]))
+                members[r].append(((first, live[v][1]), per_strategy[merged.index_map[i]]))
+                continue
             members.setdefault(r, []).append((live[v], per_strategy[merged.index_map[i]]))
     memory, intervals = [], []
     for r in range(len(sizes)):

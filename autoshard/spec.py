@@ -69,6 +69,11 @@ class ShardingSpec(NamedTuple):
     def used_axes(self) -> frozenset[int]:
         return frozenset(a for d in self.dims for a in d)
 
+    def without(self, axes) -> ShardingSpec:
+        """This layout with mesh ``axes`` taken out of every dimension (what a sum over them leaves whole)."""
+        drop = set(axes)
+        return ShardingSpec(tuple(tuple(a for a in d if a not in drop) for d in self.dims))
+
     def dim_of(self, axis: int) -> int | None:
         """The dimension that ``axis`` splits, or None."""
         for i, d in enumerate(self.dims):

@@ -51,7 +51,7 @@ class PartialSum:
     @property
     def acc_spec(self) -> ShardingSpec:
         """The running sum's layout: the leading dimension over ``axes``, the rest as planned without them."""
-        return ShardingSpec((self.axes, *(tuple(a for a in d if a not in self.axes) for d in self.spec.dims)))
+        return ShardingSpec((self.axes, *self.spec.without(self.axes).dims))
 
     @property
     def scatters(self) -> bool:
@@ -63,7 +63,7 @@ class PartialSum:
 
     def bytes(self, aval, mesh: MeshInfo) -> tuple[float, float]:
         """Per-device bytes of the running sum and of the reduced value."""
-        unreduced = ShardingSpec(self.acc_spec.dims[1:])
+        unreduced = self.spec.without(self.axes)
         size = aval.dtype.itemsize
         return (float(math.prod(unreduced.shard_shape(aval.shape, mesh)) * size),
                 float(math.prod(self.spec.shard_shape(aval.shape, mesh)) * size))

@@ -15,6 +15,9 @@ setup(
         "jaxlib>=0.10.0,<0.12",
         "numpy>=1.24",
         "scipy>=1.11",
+        # the strategy solver's cost function network engine (autoshard/solver/cfn.py); wheels exist for
+        # Linux and macOS, and without it the solver runs its other searches
+        'pytoulbar2>=1.4; platform_system != "Windows"',
     ],
     extras_require={
         "models": ["flax>=0.11", "optax>=0.2.4"],

@@ -27,6 +27,7 @@ from collections.abc import Callable
 import numpy as np
 
 from autoshard.errors import InfeasibleError
+from autoshard.solver import cfn
 from autoshard.solver.bp import MinSumBP, trivial_bound
 from autoshard.solver.forest import ForestSearch, forest_ils
 from autoshard.solver.lns import WindowSearch
@@ -146,6 +147,15 @@ _CLEAR_FLOOR_SHARE = 0.5
 # there (GPT-39B's on (8, 4) under the memory limit, 86-141 nodes, 7-27 memory points: 0.18 s).
 _FREE_START_SHARE = 0.4
 _FREE_START_SECONDS = 2.0
+# Large memory cores, with toulbar2 installed: its penalty bisection (:func:`cfn.penalty_bisection`) gets
+# this share of the time left in an odd parallel worker (guarded descents and windows the rest), and this
+# share in one process, where the memory-priced searches follow when this share of the time is left.
+_CFN_SHARE = 0.75
+# Memory-free large cores: toulbar2 gets this share of the time; its answer, unless proven optimal, starts
+# the forest descent and windows (belief propagation's does when toulbar2 is missing or found none).
+_CFN_FREE_SHARE = 0.5
+_CFN_SHARE_ALONE = 0.4
+_LAGRANGE_AFTER_CFN = 0.3
 
 
 def solve(
@@ -410,15 +420,25 @@ def _memory_free_large(s: Search) -> CoreAnswer:
     """
     now = time.perf_counter()
     red = soften(s.red)
-    bp = MinSumBP(red)
-    bp_choice, bp_cost = bp.run(now + _BP_SHARE * max(s.deadline - now, 0.0), max_rounds=_BP_ROUNDS, tol=_BP_TOL)
-    bound = max(bp.lower_bound(), trivial_bound(red))
-    s.log(f"belief propagation: {bp.rounds} rounds, cost {bp_cost:.6g}, bound {bound:.6g}")
-    state = CoreState(red, None, bp_choice)
+    found = cfn.minimise(s.red, now + _CFN_FREE_SHARE * max(s.deadline - now, 0.0), seed=s.seed)
+    if found is not None and found.choice is not None:
+        state = CoreState(red, None, found.choice)
+        bound = max(found.bound, trivial_bound(red))
+        s.log(f"toulbar2: cost {state.total_cost():.6g}, bound {bound:.6g}")
+        if relative_gap(state.total_cost(), bound) <= _GAP:
+            s.stats.update(stop="optimal")
+            return CoreAnswer(state.choice, state.total_cost(), True, bound)
+    else:
+        bp = MinSumBP(red)
+        bp_choice, bp_cost = bp.run(now + _BP_SHARE * max(s.deadline - now, 0.0), max_rounds=_BP_ROUNDS, tol=_BP_TOL)
+        bound = max(bp.lower_bound(), trivial_bound(red))
+        s.log(f"belief propagation: {bp.rounds} rounds, cost {bp_cost:.6g}, bound {bound:.6g}")
+        s.stats.update(bp_rounds=bp.rounds)
+        state = CoreState(red, None, bp_choice)
     descent = ForestSearch(state, s.seed)
     descent.run(s.deadline - _MARGIN, patience=_FREE_PATIENCE)
     s.log(f"forest descent: {descent.rounds} rounds, cost {state.total_cost():.6g}")
-    s.stats.update(bp_rounds=bp.rounds, forest_rounds=descent.rounds)
+    s.stats.update(forest_rounds=descent.rounds)
     if s.deadline - time.perf_counter() > _MARGIN:
         per_node = _cells(red) / max(red.num_core, 1)
         nodes = int(np.clip(_FREE_WINDOW_CELLS / per_node, *_FREE_WINDOW_NODES))
@@ -687,15 +707,26 @@ def _large_start(s: Search, state: CoreState, start_time: float, bp: MinSumBP | 
     now = time.perf_counter()
     huge = red.num_core > _FULL_MILP_NODES
     cands = [] if bp is None else [_repaired(s, bp, now)]
-    if huge:
-        if cands == [] or deadline - time.perf_counter() > _LAGRANGE_MIN_SHARE * (deadline - start_time):
+    # toulbar2's penalty bisection: the odd parallel workers, or first in one process; the even workers
+    # keep the searches below (each wins on some contest cores: the bisection on A and M, them on S)
+    priced = cfn.available() and (s.variant is None or s.variant % 2 == 1)
+    if priced:
+        now = time.perf_counter()
+        share = _CFN_SHARE if s.variant is not None else _CFN_SHARE_ALONE
+        cands.append(cfn.penalty_bisection(red, rows, now + share * max(deadline - _MARGIN - now, 0.0), seed,
+                                           log=log, post=lambda st: _post(s, st)))
+    if huge and (not priced or s.variant is None):
+        rest = deadline - time.perf_counter()
+        if cands == [] or rest > _LAGRANGE_MIN_SHARE * (deadline - start_time) or \
+                (priced and rest > _LAGRANGE_AFTER_CFN * (deadline - start_time)):
             cands.append(_two_lagrangian_starts(s, time.perf_counter()))
+    if huge or priced:
         shared = s.share.poll()  # another worker's fit, when cheaper: the descents below start from it
         if shared is not None:
             cands.append(CoreState(red, rows, shared))
     cands = [c for c in cands if c is not None and c.overflow() <= 0 and not len(violations(c))]
     cand = min(cands, key=lambda st: st.total_cost()) if cands else None
-    if cand is None or not huge:
+    if cand is None or not (huge or priced):
         # The uniform search: on huge cores only while nothing fits; mid-sized ones always get it
         # too (its answer and the repaired start's each win on some of the planner's problems)
         now = time.perf_counter()
@@ -717,7 +748,7 @@ def _large_start(s: Search, state: CoreState, start_time: float, bp: MinSumBP | 
     state = guarded_descent(state, now + 0.85 * max(deadline - _MARGIN - now, 0.0), seed, log)
     now = time.perf_counter()
     rest = deadline - _MARGIN - now
-    if rest > 0.25 * (deadline - start_time):
+    if rest > 0.25 * (deadline - start_time) and not priced:
         # A second, different start: the cheapest fitting uniform
         # multiplier plus guarded descents (better than the lagrangian
         # path on contest S, 1.19x vs 1.33x, worse on M).

@@ -53,7 +53,7 @@ _MIN_SECONDS = 1.0
 # 2**12 (A) and 2**16 (M) and overflow a little below.
 _START_EXPONENT = 12.0
 _START_STEP = 4.0
-_BISECT_TOL = 0.25
+_BISECT_TOL = 1.0
 # One attempt gets this share of the time left, or _FULL_ATTEMPT seconds when that is more; none starts
 # with less than _MIN_ATTEMPT seconds left (toulbar2's preprocessing alone took 3-7 s on the contest
 # cores, and an attempt stopped before it ends returns nothing).
@@ -143,55 +143,109 @@ def _hard_tables(red: Reduction) -> tuple[np.ndarray, ...]:
     return tuple(np.where(m == red.forbidden, np.inf, m) for m in red.edge_costs)
 
 
-def penalised_core(red: Reduction, lam: float, deadline: float | None = None) -> Reduction:
-    """``red``'s core with ``lam * usage`` added to each node's costs, reduced again (every node is memory-free)."""
-    costs = tuple(c if m is None else c + lam * m for c, m in zip(red.node_costs, red.node_memory, strict=True))
+def penalised_core(red: Reduction, lam, deadline: float | None = None) -> Reduction:
+    """``red``'s core with ``lam * usage`` added to each node's costs (``lam`` one price or one per core node),
+    reduced again (every node is memory-free)."""
+    lam = np.broadcast_to(np.asarray(lam, dtype=np.float64), (red.num_core,))
+    costs = tuple(c if m is None else c + x * m for c, m, x in zip(red.node_costs, red.node_memory, lam, strict=True))
     sub = ShardingProblem(node_costs=costs, edges=red.edges, edge_costs=_hard_tables(red))
     return reduce_problem(sub, with_memory=False, deadline=deadline)
 
 
-def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: int, *, log, post=None,
-                      start: float = _START_EXPONENT) -> CoreState | None:
-    """The cheapest fitting choice from toulbar2's answers under uniform memory prices; None if none fits.
+def free_bound(red: Reduction, deadline: float, *, seed: int = 0) -> float:
+    """A lower bound on ``red``'s least cost with memory ignored (so also under its memory rows), or ``-inf``.
 
-    ``red`` is the :func:`~autoshard.solver.penalty.soften`-ed core. The price
-    ``plain_scale(red) * 2**e`` starts at ``e = start``, steps out in doubling
-    steps until one answer fits and one does not, then bisects to
-    ``_BISECT_TOL``. An answer that overflows is repaired and cleared of the
-    forbidden pairs the repair took; it does not count as fitting for the
-    bisection, but is kept when it fits after. ``post(state)`` is called with
-    each new best fit.
+    toulbar2 runs on the core reduced again without its memory (exact reductions: a third to a tenth of
+    the nodes on the contest cores, and a quicker preprocessing); the reductions add a constant to every
+    choice's cost, read off toulbar2's choice. A solve stopped early still gives its dual bound.
     """
+    sub = penalised_core(red, 0.0, deadline)
+    found = minimise(sub, deadline, seed=seed)
+    if found is None or found.choice is None or not np.isfinite(found.bound):
+        return -np.inf
+    choice = sub.expand(found.choice, red.num_core)
+    constant = CoreState(red, None, choice).total_cost() - CoreState(sub, None, found.choice).total_cost()
+    return found.bound + constant
+
+
+def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: int, *, log, post=None,
+                      start: float = _START_EXPONENT, stats: dict | None = None) -> CoreState | None:
+    """The cheapest fitting choice from toulbar2's answers under memory prices; None if none fits.
+
+    ``red`` is the :func:`~autoshard.solver.penalty.soften`-ed core. One price
+    ``plain_scale(red) * 2**e`` for every node starts at ``e = start``, steps
+    out in doubling steps until one answer fits and one does not, then bisects
+    to ``_BISECT_TOL``. Then the prices go local: nodes live at a point where
+    the last overflowing answer overflowed pay the fitting price, the others the
+    overflowing one; each answer that still overflows adds its points, and each
+    that fits lowers the others' price one doubling (memory is priced high only
+    where it binds). An answer that overflows is repaired and cleared of the
+    forbidden pairs the repair took, and kept when it then fits. ``post(state)``
+    is called with each new best fit; ``stats["cfn_attempts"]`` counts the
+    toulbar2 solves.
+    """
+    stats = {} if stats is None else stats
     base = plain_scale(red)
     best: CoreState | None = None
+    over: dict = {}  # the highest overflowing exponent's answer
 
-    def attempt(e: float) -> bool:
+    def attempt(lam, what: str) -> CoreState | None:
+        """The answer under prices ``lam`` (None when toulbar2 found none in time); keeps it, or its repair, when
+        it fits."""
         nonlocal best
         t0 = time.perf_counter()
         until = min(deadline, t0 + max(_ATTEMPT_SHARE * (deadline - t0), _FULL_ATTEMPT))
-        sub = penalised_core(red, base * 2.0**e, until)
+        sub = penalised_core(red, lam, until)
         found = minimise(sub, until, seed=seed)
+        stats["cfn_attempts"] = stats.get("cfn_attempts", 0) + 1
         if found is None or found.choice is None:
-            log(f"cfn penalty 2^{e:g}: no answer in time ({time.perf_counter() - t0:.1f}s)")
-            return False
+            log(f"cfn {what}: no answer in time ({time.perf_counter() - t0:.1f}s)")
+            return None
         state = CoreState(red, rows, sub.expand(found.choice, red.num_core))
-        fits = state.overflow() <= 0
-        what = f"cost {state.total_cost():.6g}, overflow {state.overflow():.3g}"
-        if not fits:
+        kept = state
+        said = f"cost {state.total_cost():.6g}, overflow {state.overflow():.3g}"
+        if state.overflow() > 0:
             fixed = CoreState(red, rows, state.choice)
             if fixed.repair(deadline):
-                state = clear_forbidden(fixed, deadline, seed)
-            what += f", repaired: cost {state.total_cost():.6g}"
-        if state.overflow() <= 0 and not len(violations(state)):
-            if best is None or state.total_cost() < best.total_cost():
-                best = state
+                kept = clear_forbidden(fixed, deadline, seed)
+            said += f", repaired: cost {kept.total_cost():.6g}"
+        if kept.overflow() <= 0 and not len(violations(kept)):
+            if best is None or kept.total_cost() < best.total_cost():
+                best = kept
                 if post is not None:
                     post(best)
-        log(f"cfn penalty 2^{e:g}: {what}{' (proven)' if found.proven else ''} ({time.perf_counter() - t0:.1f}s)")
+        log(f"cfn {what}: {said}{' (proven)' if found.proven else ''} ({time.perf_counter() - t0:.1f}s)")
+        return state
+
+    def uniform(e: float) -> bool:
+        state = attempt(base * 2.0**e, f"penalty 2^{e:g}")
+        fits = state is not None and state.overflow() <= 0
+        if state is not None and not fits and e > over.get("e", -np.inf):
+            over.update(e=e, state=state)
+        if fits:
+            over["fit"] = min(e, over.get("fit", np.inf))
         return fits
 
     def time_left() -> bool:
         return deadline - time.perf_counter() > _MIN_ATTEMPT
 
-    bracket_and_bisect(attempt, time_left, start, _START_STEP, _BISECT_TOL)
+    bracket_and_bisect(uniform, time_left, start, _START_STEP, _BISECT_TOL)
+    if "state" not in over or "fit" not in over:
+        return best
+    # local prices: the fitting price where the overflowing answers overflowed, lower elsewhere
+    low, high = over["e"], over["fit"]
+    raised = np.zeros(rows.num_points, dtype=bool)
+    state = over["state"]
+    while time_left():
+        raised |= state.usage - rows.cap > rows.tol
+        count = np.concatenate([[0], np.cumsum(raised)])
+        hot = count[rows.hi] > count[rows.lo]
+        found = attempt(np.where(hot, base * 2.0**high, base * 2.0**low),
+                        f"local prices 2^{high:g} on {int(hot.sum())} nodes, 2^{low:g}")
+        if found is None:
+            break
+        if found.overflow() <= 0:
+            low -= 1.0
+        else:
+            state = found
     return best

@@ -155,6 +155,9 @@ _CFN_SHARE = 0.75
 # the forest descent and windows (belief propagation's does when toulbar2 is missing or found none).
 _CFN_FREE_SHARE = 0.5
 _CFN_SHARE_ALONE = 0.4
+# ... then toulbar2's lower bound with memory ignored gets this share of the time, at most these seconds.
+_CFN_BOUND_SHARE = 0.15
+_CFN_BOUND_SECONDS = 30.0
 _LAGRANGE_AFTER_CFN = 0.3
 
 
@@ -425,6 +428,7 @@ def _memory_free_large(s: Search) -> CoreAnswer:
         state = CoreState(red, None, found.choice)
         bound = max(found.bound, trivial_bound(red))
         s.log(f"toulbar2: cost {state.total_cost():.6g}, bound {bound:.6g}")
+        s.stats.update(cfn_attempts=1)
         if relative_gap(state.total_cost(), bound) <= _GAP:
             s.stats.update(stop="optimal")
             return CoreAnswer(state.choice, state.total_cost(), True, bound)
@@ -714,7 +718,8 @@ def _large_start(s: Search, state: CoreState, start_time: float, bp: MinSumBP | 
         now = time.perf_counter()
         share = _CFN_SHARE if s.variant is not None else _CFN_SHARE_ALONE
         cands.append(cfn.penalty_bisection(red, rows, now + share * max(deadline - _MARGIN - now, 0.0), seed,
-                                           log=log, post=lambda st: _post(s, st)))
+                                           log=log, post=lambda st: _post(s, st), stats=s.stats))
+        _cfn_bound(s, start_time)
     if huge and (not priced or s.variant is None):
         rest = deadline - time.perf_counter()
         if cands == [] or rest > _LAGRANGE_MIN_SHARE * (deadline - start_time) or \
@@ -759,6 +764,20 @@ def _large_start(s: Search, state: CoreState, start_time: float, bp: MinSumBP | 
             if found.total_cost() < state.total_cost():
                 state = found
     return state
+
+
+def _cfn_bound(s: Search, start_time: float) -> None:
+    """toulbar2's lower bound on the core with memory ignored (so under the memory rows too) into
+    ``stats["free_bound"]``, in ``_CFN_BOUND_SHARE`` of the search's time (at most ``_CFN_BOUND_SECONDS``).
+
+    A stopped solve's dual bound is still a bound; on contest A it proves the memory-free optimum (0.80x the
+    best known) in 10 s, where belief propagation's bound was 1e-6 of it."""
+    now = time.perf_counter()
+    seconds = min(_CFN_BOUND_SHARE * (s.deadline - start_time), _CFN_BOUND_SECONDS, s.deadline - _MARGIN - now)
+    bound = cfn.free_bound(s.red, now + seconds, seed=s.seed)
+    if np.isfinite(bound):
+        s.stats["free_bound"] = max(bound, s.stats.get("free_bound", -np.inf))
+        s.log(f"toulbar2 bound, memory ignored: {bound:.6g}")
 
 
 def _repaired(s: Search, bp: MinSumBP, now: float) -> CoreState | None:

@@ -1,0 +1,139 @@
+"""toulbar2 on memory-free cores (``autoshard.solver.cfn``), and the memory-penalty bisection built on it.
+
+Exactness is checked against brute force; bounds are checked to stay below the optimum; time is
+never asserted on the test's clock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pytoulbar2")
+
+from autoshard.solver import (  # noqa: E402
+    ShardingProblem,
+    cfn,  # noqa: E402
+    solve,
+)
+from autoshard.solver.local import CoreState, FlatCosts  # noqa: E402
+from autoshard.solver.memory import memory_rows  # noqa: E402
+from autoshard.solver.penalty import soften, violations  # noqa: E402
+from autoshard.solver.reduce import Reduction, reduce_problem  # noqa: E402
+
+
+def _core(seed: int, n: int, s: int, *, scale: float = 10.0, negative: bool = False, forbid: float = 0.0
+          ) -> Reduction:
+    """A loopy core taken as it is (edges (i, i+1) and (i, i+2)), random costs, some pairs forbidden."""
+    rng = np.random.default_rng(seed)
+    edges = [(i, i + d) for d in (1, 2) for i in range(n - d)]
+    shift = 0.5 * scale if negative else 0.0
+    mats = []
+    for _ in edges:
+        m = rng.random((s, s)) * scale - shift
+        m[rng.random((s, s)) < forbid] = np.inf
+        m[0, 0] = min(m[0, 0], scale)  # every core keeps a finite choice: all first strategies
+        mats.append(m)
+    return Reduction(core_nodes=np.arange(n), alive=tuple(np.arange(s) for _ in range(n)),
+                     node_costs=tuple(rng.random(s) * scale - shift for _ in range(n)),
+                     edges=np.array(edges, dtype=np.int64), edge_costs=tuple(mats),
+                     node_memory=(None,) * n, base_usage=np.zeros(n), records=(), stats={})
+
+
+def _optimum(red: Reduction) -> float:
+    flat = FlatCosts(red)
+    return min(flat.cost(np.array(ch)) for ch in itertools.product(*(range(c.size) for c in red.node_costs)))
+
+
+@pytest.mark.parametrize(("seed", "scale", "negative", "forbid"),
+                         [(0, 10.0, False, 0.0), (1, 1e-3, False, 0.2), (2, 5.0, True, 0.3), (3, 3e9, False, 0.1)])
+def test_minimise_matches_brute_force(seed, scale, negative, forbid):
+    """Planner-sized (1e-3 s) and contest-sized (1e9) costs, negative entries, forbidden pairs."""
+    red = _core(seed, n=7, s=3, scale=scale, negative=negative, forbid=forbid)
+    best = _optimum(red)
+    found = cfn.minimise(red, _far())
+    assert found is not None and found.choice is not None and found.proven
+    cost = FlatCosts(red).cost(found.choice)
+    assert cost == pytest.approx(best, rel=1e-9, abs=1e-12 * scale)
+    assert found.bound <= best + 1e-12 * abs(best)
+    assert found.bound >= best - 1e-9 * max(abs(best), scale)
+
+
+def test_priced_forbidden_pairs_stay_forbidden():
+    """A :func:`soften`-ed core's priced pairs are hard again for toulbar2."""
+    red = _core(4, n=8, s=4, forbid=0.4)
+    soft = soften(red)
+    found = cfn.minimise(soft, _far())
+    assert not len(violations(CoreState(soft, None, found.choice)))
+    assert FlatCosts(red).cost(found.choice) == pytest.approx(_optimum(red), rel=1e-9)
+
+
+def test_free_bound_is_below_the_optimum_with_memory():
+    problem = _memory_problem(5)
+    red = reduce_problem(problem, with_memory=True)
+    exact = solve(problem, time_limit=60, workers=1)
+    assert exact.optimal
+    bound = cfn.free_bound(red, _far())
+    # the core's bound plus what the reductions fixed is at most the full optimum
+    constant = exact.cost - CoreState(red, None, _core_choice(red, exact.choice)).total_cost()
+    assert np.isfinite(bound) and bound + constant <= exact.cost * (1 + 1e-9)
+
+
+def test_penalty_bisection_fits_and_posts_each_better_fit():
+    problem = _memory_problem(6, n=60)
+    red = reduce_problem(problem, with_memory=True)
+    rows = memory_rows(problem.intervals, problem.memory_limit, red.core_nodes, red.base_usage, True)
+    soft = soften(red)
+    posted: list[float] = []
+    stats: dict = {}
+    best = cfn.penalty_bisection(soft, rows, _far(12.0), 0, log=lambda _: None,
+                                 post=lambda st: posted.append(st.total_cost()), stats=stats)
+    assert best is not None and best.overflow() <= 0 and not len(violations(best))
+    assert posted and posted[-1] == best.total_cost() and posted == sorted(posted, reverse=True)
+    assert stats["cfn_attempts"] >= 2
+    choice = red.expand(best.choice, problem.num_nodes)
+    assert problem.is_feasible(choice)
+    exact = solve(problem, time_limit=60, workers=1)
+    assert problem.cost(choice) >= exact.cost * (1 - 1e-9)
+
+
+def test_solve_without_toulbar2_runs_the_other_searches(monkeypatch):
+    """Without pytoulbar2 the memory-free large path starts from belief propagation, as before."""
+    rng = np.random.default_rng(7)
+    n, s = 40, 64
+    edges = [(i, i + d) for d in (1, 2, 5) for i in range(n - d)]
+    p = ShardingProblem(node_costs=[rng.random(s) for _ in range(n)], edges=np.array(edges),
+                        edge_costs=[rng.random((s, s)) for _ in edges])
+    monkeypatch.setattr(cfn, "available", lambda: False)
+    sol = solve(p, time_limit=2.0, workers=1)
+    assert sol.feasible and "bp_rounds" in sol.stats and "cfn_attempts" not in sol.stats
+
+
+def _memory_problem(seed: int, n: int = 14) -> ShardingProblem:
+    """A ladder with memory: cheap strategies use more, the limit binds."""
+    rng = np.random.default_rng(seed)
+    s = 4
+    costs = [rng.random(s) * 10 for _ in range(n)]
+    memory = [10.0 - c + rng.random(s) for c in costs]
+    edges = [(i, i + d) for d in (1, 2) for i in range(n - d)]
+    mats = [rng.random((s, s)) * 5 for _ in edges]
+    intervals = np.stack([np.arange(n), np.arange(n) + rng.integers(2, 6, n)], axis=1)
+    free = ShardingProblem(node_costs=costs, edges=np.array(edges), edge_costs=mats, node_memory=memory,
+                           intervals=intervals)
+    low = free.peak_memory([int(np.argmin(m)) for m in memory])
+    high = free.peak_memory([int(np.argmin(c)) for c in costs])
+    return ShardingProblem(node_costs=costs, edges=np.array(edges), edge_costs=mats, node_memory=memory,
+                           intervals=intervals, memory_limit=low + 0.4 * (high - low))
+
+
+def _core_choice(red: Reduction, choice: np.ndarray) -> np.ndarray:
+    """The core-local indices of a full choice."""
+    return np.array([int(np.searchsorted(red.alive[k], choice[i])) for k, i in enumerate(red.core_nodes)],
+                    dtype=np.int64)
+
+
+def _far(seconds: float = 30.0) -> float:
+    return time.perf_counter() + seconds

@@ -4,7 +4,7 @@ Each worker is a fresh interpreter (``python -m autoshard.solver.worker``), not 
 fork: the planner's process has JAX loaded, and forking after JAX starts its
 threads is unsafe; a fresh interpreter also never re-runs the caller's main
 script, as ``multiprocessing``'s spawn would. The solver is JAX-free, so a
-worker imports only numpy and scipy.
+worker imports only numpy, scipy and pytoulbar2.
 
 Parent and workers talk over the workers' stdin and stdout in length-prefixed
 pickles. The parent sends the job (the core, its memory rows, the deadline, a

@@ -230,12 +230,18 @@ def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: i
         return deadline - time.perf_counter() > _MIN_ATTEMPT
 
     bracket_and_bisect(uniform, time_left, start, _START_STEP, _BISECT_TOL)
-    if "state" not in over or "fit" not in over:
-        return best
-    # local prices: the fitting price where the overflowing answers overflowed, lower elsewhere
-    low, high = over["e"], over["fit"]
+    if "state" in over and "fit" in over:
+        _local_prices(rows, over["state"], base=base, low=over["e"], high=over["fit"], attempt=attempt,
+                      time_left=time_left)
+    return best
+
+
+def _local_prices(rows: MemoryRows, state: CoreState, *, base: float, low: float, high: float, attempt,
+                  time_left) -> None:
+    """Price ``base * 2**high`` on the nodes live where ``state`` (and each later answer that overflows)
+    overflowed, ``base * 2**low`` elsewhere, lowered one doubling after each answer that fits; each price
+    vector goes to ``attempt(lam, what)`` while ``time_left()``."""
     raised = np.zeros(rows.num_points, dtype=bool)
-    state = over["state"]
     while time_left():
         raised |= state.usage - rows.cap > rows.tol
         count = np.concatenate([[0], np.cumsum(raised)])
@@ -243,9 +249,8 @@ def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: i
         found = attempt(np.where(hot, base * 2.0**high, base * 2.0**low),
                         f"local prices 2^{high:g} on {int(hot.sum())} nodes, 2^{low:g}")
         if found is None:
-            break
+            return
         if found.overflow() <= 0:
             low -= 1.0
         else:
             state = found
-    return best

@@ -27,8 +27,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+import autoshard.solver.cfn as cfn
 from autoshard.errors import InfeasibleError
-from autoshard.solver import cfn
 from autoshard.solver.bp import MinSumBP, trivial_bound
 from autoshard.solver.forest import ForestSearch, forest_ils
 from autoshard.solver.lns import WindowSearch

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import jax
@@ -72,3 +73,11 @@ def check_report_surface(plan, executable, tmp_path):
     if importlib.util.find_spec("matplotlib") is not None:
         fig = plan.visualize(tmp_path / "pipeline.png", dpi=40)
         assert (tmp_path / "pipeline.png").read_bytes().startswith(b"\x89PNG") and fig.axes
+
+
+def with_binding_limit(problem, fraction: float):
+    """``problem`` (a ``ShardingProblem`` with memory and no limit) with a memory limit ``fraction`` of the
+    way from the peak of every node's least-memory strategy to the peak of every node's cheapest one."""
+    low = problem.peak_memory([int(np.argmin(m)) for m in problem.node_memory])
+    high = problem.peak_memory([int(np.argmin(c)) for c in problem.node_costs])
+    return dataclasses.replace(problem, memory_limit=low + fraction * (high - low))

@@ -23,6 +23,7 @@ from autoshard.solver.local import CoreState, FlatCosts  # noqa: E402
 from autoshard.solver.memory import memory_rows  # noqa: E402
 from autoshard.solver.penalty import soften, violations  # noqa: E402
 from autoshard.solver.reduce import Reduction, reduce_problem  # noqa: E402
+from tests.helpers import with_binding_limit  # noqa: E402
 
 
 def _core(seed: int, n: int, s: int, *, scale: float = 10.0, negative: bool = False, forbid: float = 0.0
@@ -123,10 +124,7 @@ def _memory_problem(seed: int, n: int = 14) -> ShardingProblem:
     intervals = np.stack([np.arange(n), np.arange(n) + rng.integers(2, 6, n)], axis=1)
     free = ShardingProblem(node_costs=costs, edges=np.array(edges), edge_costs=mats, node_memory=memory,
                            intervals=intervals)
-    low = free.peak_memory([int(np.argmin(m)) for m in memory])
-    high = free.peak_memory([int(np.argmin(c)) for c in costs])
-    return ShardingProblem(node_costs=costs, edges=np.array(edges), edge_costs=mats, node_memory=memory,
-                           intervals=intervals, memory_limit=low + 0.4 * (high - low))
+    return with_binding_limit(free, 0.4)
 
 
 def _core_choice(red: Reduction, choice: np.ndarray) -> np.ndarray:

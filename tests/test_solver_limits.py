@@ -19,6 +19,7 @@ import pytest
 from autoshard.solver import ShardingProblem, solve
 from autoshard.solver.iopddl import read_iopddl
 from autoshard.solver.parallel import MIN_PARALLEL_SECONDS
+from tests.helpers import with_binding_limit
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "iopddl"
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "solver"
@@ -37,10 +38,7 @@ def _mid_memory_problem(seed: int, n: int = 240) -> ShardingProblem:
     intervals = np.stack([starts, starts + rng.integers(5, 30, n)], axis=1)
     free = ShardingProblem(node_costs=costs, edges=np.array(edges), edge_costs=mats, node_memory=memory,
                            intervals=intervals)
-    low = free.peak_memory([int(np.argmin(m)) for m in memory])
-    high = free.peak_memory([int(np.argmin(c)) for c in costs])
-    return ShardingProblem(node_costs=costs, edges=np.array(edges), edge_costs=mats, node_memory=memory,
-                           intervals=intervals, memory_limit=low + 0.3 * (high - low))
+    return with_binding_limit(free, 0.3)
 
 
 def _widen(problem: ShardingProblem, seed: int) -> ShardingProblem:

@@ -36,9 +36,9 @@ import time
 
 import numpy as np
 
-from autoshard.solver.local import CoreState
+from autoshard.solver.local import CoreState, flat_costs
 from autoshard.solver.memory import MemoryRows
-from autoshard.solver.penalty import bracket_and_bisect, clear_forbidden, plain_scale, violations
+from autoshard.solver.penalty import bracket_and_bisect, fitted, plain_scale, violations
 from autoshard.solver.problem import ShardingProblem
 from autoshard.solver.reduce import Reduction, reduce_problem
 
@@ -128,12 +128,11 @@ def minimise(red: Reduction, deadline: float, *, seed: int = 0) -> CfnAnswer | N
         found = cfn.Solve(timeLimit=int(seconds))
     except cfn.Contradiction:
         found = None
-    bound = float(cfn.GetDDualBound()) / scale + offset
+    dual = float(cfn.GetDDualBound())
+    bound = dual / scale + offset
     if found is None:
         return CfnAnswer(None, bound, False)
-    choice = np.asarray(found[0], dtype=np.int64)
-    proven = float(found[1]) <= float(cfn.GetDDualBound())
-    return CfnAnswer(choice, bound, proven)
+    return CfnAnswer(np.asarray(found[0], dtype=np.int64), bound, float(found[1]) <= dual)
 
 
 def _hard_tables(red: Reduction) -> tuple[np.ndarray, ...]:
@@ -163,8 +162,7 @@ def free_bound(red: Reduction, deadline: float, *, seed: int = 0) -> float:
     found = minimise(sub, deadline, seed=seed)
     if found is None or found.choice is None or not np.isfinite(found.bound):
         return -np.inf
-    choice = sub.expand(found.choice, red.num_core)
-    constant = CoreState(red, None, choice).total_cost() - CoreState(sub, None, found.choice).total_cost()
+    constant = flat_costs(red).cost(sub.expand(found.choice, red.num_core)) - flat_costs(sub).cost(found.choice)
     return found.bound + constant
 
 
@@ -205,11 +203,9 @@ def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: i
         kept = state
         said = f"cost {state.total_cost():.6g}, overflow {state.overflow():.3g}"
         if state.overflow() > 0:
-            fixed = CoreState(red, rows, state.choice)
-            if fixed.repair(deadline):
-                kept = clear_forbidden(fixed, deadline, seed)
-            said += f", repaired: cost {kept.total_cost():.6g}"
-        if kept.overflow() <= 0 and not len(violations(kept)):
+            kept = fitted(state, deadline, seed)
+            said += f", repaired: {'none' if kept is None else f'cost {kept.total_cost():.6g}'}"
+        if kept is not None and not len(violations(kept)):
             if best is None or kept.total_cost() < best.total_cost():
                 best = kept
                 if post is not None:

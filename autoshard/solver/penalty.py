@@ -372,14 +372,22 @@ def repaired_start(state: CoreState, deadline: float, seed: int, log=None, *,
     the limit) this fitted at 1.12-1.18x within 13 s, where the memory-priced
     searches had no fit after 15 s.
     """
-    red, rows = state.red, state.rows
-    fixed = CoreState(red, rows, state.choice)
+    fixed = fitted(state, deadline, seed, log)
+    if fixed is None:
+        return None
+    return guarded_descent(fixed, deadline if improve_until is None else min(improve_until, deadline), seed, log)
+
+
+def fitted(state: CoreState, deadline: float, seed: int, log=None) -> CoreState | None:
+    """A copy of ``state`` made to fit by :meth:`CoreState.repair` and cleared of the forbidden pairs its moves
+    took (:func:`clear_forbidden`); None when it does not fit free of them by ``deadline``."""
+    fixed = CoreState(state.red, state.rows, state.choice)
     if not fixed.repair(deadline):
         return None
     fixed = clear_forbidden(fixed, deadline, seed, log)
     if len(violations(fixed)) or fixed.overflow() > 0:
         return None
-    return guarded_descent(fixed, deadline if improve_until is None else min(improve_until, deadline), seed, log)
+    return fixed
 
 
 def lagrangian_descent(

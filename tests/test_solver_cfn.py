@@ -135,3 +135,17 @@ def _core_choice(red: Reduction, choice: np.ndarray) -> np.ndarray:
 
 def _far(seconds: float = 30.0) -> float:
     return time.perf_counter() + seconds
+
+
+def test_penalty_bisection_runs_on_to_give_up_while_nothing_fits():
+    """With its own share spent before it starts, the bisection still searches until ``give_up`` for a fit."""
+    problem = _memory_problem(8, n=30)
+    red = reduce_problem(problem, with_memory=True)
+    rows = memory_rows(problem.intervals, problem.memory_limit, red.core_nodes, red.base_usage, True)
+    soft = soften(red)
+    now = time.perf_counter()
+    assert cfn.penalty_bisection(soft, rows, now, 0, log=lambda _: None) is None
+    stats: dict = {}
+    best = cfn.penalty_bisection(soft, rows, now, 0, log=lambda _: None, give_up=_far(8.0), stats=stats)
+    assert best is not None and best.overflow() <= 0 and not len(violations(best))
+    assert stats["cfn_attempts"] >= 1

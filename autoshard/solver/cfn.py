@@ -167,7 +167,8 @@ def free_bound(red: Reduction, deadline: float, *, seed: int = 0) -> float:
 
 
 def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: int, *, log, post=None,
-                      start: float = _START_EXPONENT, stats: dict | None = None) -> CoreState | None:
+                      start: float = _START_EXPONENT, stats: dict | None = None, give_up: float | None = None
+                      ) -> CoreState | None:
     """The cheapest fitting choice from toulbar2's answers under memory prices; None if none fits.
 
     ``red`` is the :func:`~autoshard.solver.penalty.soften`-ed core. One price
@@ -180,7 +181,10 @@ def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: i
     where it binds). An answer that overflows is repaired and cleared of the
     forbidden pairs the repair took, and kept when it then fits. ``post(state)``
     is called with each new best fit; ``stats["cfn_attempts"]`` counts the
-    toulbar2 solves.
+    toulbar2 solves. While nothing fits, attempts may run on to ``give_up``
+    (when later than ``deadline``): on contest A at a 15 s limit the first
+    price (1.004x the best known) needs 8 s of toulbar2, and the bisection's
+    share of a worker that started late left it 7.
     """
     stats = {} if stats is None else stats
     base = plain_scale(red)
@@ -192,7 +196,8 @@ def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: i
         it fits."""
         nonlocal best
         t0 = time.perf_counter()
-        until = min(deadline, t0 + max(_ATTEMPT_SHARE * (deadline - t0), _FULL_ATTEMPT))
+        end = latest()
+        until = min(end, t0 + max(_ATTEMPT_SHARE * (end - t0), _FULL_ATTEMPT))
         sub = penalised_core(red, lam, until)
         found = minimise(sub, until, seed=seed)
         stats["cfn_attempts"] = stats.get("cfn_attempts", 0) + 1
@@ -222,8 +227,11 @@ def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: i
             over["fit"] = min(e, over.get("fit", np.inf))
         return fits
 
+    def latest() -> float:
+        return deadline if best is not None or give_up is None else max(deadline, give_up)
+
     def time_left() -> bool:
-        return deadline - time.perf_counter() > _MIN_ATTEMPT
+        return latest() - time.perf_counter() > _MIN_ATTEMPT
 
     bracket_and_bisect(uniform, time_left, start, _START_STEP, _BISECT_TOL)
     if "state" in over and "fit" in over:

@@ -156,6 +156,8 @@ _CFN_SHARE = 0.75
 # the forest descent and windows (belief propagation's does when toulbar2 is missing or found none).
 _CFN_FREE_SHARE = 0.5
 _CFN_SHARE_ALONE = 0.4
+# ... or up to this share while none of its answers fits.
+_CFN_GIVE_UP = 0.9
 # ... then toulbar2's lower bound with memory ignored gets this share of the time, at most these seconds.
 _CFN_BOUND_SHARE = 0.15
 _CFN_BOUND_SECONDS = 30.0
@@ -719,8 +721,9 @@ def _large_start(s: Search, state: CoreState, start_time: float, bp: MinSumBP | 
     if priced:
         now = time.perf_counter()
         share = _CFN_SHARE if s.variant is not None else _CFN_SHARE_ALONE
-        cands.append(cfn.penalty_bisection(red, rows, now + share * max(deadline - _MARGIN - now, 0.0), seed,
-                                           log=log, post=lambda st: _post(s, st), stats=s.stats))
+        rest = max(deadline - _MARGIN - now, 0.0)
+        cands.append(cfn.penalty_bisection(red, rows, now + share * rest, seed, log=log, post=lambda st: _post(s, st),
+                                           stats=s.stats, give_up=now + _CFN_GIVE_UP * rest))
         _cfn_bound(s, start_time)
     if huge and (not priced or s.variant is None):
         rest = deadline - time.perf_counter()

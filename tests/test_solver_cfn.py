@@ -6,6 +6,7 @@ never asserted on the test's clock.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -21,7 +22,7 @@ from autoshard.solver import (  # noqa: E402
 )
 from autoshard.solver.local import CoreState, FlatCosts  # noqa: E402
 from autoshard.solver.memory import memory_rows  # noqa: E402
-from autoshard.solver.penalty import soften, violations  # noqa: E402
+from autoshard.solver.penalty import plain_scale, soften, violations  # noqa: E402
 from autoshard.solver.reduce import Reduction, reduce_problem  # noqa: E402
 from tests.helpers import with_binding_limit  # noqa: E402
 
@@ -149,3 +150,66 @@ def test_penalty_bisection_runs_on_to_give_up_while_nothing_fits():
     best = cfn.penalty_bisection(soft, rows, now, 0, log=lambda _: None, give_up=_far(8.0), stats=stats)
     assert best is not None and best.overflow() <= 0 and not len(violations(best))
     assert stats["cfn_attempts"] >= 1
+
+
+def test_bisection_takes_quick_attempts_past_its_deadline():
+    """While its attempts are quick, the bracket and bisection run on to ``give_up`` after a first fit (without
+    that, they stop at the first fit once the deadline has passed)."""
+    problem = _memory_problem(8, n=30)
+    red = reduce_problem(problem, with_memory=True)
+    rows = memory_rows(problem.intervals, problem.memory_limit, red.core_nodes, red.base_usage, True)
+    soft = soften(red)
+    runs = {}
+    for quick in (0.1, 0.0):
+        stats: dict = {}
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cfn, "_QUICK_ATTEMPT", quick)
+            best = cfn.penalty_bisection(soft, rows, time.perf_counter(), 0, log=lambda _: None, give_up=_far(30.0),
+                                         stats=stats)
+        assert best is not None and best.overflow() <= 0
+        runs[quick] = (stats["cfn_attempts"], best.total_cost())
+    assert runs[0.0][0] == 1 < runs[0.1][0]
+    assert runs[0.1][1] <= runs[0.0][1]
+
+
+def test_local_prices_stop_when_the_prices_repeat():
+    """An answer that overflows where the last one did gives the same prices again: the search ends there
+    rather than asking toulbar2 the same question until time runs out."""
+    problem = _memory_problem(8, n=30)
+    red = reduce_problem(problem, with_memory=True)
+    rows = memory_rows(problem.intervals, problem.memory_limit, red.core_nodes, red.base_usage, True)
+    over = CoreState(red, rows, np.zeros(red.num_core, dtype=np.int64))
+    over.usage = rows.cap + 1.0  # every point over
+    asked = []
+
+    def attempt(lam, what):
+        asked.append(np.array(lam))
+        assert len(asked) < 5, "the same prices were asked again"
+        return over
+
+    cfn.local_prices(rows, over, base=1.0, low=0.0, high=4.0, attempt=attempt, time_left=lambda: True)
+    assert len(asked) == 1
+
+
+@pytest.mark.parametrize("unit", [1.0, 2.0**-30])
+def test_start_exponent_is_near_the_fitting_price_in_any_units(unit):
+    """The bisection's first price follows the costs' units (seconds in the planner, integers in the contest):
+    it is within a few doublings of the least price whose answer fits, where a fixed exponent is not."""
+    base_problem = _memory_problem(9, n=24)
+    problem = dataclasses.replace(base_problem, node_costs=[c * unit for c in base_problem.node_costs],
+                                  edge_costs=[m * unit for m in base_problem.edge_costs])
+    red = reduce_problem(problem, with_memory=True)
+    rows = memory_rows(problem.intervals, problem.memory_limit, red.core_nodes, red.base_usage, True)
+    soft = soften(red)
+    base = plain_scale(soft)
+
+    def fits(e: int) -> bool:
+        sub = cfn.penalised_core(soft, base * 2.0**e)
+        found = cfn.minimise(sub, _far())
+        return CoreState(soft, rows, sub.expand(found.choice, soft.num_core)).overflow() <= 0
+
+    fit = next(e for e in range(-80, 80) if fits(e))
+    start = cfn.start_exponent(soft, rows)
+    assert abs(start - fit) <= 6
+    if unit != 1.0:
+        assert abs(12 - fit) > 6  # the fixed start the bisection had (fit for the contest cores)

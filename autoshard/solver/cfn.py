@@ -36,7 +36,7 @@ import time
 
 import numpy as np
 
-from autoshard.solver.local import CoreState, flat_costs
+from autoshard.solver.local import CoreState, flat_costs, min_memory_choice
 from autoshard.solver.memory import MemoryRows
 from autoshard.solver.penalty import bracket_and_bisect, fitted, plain_scale, violations
 from autoshard.solver.problem import ShardingProblem
@@ -48,18 +48,31 @@ _CELL_BITS = 40
 _TOTAL_COST = 2.0**58
 # toulbar2 takes whole seconds; a solve is not started with less than this left.
 _MIN_SECONDS = 1.0
-# The bisection: first exponent of the uniform price (times the plain cost/usage
-# scale), first step, and the step at which it stops. The contest cores fit from
-# 2**12 (A) and 2**16 (M) and overflow a little below.
+# The bisection: its first exponent (of the uniform price, times the plain cost/usage scale) is the
+# _SLOPE_QUANTILE of the nodes' trade prices at the least-memory choice (:func:`start_exponent`), or
+# _START_EXPONENT where no node trades; then its first step, and the step at which it stops. The contest
+# cores fit from 2**12 (A) and 2**16 (M), the planner's GPT cores under a budget from 2**-22, and each
+# overflows a little below; the quantile's exponent was within 4 of the fitting one on all eight.
+_SLOPE_QUANTILE = 0.25
 _START_EXPONENT = 12.0
 _START_STEP = 4.0
 _BISECT_TOL = 1.0
-# One attempt gets this share of the time left, or _FULL_ATTEMPT seconds when that is more; none starts
-# with less than _MIN_ATTEMPT seconds left (toulbar2's preprocessing alone took 3-7 s on the contest
-# cores, and an attempt stopped before it ends returns nothing).
+# One attempt gets this share of the time left, or _FULL_ATTEMPT seconds when that is more. The next one
+# starts only with _NEXT_ATTEMPT times the median attempt so far left (at least _MIN_SECONDS), and with
+# twice an attempt's time after one that found nothing: toulbar2's preprocessing alone took 3-7 s on the
+# contest cores, and an attempt stopped before it ends returns nothing; on the planner's cores each
+# attempt took 0.2-0.4 s, and a fixed 4 s minimum left none at a 5 s limit.
 _ATTEMPT_SHARE = 0.35
 _FULL_ATTEMPT = 10.0
-_MIN_ATTEMPT = 4.0
+_NEXT_ATTEMPT = 1.25
+# While the median attempt has taken at most this share of the time to ``give_up``, the bracket and bisection
+# may run on to ``give_up``: on the planner's cores under a budget at a 5 s limit the bisection needs ten
+# 0.3 s attempts (from 2^12 to 2^-22) and gave 1.006x the 30 s answer, where the other searches gave 1.42x.
+_QUICK_ATTEMPT = 0.1
+# Meanwhile an attempt gets at most this many times the median attempt (at least toulbar2's second after the
+# reduction): there the price 2^-48 (memory nearly free) took toulbar2 2.3 s, unproven, and left no time
+# for the bisection.
+_QUICK_CAP = 4.0
 
 
 def available() -> bool:
@@ -166,60 +179,57 @@ def free_bound(red: Reduction, deadline: float, *, seed: int = 0) -> float:
     return found.bound + constant
 
 
+def start_exponent(red: Reduction, rows: MemoryRows) -> float:
+    """Where to start the bisection: the exponent (over ``plain_scale(red)``) of a typical price at which a node
+    would trade memory for cost, rounded down.
+
+    At the least-memory choice, each node's trade price is the most that one of its strategies saves in local
+    cost (its neighbours fixed) per byte it adds; the start is the ``_SLOPE_QUANTILE`` of those prices.
+    Unlike a fixed exponent this follows the units of the costs and usages (seconds and bytes in the
+    planner's problems, integers in the contest's).
+    """
+    state = CoreState(red, rows, min_memory_choice(red))
+    prices = []
+    for k in np.flatnonzero(state.mem_nodes):
+        local, mem, cur = state.local_cost(k), red.node_memory[k], state.choice[k]
+        gain, extra = local[cur] - local, mem - mem[cur]
+        trade = (extra > 0) & (gain > 0) & np.isfinite(gain)
+        if trade.any():
+            prices.append(float((gain[trade] / extra[trade]).max()))
+    if not prices:
+        return _START_EXPONENT
+    return float(math.floor(math.log2(np.quantile(prices, _SLOPE_QUANTILE) / plain_scale(red))))
+
+
 def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: int, *, log, post=None,
-                      start: float = _START_EXPONENT, stats: dict | None = None, give_up: float | None = None
+                      start: float | None = None, stats: dict | None = None, give_up: float | None = None
                       ) -> CoreState | None:
     """The cheapest fitting choice from toulbar2's answers under memory prices; None if none fits.
 
     ``red`` is the :func:`~autoshard.solver.penalty.soften`-ed core. One price
-    ``plain_scale(red) * 2**e`` for every node starts at ``e = start``, steps
-    out in doubling steps until one answer fits and one does not, then bisects
-    to ``_BISECT_TOL``. Then the prices go local: nodes live at a point where
-    the last overflowing answer overflowed pay the fitting price, the others the
-    overflowing one; each answer that still overflows adds its points, and each
-    that fits lowers the others' price one doubling (memory is priced high only
-    where it binds). An answer that overflows is repaired and cleared of the
-    forbidden pairs the repair took, and kept when it then fits. ``post(state)``
-    is called with each new best fit; ``stats["cfn_attempts"]`` counts the
-    toulbar2 solves. While nothing fits, attempts may run on to ``give_up``
-    (when later than ``deadline``): on contest A at a 15 s limit the first
-    price (1.004x the best known) needs 8 s of toulbar2, and the bisection's
-    share of a worker that started late left it 7.
+    ``plain_scale(red) * 2**e`` for every node starts at ``e = start``
+    (:func:`start_exponent` when None), steps out in doubling steps until one
+    answer fits and one does not, then bisects to ``_BISECT_TOL``. Then the
+    prices go local: nodes live at a point where the last overflowing answer
+    overflowed pay the fitting price, the others the overflowing one; each
+    answer that still overflows adds its points, and each that fits lowers the
+    others' price one doubling (memory is priced high only where it binds). An
+    answer that overflows is repaired and cleared of the forbidden pairs the
+    repair took, and kept when it then fits. ``post(state)`` is called with
+    each new best fit; ``stats["cfn_attempts"]`` counts the toulbar2 solves.
+    While nothing fits, or while the bracket and bisection go on with quick
+    attempts (``_QUICK_ATTEMPT``), attempts may run on to ``give_up`` (when
+    later than ``deadline``): on contest A at a 15 s limit the first price
+    (1.004x the best known) needs 8 s of toulbar2, and the bisection's share
+    of a worker that started late left it 7.
     """
-    stats = {} if stats is None else stats
+    run = _PricedAttempts(red, rows, deadline, give_up, seed=seed, log=log, post=post,
+                          stats={} if stats is None else stats)
     base = plain_scale(red)
-    best: CoreState | None = None
     over: dict = {}  # the highest overflowing exponent's answer
 
-    def attempt(lam, what: str) -> CoreState | None:
-        """The answer under prices ``lam`` (None when toulbar2 found none in time); keeps it, or its repair, when
-        it fits."""
-        nonlocal best
-        t0 = time.perf_counter()
-        end = latest()
-        until = min(end, t0 + max(_ATTEMPT_SHARE * (end - t0), _FULL_ATTEMPT))
-        sub = penalised_core(red, lam, until)
-        found = minimise(sub, until, seed=seed)
-        stats["cfn_attempts"] = stats.get("cfn_attempts", 0) + 1
-        if found is None or found.choice is None:
-            log(f"cfn {what}: no answer in time ({time.perf_counter() - t0:.1f}s)")
-            return None
-        state = CoreState(red, rows, sub.expand(found.choice, red.num_core))
-        kept = state
-        said = f"cost {state.total_cost():.6g}, overflow {state.overflow():.3g}"
-        if state.overflow() > 0:
-            kept = fitted(state, deadline, seed)
-            said += f", repaired: {'none' if kept is None else f'cost {kept.total_cost():.6g}'}"
-        if kept is not None and not len(violations(kept)):
-            if best is None or kept.total_cost() < best.total_cost():
-                best = kept
-                if post is not None:
-                    post(best)
-        log(f"cfn {what}: {said}{' (proven)' if found.proven else ''} ({time.perf_counter() - t0:.1f}s)")
-        return state
-
     def uniform(e: float) -> bool:
-        state = attempt(base * 2.0**e, f"penalty 2^{e:g}")
+        state = run.attempt(base * 2.0**e, f"penalty 2^{e:g}")
         fits = state is not None and state.overflow() <= 0
         if state is not None and not fits and e > over.get("e", -np.inf):
             over.update(e=e, state=state)
@@ -227,31 +237,90 @@ def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: i
             over["fit"] = min(e, over.get("fit", np.inf))
         return fits
 
-    def latest() -> float:
-        return deadline if best is not None or give_up is None else max(deadline, give_up)
-
-    def time_left() -> bool:
-        return latest() - time.perf_counter() > _MIN_ATTEMPT
-
-    bracket_and_bisect(uniform, time_left, start, _START_STEP, _BISECT_TOL)
+    start = start_exponent(red, rows) if start is None else start
+    log(f"cfn penalty: starting at 2^{start:g}")
+    bracket_and_bisect(uniform, run.time_left, start, _START_STEP, _BISECT_TOL)
+    run.bisecting = False
     if "state" in over and "fit" in over:
-        _local_prices(rows, over["state"], base=base, low=over["e"], high=over["fit"], attempt=attempt,
-                      time_left=time_left)
-    return best
+        local_prices(rows, over["state"], base=base, low=over["e"], high=over["fit"], attempt=run.attempt,
+                      time_left=run.time_left)
+    return run.best
 
 
-def _local_prices(rows: MemoryRows, state: CoreState, *, base: float, low: float, high: float, attempt,
+class _PricedAttempts:
+    """toulbar2's answers under memory prices, the best fit among them, and the time each may take."""
+
+    def __init__(self, red: Reduction, rows: MemoryRows, deadline: float, give_up: float | None, *, seed: int,
+                 log, post, stats: dict):
+        self.red, self.rows, self.deadline, self.give_up = red, rows, deadline, give_up
+        self.seed, self.log, self.post, self.stats = seed, log, post, stats
+        self.best: CoreState | None = None
+        self.began = time.perf_counter()
+        self.took: list[float] = []  # the seconds of each attempt that answered
+        self.need = _MIN_SECONDS  # the least time left to start an attempt with
+        self.bisecting = True
+
+    def quick(self) -> bool:
+        """Whether the bracket and bisection go on with quick attempts (they may then run on to ``give_up``)."""
+        return (self.give_up is not None and self.bisecting and len(self.took) > 0
+                and np.median(self.took) <= _QUICK_ATTEMPT * (self.give_up - self.began))
+
+    def latest(self) -> float:
+        if self.give_up is None:
+            return self.deadline
+        return max(self.deadline, self.give_up) if self.best is None or self.quick() else self.deadline
+
+    def time_left(self) -> bool:
+        return self.latest() - time.perf_counter() > self.need
+
+    def attempt(self, lam, what: str) -> CoreState | None:
+        """The answer under prices ``lam`` (None when toulbar2 found none in time); keeps it, or its repair, when
+        it fits."""
+        t0 = time.perf_counter()
+        end = self.latest()
+        until = min(end, t0 + max(_ATTEMPT_SHARE * (end - t0), _FULL_ATTEMPT))
+        if self.quick():  # a slow price among quick ones (memory nearly free) is cut short; it only brackets
+            until = min(until, t0 + max(2.0 * _MIN_SECONDS, _QUICK_CAP * float(np.median(self.took))))
+        sub = penalised_core(self.red, lam, until)
+        found = minimise(sub, until, seed=self.seed)
+        self.stats["cfn_attempts"] = self.stats.get("cfn_attempts", 0) + 1
+        if found is None or found.choice is None:
+            self.need = max(self.need, 2.0 * (until - t0))
+            self.log(f"cfn {what}: no answer in time ({time.perf_counter() - t0:.1f}s)")
+            return None
+        self.took.append(time.perf_counter() - t0)
+        self.need = max(self.need, _NEXT_ATTEMPT * float(np.median(self.took)))
+        state = CoreState(self.red, self.rows, sub.expand(found.choice, self.red.num_core))
+        kept = state
+        said = f"cost {state.total_cost():.6g}, overflow {state.overflow():.3g}"
+        if state.overflow() > 0:
+            kept = fitted(state, end, self.seed)
+            said += f", repaired: {'none' if kept is None else f'cost {kept.total_cost():.6g}'}"
+        if kept is not None and not len(violations(kept)) and (
+                self.best is None or kept.total_cost() < self.best.total_cost()):
+            self.best = kept
+            if self.post is not None:
+                self.post(kept)
+        self.log(f"cfn {what}: {said}{' (proven)' if found.proven else ''} ({time.perf_counter() - t0:.1f}s)")
+        return state
+
+
+def local_prices(rows: MemoryRows, state: CoreState, *, base: float, low: float, high: float, attempt,
                   time_left) -> None:
     """Price ``base * 2**high`` on the nodes live where ``state`` (and each later answer that overflows)
     overflowed, ``base * 2**low`` elsewhere, lowered one doubling after each answer that fits; each price
     vector goes to ``attempt(lam, what)`` while ``time_left()``."""
     raised = np.zeros(rows.num_points, dtype=bool)
+    last = None
     while time_left():
         raised |= state.usage - rows.cap > rows.tol
         count = np.concatenate([[0], np.cumsum(raised)])
         hot = count[rows.hi] > count[rows.lo]
-        found = attempt(np.where(hot, base * 2.0**high, base * 2.0**low),
-                        f"local prices 2^{high:g} on {int(hot.sum())} nodes, 2^{low:g}")
+        lam = np.where(hot, base * 2.0**high, base * 2.0**low)
+        if last is not None and np.array_equal(lam, last):
+            return  # the same prices again: toulbar2 would give the same answer
+        last = lam
+        found = attempt(lam, f"local prices 2^{high:g} on {int(hot.sum())} nodes, 2^{low:g}")
         if found is None:
             return
         if found.overflow() <= 0:

@@ -159,7 +159,7 @@ _CFN_SHARE_ALONE = 0.4
 # ... or up to this share while none of its answers fits.
 _CFN_GIVE_UP = 0.9
 # ... then toulbar2's lower bound with memory ignored gets this share of the time, at most these seconds.
-_CFN_BOUND_SHARE = 0.15
+_CFN_BOUND_SHARE = 0.2
 _CFN_BOUND_SECONDS = 30.0
 _LAGRANGE_AFTER_CFN = 0.3
 

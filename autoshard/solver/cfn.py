@@ -58,17 +58,21 @@ _START_EXPONENT = 12.0
 _START_STEP = 4.0
 _BISECT_TOL = 1.0
 # One attempt gets this share of the time left, or _FULL_ATTEMPT seconds when that is more. The next one
-# starts only with _NEXT_ATTEMPT times the median attempt so far left (at least _MIN_SECONDS), and with
-# twice an attempt's time after one that found nothing: toulbar2's preprocessing alone took 3-7 s on the
-# contest cores, and an attempt stopped before it ends returns nothing; on the planner's cores each
-# attempt took 0.2-0.4 s, and a fixed 4 s minimum left none at a 5 s limit.
+# starts only with _NEXT_ATTEMPT times the median attempt so far left (at least _FIRST_ATTEMPT: toulbar2's
+# whole second after the core is reduced again), and with twice an attempt's time after one that found
+# nothing: toulbar2's preprocessing alone took 3-7 s on the contest cores, and an attempt stopped before
+# it ends returns nothing; on the planner's cores each attempt took 0.2-0.7 s, and a fixed 4 s minimum
+# left none at a 5 s limit.
 _ATTEMPT_SHARE = 0.35
 _FULL_ATTEMPT = 10.0
 _NEXT_ATTEMPT = 1.25
+_FIRST_ATTEMPT = 1.5
 # While the median attempt has taken at most this share of the time to ``give_up``, the bracket and bisection
-# may run on to ``give_up``: on the planner's cores under a budget at a 5 s limit the bisection needs ten
-# 0.3 s attempts (from 2^12 to 2^-22) and gave 1.006x the 30 s answer, where the other searches gave 1.42x.
-_QUICK_ATTEMPT = 0.1
+# may run on to ``give_up``: on the planner's cores under a budget at a 5 s limit the bisection needed ten
+# 0.3 s attempts (from 2^12 to 2^-22) and gave 1.006x the 30 s answer, where the other searches gave 1.42x;
+# at 0.1, GPT-6.7B (8, 8)'s 0.5 s attempts were not quick in one process at 5 s (1.16x, against 1.0005x
+# one attempt later).
+_QUICK_ATTEMPT = 0.2
 # Meanwhile an attempt gets at most this many times the median attempt (at least toulbar2's second after the
 # reduction): there the price 2^-48 (memory nearly free) took toulbar2 2.3 s, unproven, and left no time
 # for the bisection.
@@ -257,7 +261,7 @@ class _PricedAttempts:
         self.best: CoreState | None = None
         self.began = time.perf_counter()
         self.took: list[float] = []  # the seconds of each attempt that answered
-        self.need = _MIN_SECONDS  # the least time left to start an attempt with
+        self.need = _FIRST_ATTEMPT  # the least time left to start an attempt with
         self.bisecting = True
 
     def quick(self) -> bool:

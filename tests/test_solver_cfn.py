@@ -172,6 +172,32 @@ def test_bisection_takes_quick_attempts_past_its_deadline():
     assert runs[0.1][1] <= runs[0.0][1]
 
 
+@pytest.mark.parametrize("proven", [True, False])
+def test_attempts_after_an_unproven_answer_are_shorter(monkeypatch, proven):
+    """toulbar2 often finds its answer early and spends the rest of an attempt failing to prove it: after an
+    unproven answer the next attempt gets at most half its time (at least 2 s); proven answers leave the
+    attempts their share. The time each attempt was granted is read off the deadline it was given."""
+    problem = _memory_problem(8, n=30)
+    red = reduce_problem(problem, with_memory=True)
+    rows = memory_rows(problem.intervals, problem.memory_limit, red.core_nodes, red.base_usage, True)
+    granted = []
+    real = cfn.minimise
+
+    def minimise(sub, deadline, *, seed=0):
+        granted.append(deadline - time.perf_counter())
+        found = real(sub, deadline, seed=seed)
+        return found if proven or found is None else dataclasses.replace(found, proven=False)
+
+    monkeypatch.setattr("autoshard.solver.cfn.minimise", minimise)
+    best = cfn.penalty_bisection(soften(red), rows, _far(60.0), 0, log=lambda _: None)
+    assert best is not None and best.overflow() <= 0
+    assert len(granted) >= 3 and granted[0] > 10.0
+    if proven:
+        assert min(granted) > 10.0
+    else:
+        assert max(granted[1:]) <= 2.0
+
+
 def test_local_prices_stop_when_the_prices_repeat():
     """An answer that overflows where the last one did gives the same prices again: the search ends there
     rather than asking toulbar2 the same question until time runs out."""

@@ -75,10 +75,17 @@ _FIRST_ATTEMPT = 1.5
 # at 0.1, GPT-6.7B (8, 8)'s 0.5 s attempts were not quick in one process at 5 s (1.16x, against 1.0005x
 # one attempt later).
 _QUICK_ATTEMPT = 0.2
-# Meanwhile an attempt gets at most this many times the median attempt (at least toulbar2's second after the
-# reduction): there the price 2^-48 (memory nearly free) took toulbar2 2.3 s, unproven, and left no time
-# for the bisection.
+# Meanwhile an attempt gets at most this many times the median attempt (at least _SHORT_ATTEMPT): there the
+# price 2^-48 (memory nearly free) took toulbar2 2.3 s, unproven, and left no time for the bisection.
 _QUICK_CAP = 4.0
+# The least time an attempt is cut to: toulbar2's whole second after the core is reduced again.
+_SHORT_ATTEMPT = 2.0
+# After an attempt that answered unproven, the next gets at most this share of its time (at least
+# _SHORT_ATTEMPT): toulbar2 finds its answer early and spends the rest failing to prove it. On the planner's
+# GPT-6.7B (2, 4) core under a budget, the answer at 2^-22 came 1.4 s into a 9 s attempt, and a 4 s attempt
+# gave the same; the first attempt took 9.3 s of the bisection's 21 s and left no second one (30 s:
+# 1.157x the best long run, against 0.99x with the cap). After one that found nothing, twice its time again.
+_UNPROVEN_SHARE = 0.5
 
 
 def available() -> bool:
@@ -264,6 +271,7 @@ class _PricedAttempts:
         self.began = time.perf_counter()
         self.took: list[float] = []  # the seconds of each attempt that answered
         self.need = _FIRST_ATTEMPT  # the least time left to start an attempt with
+        self.cap = np.inf  # the most time the next attempt may take
         self.bisecting = True
 
     def quick(self) -> bool:
@@ -284,18 +292,22 @@ class _PricedAttempts:
         it fits."""
         t0 = time.perf_counter()
         end = self.latest()
-        until = min(end, t0 + max(_ATTEMPT_SHARE * (end - t0), _FULL_ATTEMPT))
+        until = min(end, t0 + max(_ATTEMPT_SHARE * (end - t0), _FULL_ATTEMPT), t0 + self.cap)
         if self.quick():  # a slow price among quick ones (memory nearly free) is cut short; it only brackets
-            until = min(until, t0 + max(2.0 * _MIN_SECONDS, _QUICK_CAP * float(np.median(self.took))))
+            until = min(until, t0 + max(_SHORT_ATTEMPT, _QUICK_CAP * float(np.median(self.took))))
         sub = penalised_core(self.red, lam, until)
         found = minimise(sub, until, seed=self.seed)
         self.stats["cfn_attempts"] = self.stats.get("cfn_attempts", 0) + 1
         if found is None or found.choice is None:
             self.need = max(self.need, 2.0 * (until - t0))
+            self.cap = max(self.cap, self.need)
             self.log(f"cfn {what}: no answer in time ({time.perf_counter() - t0:.1f}s)")
             return None
         self.took.append(time.perf_counter() - t0)
         self.need = max(self.need, _NEXT_ATTEMPT * float(np.median(self.took)))
+        if not found.proven:
+            self.cap = max(_UNPROVEN_SHARE * self.took[-1], _SHORT_ATTEMPT)
+            self.need = max(_FIRST_ATTEMPT, min(self.need, _NEXT_ATTEMPT * self.cap))
         state = CoreState(self.red, self.rows, sub.expand(found.choice, self.red.num_core))
         kept = state
         said = f"cost {state.total_cost():.6g}, overflow {state.overflow():.3g}"

@@ -198,6 +198,33 @@ def test_attempts_after_an_unproven_answer_are_shorter(monkeypatch, proven):
         assert max(granted[1:]) <= 2.0
 
 
+@pytest.mark.parametrize("probe", [True, False])
+def test_a_short_window_starts_with_a_short_attempt(monkeypatch, probe):
+    """With ``probe`` and less than one full attempt's time to ``give_up`` (the planner's budget solves in one
+    process), the first attempt starts with a short one; when that finds nothing, the rest of the attempt goes
+    to the same priced core. Without ``probe`` the first attempt has the whole window (here it finds nothing). Times are the deadlines
+    given."""
+    problem = _memory_problem(8, n=30)
+    red = reduce_problem(problem, with_memory=True)
+    rows = memory_rows(problem.intervals, problem.memory_limit, red.core_nodes, red.base_usage, True)
+    granted, cores = [], []
+    real = cfn.minimise
+
+    def minimise(sub, deadline, *, seed=0):
+        granted.append(deadline - time.perf_counter())
+        cores.append(sub)
+        return None if len(granted) == 1 else real(sub, deadline, seed=seed)
+
+    monkeypatch.setattr("autoshard.solver.cfn.minimise", minimise)
+    best = cfn.penalty_bisection(soften(red), rows, time.perf_counter(), 0, log=lambda _: None, give_up=_far(6.0),
+                                 probe=probe)
+    if probe:
+        assert best is not None and best.overflow() <= 0
+        assert granted[0] <= 0.35 * 6.0 and granted[1] > 3.0 and cores[1] is cores[0]
+    else:
+        assert best is None and len(granted) == 1 and granted[0] > 3.0
+
+
 def test_local_prices_stop_when_the_prices_repeat():
     """An answer that overflows where the last one did gives the same prices again: the search ends there
     rather than asking toulbar2 the same question until time runs out."""

@@ -85,6 +85,13 @@ _SHORT_ATTEMPT = 2.0
 # GPT-6.7B (2, 4) core under a budget, the answer at 2^-22 came 1.4 s into a 9 s attempt, and a 4 s attempt
 # gave the same; the first attempt took 9.3 s of the bisection's 21 s and left no second one (30 s:
 # 1.157x the best long run, against 0.99x with the cap). After one that found nothing, twice its time again.
+# With ``probe`` and less than _FULL_ATTEMPT to its end, the first attempt starts with a short one (at most
+# _ATTEMPT_SHARE of its time, at least _SHORT_ATTEMPT), then, when that found nothing, takes the rest at the
+# same price. In one process at 5 s the first attempt took all of the bisection's time on the planner's
+# cores, whose answers come in under a second (GPT-6.7B (2, 4) under a budget: 1.23x the best, 1.08x with
+# the probe; MoE 1.07x, 1.01x). It is not for the parallel workers: contest A's cores answer only after 8 s
+# of toulbar2's preprocessing, and at a quarter of A's limit its worker has 9.6 s, one full attempt (1.0038x
+# the best known; 1.12x when a probe took 3 s of it).
 _UNPROVEN_SHARE = 0.5
 
 
@@ -215,8 +222,8 @@ def start_exponent(red: Reduction, rows: MemoryRows) -> float:
 
 
 def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: int, *, log, post=None,
-                      start: float | None = None, stats: dict | None = None, give_up: float | None = None
-                      ) -> CoreState | None:
+                      start: float | None = None, stats: dict | None = None, give_up: float | None = None,
+                      probe: bool = False) -> CoreState | None:
     """The cheapest fitting choice from toulbar2's answers under memory prices; None if none fits.
 
     ``red`` is the :func:`~autoshard.solver.penalty.soften`-ed core. One price
@@ -234,10 +241,12 @@ def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: i
     attempts (``_QUICK_ATTEMPT``), attempts may run on to ``give_up`` (when
     later than ``deadline``): on contest A at a 15 s limit the first price
     (1.004x the best known) needs 8 s of toulbar2, and the bisection's share
-    of a worker that started late left it 7.
+    of a worker that started late left it 7. An attempt after one answered
+    unproven gets half its time; with ``probe`` and less than one full
+    attempt's time, the first starts with a short one (``_UNPROVEN_SHARE``).
     """
     run = _PricedAttempts(red, rows, deadline, give_up, seed=seed, log=log, post=post,
-                          stats={} if stats is None else stats)
+                          stats={} if stats is None else stats, probe=probe)
     base = plain_scale(red)
     over: dict = {}  # the highest overflowing exponent's answer
 
@@ -264,7 +273,7 @@ class _PricedAttempts:
     """toulbar2's answers under memory prices, the best fit among them, and the time each may take."""
 
     def __init__(self, red: Reduction, rows: MemoryRows, deadline: float, give_up: float | None, *, seed: int,
-                 log, post, stats: dict):
+                 log, post, stats: dict, probe: bool = False):
         self.red, self.rows, self.deadline, self.give_up = red, rows, deadline, give_up
         self.seed, self.log, self.post, self.stats = seed, log, post, stats
         self.best: CoreState | None = None
@@ -272,12 +281,16 @@ class _PricedAttempts:
         self.took: list[float] = []  # the seconds of each attempt that answered
         self.need = _FIRST_ATTEMPT  # the least time left to start an attempt with
         self.cap = np.inf  # the most time the next attempt may take
+        self.probe = probe  # whether the first attempt may start with a short probe
         self.bisecting = True
 
     def quick(self) -> bool:
-        """Whether the bracket and bisection go on with quick attempts (they may then run on to ``give_up``)."""
-        return (self.give_up is not None and self.bisecting and len(self.took) > 0
-                and np.median(self.took) <= _QUICK_ATTEMPT * (self.give_up - self.began))
+        """Whether the bracket and bisection go on with quick attempts (they may then run on to ``give_up``): each
+        takes at most ``_QUICK_ATTEMPT`` of the time to ``give_up``, or that time is short of one full attempt."""
+        if self.give_up is None or not self.bisecting or not self.took:
+            return False
+        span = self.give_up - self.began
+        return bool(np.median(self.took) <= _QUICK_ATTEMPT * span or span < _FULL_ATTEMPT)
 
     def latest(self) -> float:
         if self.give_up is None:
@@ -295,9 +308,7 @@ class _PricedAttempts:
         until = min(end, t0 + max(_ATTEMPT_SHARE * (end - t0), _FULL_ATTEMPT), t0 + self.cap)
         if self.quick():  # a slow price among quick ones (memory nearly free) is cut short; it only brackets
             until = min(until, t0 + max(_SHORT_ATTEMPT, _QUICK_CAP * float(np.median(self.took))))
-        sub = penalised_core(self.red, lam, until)
-        found = minimise(sub, until, seed=self.seed)
-        self.stats["cfn_attempts"] = self.stats.get("cfn_attempts", 0) + 1
+        sub, found = self._solved(lam, until, what)
         if found is None or found.choice is None:
             self.need = max(self.need, 2.0 * (until - t0))
             self.cap = max(self.cap, self.need)
@@ -321,6 +332,22 @@ class _PricedAttempts:
                 self.post(kept)
         self.log(f"cfn {what}: {said}{' (proven)' if found.proven else ''} ({time.perf_counter() - t0:.1f}s)")
         return state
+
+
+    def _solved(self, lam, until: float, what: str) -> tuple[Reduction, CfnAnswer | None]:
+        """The core priced by ``lam`` and toulbar2's answer on it by ``until``: first by a short probe, when this is
+        the first attempt of a bisection that may probe and there is no time for a full one."""
+        t0 = time.perf_counter()
+        probe, self.probe = self.probe and until - t0 < _FULL_ATTEMPT, False
+        short = min(until, t0 + max(_ATTEMPT_SHARE * (until - t0), _SHORT_ATTEMPT)) if probe else until
+        sub = penalised_core(self.red, lam, short)
+        found = minimise(sub, short, seed=self.seed)
+        self.stats["cfn_attempts"] = self.stats.get("cfn_attempts", 0) + 1
+        if short < until and (found is None or found.choice is None):
+            self.log(f"cfn {what}: nothing in a short first attempt ({time.perf_counter() - t0:.1f}s); the rest")
+            found = minimise(sub, until, seed=self.seed)
+            self.stats["cfn_attempts"] += 1
+        return sub, found
 
 
 def local_prices(rows: MemoryRows, state: CoreState, *, base: float, low: float, high: float, attempt,

@@ -723,7 +723,7 @@ def _large_start(s: Search, state: CoreState, start_time: float, bp: MinSumBP | 
         share = _CFN_SHARE if s.variant is not None else _CFN_SHARE_ALONE
         rest = max(deadline - _MARGIN - now, 0.0)
         cands.append(cfn.penalty_bisection(red, rows, now + share * rest, seed, log=log, post=lambda st: _post(s, st),
-                                           stats=s.stats, give_up=now + _CFN_GIVE_UP * rest))
+                                           stats=s.stats, give_up=now + _CFN_GIVE_UP * rest, probe=s.variant is None))
         _cfn_bound(s, start_time)
     if huge and (not priced or s.variant is None):
         rest = deadline - time.perf_counter()

@@ -41,8 +41,13 @@ FOREST_PATIENCE = 3
 GUARDED_PATIENCE = 12
 # lagrangian descent stops this many rounds after its best fit last improved
 LAGRANGE_PATIENCE = 25
-# ... and the belief-propagation one after this many (its fits improve little after the first)
-BP_PATIENCE = 20
+# ... and the belief-propagation one after this many, its multipliers raised by _BP_RAISE where a round
+# overflowed and lowered by _BP_LOWER where it had slack. With 2.0 and 0.8 (and 20 rounds) the multipliers
+# swung past the fits: S's best fit was 1.6315e9, A's 7.387e9, M's 1.0145e11; with 1.5 and 0.9 (and 50
+# rounds: fewer stop at a first fit that still holds forbidden pairs) 1.6255e9, 7.248e9, 1.0101e11.
+BP_PATIENCE = 50
+_BP_RAISE = 1.5
+_BP_LOWER = 0.9
 # clear_forbidden gives up after this many descents in a row that removed no forbidden pair
 _CLEAR_PATIENCE = 3
 # Cores up to this many nodes are searched as they are for each penalty.
@@ -482,9 +487,8 @@ def lagrangian_bp(
 ) -> CoreState | None:
     """Min-sum belief propagation under per-point memory multipliers; the cheapest fit seen.
 
-    The multipliers follow the overflow as in :func:`lagrangian_descent` (doubled
-    where a round's decoded choice overflows, cut by a fifth where it has 2%
-    slack). The messages are kept from round to round, so each round is only
+    The multipliers follow the overflow (raised by half where a round's decoded
+    choice overflows, cut by a tenth where it has 2% slack). The messages are kept from round to round, so each round is only
     ``inner`` message-passing steps for the new prices. Stops at ``deadline``, or
     ``BP_PATIENCE`` rounds after the best fit last improved by 0.01%. On contest A this found a
     fitting 7.56e9 (1.15x the best known) in 30 s where the forest rounds ended
@@ -517,8 +521,8 @@ def lagrangian_bp(
                 stale = 0
             if c < best_cost:
                 best, best_cost = choice, c
-        mult[hot] *= 2.0
-        mult[~hot & (usage < cap - 0.02 * np.abs(cap))] *= 0.8
+        mult[hot] *= _BP_RAISE
+        mult[~hot & (usage < cap - 0.02 * np.abs(cap))] *= _BP_LOWER
     if log is not None:
         log(f"lagrangian bp: {bp.rounds} steps, best fit {best_cost:.6g}")
     return None if best is None else CoreState(red, rows, best)

@@ -243,7 +243,8 @@ def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: i
     (1.004x the best known) needs 8 s of toulbar2, and the bisection's share
     of a worker that started late left it 7. An attempt after one answered
     unproven gets half its time; with ``probe`` and less than one full
-    attempt's time, the first starts with a short one (``_UNPROVEN_SHARE``).
+    attempt's time, the first starts with a short one, then takes the rest at
+    the same price when that found nothing (see ``_UNPROVEN_SHARE``).
     """
     run = _PricedAttempts(red, rows, deadline, give_up, seed=seed, log=log, post=post,
                           stats={} if stats is None else stats, probe=probe)
@@ -332,7 +333,6 @@ class _PricedAttempts:
                 self.post(kept)
         self.log(f"cfn {what}: {said}{' (proven)' if found.proven else ''} ({time.perf_counter() - t0:.1f}s)")
         return state
-
 
     def _solved(self, lam, until: float, what: str) -> tuple[Reduction, CfnAnswer | None]:
         """The core priced by ``lam`` and toulbar2's answer on it by ``until``: first by a short probe, when this is

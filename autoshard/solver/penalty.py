@@ -488,8 +488,9 @@ def lagrangian_bp(
     """Min-sum belief propagation under per-point memory multipliers; the cheapest fit seen.
 
     The multipliers follow the overflow (raised by half where a round's decoded
-    choice overflows, cut by a tenth where it has 2% slack). The messages are kept from round to round, so each round is only
-    ``inner`` message-passing steps for the new prices. Stops at ``deadline``, or
+    choice overflows, cut by a tenth where it has 2% slack). The messages are
+    kept from round to round, so each round is only ``inner`` message-passing
+    steps for the new prices. Stops at ``deadline``, or
     ``BP_PATIENCE`` rounds after the best fit last improved by 0.01%. On contest A this found a
     fitting 7.56e9 (1.15x the best known) in 30 s where the forest rounds ended
     at 1.87e10; on M and S its fits are worse than the forest's, but a guarded

@@ -493,7 +493,8 @@ def lagrangian_bp(
     steps for the new prices. Stops at ``deadline``, or
     ``BP_PATIENCE`` rounds after the best fit last improved by 0.01%. On contest A this found a
     fitting 7.56e9 (1.15x the best known) in 30 s where the forest rounds ended
-    at 1.87e10; on M and S its fits are worse than the forest's, but a guarded
+    at 1.87e10 (with today's gentler steps, from the multiplier 1: 7.25e9 in
+    34 s); on M and S its fits are worse than the forest's, but a guarded
     descent from S's fit reached 1.09x. Returns None when no round fitted.
     """
     if red.num_core == 0:

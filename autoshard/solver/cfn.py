@@ -38,7 +38,14 @@ import numpy as np
 
 from autoshard.solver.local import CoreState, flat_costs, min_memory_choice
 from autoshard.solver.memory import MemoryRows
-from autoshard.solver.penalty import bracket_and_bisect, fitted, plain_scale, violations
+from autoshard.solver.penalty import (
+    GENTLE_STEPS,
+    bracket_and_bisect,
+    fitted,
+    lagrangian_descent,
+    plain_scale,
+    violations,
+)
 from autoshard.solver.problem import ShardingProblem
 from autoshard.solver.reduce import Reduction, reduce_problem
 
@@ -264,6 +271,11 @@ def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: i
     log(f"cfn penalty: starting at 2^{start:g}")
     bracket_and_bisect(uniform, run.time_left, start, _START_STEP, _BISECT_TOL)
     run.bisecting = False
+    if "state" in over:
+        found = lagrangian_descent(red, rows, over["state"].choice, lam=base * 2.0 ** over["e"], seed=seed,
+                                   deadline=max(deadline, give_up or deadline), log=log, steps=GENTLE_STEPS)
+        if found is not None:
+            run.keep(found)
     if "state" in over and "fit" in over:
         local_prices(rows, over["state"], base=base, low=over["e"], high=over["fit"], attempt=run.attempt,
                       time_left=run.time_left)
@@ -326,13 +338,18 @@ class _PricedAttempts:
         if state.overflow() > 0:
             kept = fitted(state, end, self.seed)
             said += f", repaired: {'none' if kept is None else f'cost {kept.total_cost():.6g}'}"
-        if kept is not None and not len(violations(kept)) and (
-                self.best is None or kept.total_cost() < self.best.total_cost()):
-            self.best = kept
-            if self.post is not None:
-                self.post(kept)
+        if kept is not None:
+            self.keep(kept)
         self.log(f"cfn {what}: {said}{' (proven)' if found.proven else ''} ({time.perf_counter() - t0:.1f}s)")
         return state
+
+    def keep(self, state: CoreState) -> None:
+        """Hold the fitting ``state`` (and post it) when it is free of forbidden pairs and the cheapest yet."""
+        if state.overflow() <= 0 and not len(violations(state)) and (
+                self.best is None or state.total_cost() < self.best.total_cost()):
+            self.best = state
+            if self.post is not None:
+                self.post(state)
 
     def _solved(self, lam, until: float, what: str) -> tuple[Reduction, CfnAnswer | None]:
         """The core priced by ``lam`` and toulbar2's answer on it by ``until``: first by a short probe, when this is

@@ -266,3 +266,35 @@ def test_start_exponent_is_near_the_fitting_price_in_any_units(unit):
     assert abs(start - fit) <= 6
     if unit != 1.0:
         assert abs(12 - fit) > 6  # the fixed start the bisection had (fit for the contest cores)
+
+
+def test_bisection_descends_from_its_highest_overflowing_answer(monkeypatch):
+    """After the bracket and bisection, forest rounds with gentle per-point multipliers start from the answer at
+    the highest price that overflowed, at that price; their fit is kept when it is the cheapest."""
+    from autoshard.solver.penalty import GENTLE_STEPS, lagrangian_descent
+
+    problem = _memory_problem(8, n=30)
+    red = reduce_problem(problem, with_memory=True)
+    rows = memory_rows(problem.intervals, problem.memory_limit, red.core_nodes, red.base_usage, True)
+    soft = soften(red)
+    base = plain_scale(soft)
+    calls, lines = [], []
+
+    def descent(red_, rows_, start, *, lam, deadline, seed, log=None, steps):
+        found = lagrangian_descent(red_, rows_, start, lam=lam, deadline=deadline, seed=seed, steps=steps)
+        calls.append((CoreState(red_, rows_, start).overflow(), lam, steps, found))
+        return found
+
+    monkeypatch.setattr("autoshard.solver.cfn.lagrangian_descent", descent)
+    best = cfn.penalty_bisection(soft, rows, _far(30.0), 0, log=lines.append)
+    answers = [line for line in lines if line.startswith("cfn penalty 2^") and "overflow " in line]
+    over = [float(line.split("2^")[1].split(":")[0]) for line in answers
+            if float(line.split("overflow ")[1].split(",")[0].split(" ")[0]) > 0]
+    assert over, lines
+    assert len(calls) == 1
+    overflow, lam, steps, found = calls[0]
+    assert overflow > 0 and steps == GENTLE_STEPS
+    assert lam == pytest.approx(base * 2.0 ** max(over), rel=1e-12)
+    assert best is not None and best.overflow() <= 0
+    if found is not None and not len(violations(found)):
+        assert best.total_cost() <= found.total_cost() + 1e-9

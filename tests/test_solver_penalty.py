@@ -157,3 +157,24 @@ def test_recosted_core_prices_every_choice_like_a_core_built_from_arrays():
         assert CoreState(new, rows, choice).total_cost() == pytest.approx(FlatCosts(built).cost(choice), rel=1e-12)
     with pytest.raises(ValueError, match="float64 values"):
         recosted(red, values[:-1])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_fitted_choice_has_no_single_move_that_fits_and_saves(seed):
+    """:func:`fitted` repairs (many moves a pass, priced before any is made), clears forbidden pairs, then
+    takes single-node moves that keep the fit: no node can then move to a fitting strategy that costs less,
+    and the answer is never costlier than the repair's own."""
+    from autoshard.solver.penalty import clear_forbidden, fitted, violations
+
+    red, rows = _memory_core(np.random.default_rng(seed), n=80, s=6)
+    cheapest = CoreState(red, rows, np.array([int(np.argmin(c)) for c in red.node_costs]))
+    assert cheapest.overflow() > 0
+    out = fitted(cheapest, time.perf_counter() + 60, seed)
+    assert out is not None and out.overflow() <= 0 and not len(violations(out))
+    for k in range(red.num_core):
+        local, ok = out.local_cost(k), out.fits(k)
+        assert local[ok].min() >= local[out.choice[k]] - 1e-9 * (1 + abs(local[out.choice[k]]))
+    repaired = CoreState(red, rows, cheapest.choice)
+    assert repaired.repair(time.perf_counter() + 60)
+    repaired = clear_forbidden(repaired, time.perf_counter() + 60, seed)
+    assert out.total_cost() <= repaired.total_cost() + 1e-9

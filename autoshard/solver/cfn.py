@@ -231,18 +231,26 @@ def start_exponent(red: Reduction, rows: MemoryRows) -> float:
 def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: int, *, log, post=None,
                       start: float | None = None, stats: dict | None = None, give_up: float | None = None,
                       probe: bool = False) -> CoreState | None:
-    """The cheapest fitting choice from toulbar2's answers under memory prices; None if none fits.
+    """The cheapest fitting choice from toulbar2's answers under memory prices, and from the descent that
+    starts at the highest overflowing one; None if none fits.
 
     ``red`` is the :func:`~autoshard.solver.penalty.soften`-ed core. One price
     ``plain_scale(red) * 2**e`` for every node starts at ``e = start``
     (:func:`start_exponent` when None), steps out in doubling steps until one
-    answer fits and one does not, then bisects to ``_BISECT_TOL``. Then the
+    answer fits and one does not, then bisects to ``_BISECT_TOL``. Then forest
+    rounds (:func:`~autoshard.solver.penalty.lagrangian_descent` with
+    ``GENTLE_STEPS``, until they stop improving, at most to ``give_up``) start
+    from the answer at the highest price that overflowed, at that price, with
+    per-point multipliers that follow the overflow. toulbar2's answers there
+    are cheap and a little over the limit: on contest S at its full limit the
+    rounds fitted at 1.569e9 from its answer at 2^17, where the bisection's
+    best fit was 2.11e9 and the other searches' 1.61e9. Then toulbar2's
     prices go local: nodes live at a point where the last overflowing answer
     overflowed pay the fitting price, the others the overflowing one; each
     answer that still overflows adds its points, and each that fits lowers the
     others' price one doubling (memory is priced high only where it binds). An
-    answer that overflows is repaired and cleared of the forbidden pairs the
-    repair took, and kept when it then fits. ``post(state)`` is called with
+    answer that overflows is repaired (:func:`~autoshard.solver.penalty.fitted`)
+    and kept when it then fits. ``post(state)`` is called with
     each new best fit; ``stats["cfn_attempts"]`` counts the toulbar2 solves.
     While nothing fits, or while the bracket and bisection go on with quick
     attempts (``_QUICK_ATTEMPT``), attempts may run on to ``give_up`` (when

@@ -178,3 +178,18 @@ def test_a_fitted_choice_has_no_single_move_that_fits_and_saves(seed):
     assert repaired.repair(time.perf_counter() + 60)
     repaired = clear_forbidden(repaired, time.perf_counter() + 60, seed)
     assert out.total_cost() <= repaired.total_cost() + 1e-9
+
+
+def test_gentle_descent_gives_up_when_nothing_fits():
+    """With the gentle steps, forest rounds that find no fit stop after ``fit_within`` rounds (the time goes to
+    the searches after them); with the default steps they run on to the deadline while nothing fits."""
+    from autoshard.solver.penalty import GENTLE_STEPS, lagrangian_descent
+
+    red, rows = _memory_core(np.random.default_rng(0))
+    rows = dataclasses.replace(rows, limit=0.0)  # nothing fits
+    start = np.array([int(np.argmin(c)) for c in red.node_costs])
+    lines: list[str] = []
+    found = lagrangian_descent(red, rows, start, lam=1.0, deadline=time.perf_counter() + 600, seed=0,
+                               log=lines.append, steps=GENTLE_STEPS)
+    assert found is None
+    assert lines == [f"lagrangian descent: {GENTLE_STEPS.fit_within} rounds, best fit inf"]

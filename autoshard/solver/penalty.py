@@ -54,12 +54,14 @@ _BP_LOWER = 0.9
 class LagrangeSteps:
     """How :func:`lagrangian_descent` moves its per-point multipliers: points over capacity multiply theirs by
     ``raise_by``; points with at least ``slack`` of their capacity free multiply theirs by ``lower_by``; it
-    stops ``patience`` rounds after its best fit last improved by 0.01%."""
+    stops ``patience`` rounds after its best fit last improved by 0.01%, and after ``fit_within`` rounds
+    without any fit (None: it runs to its deadline while nothing fits)."""
 
     raise_by: float = 2.0
     lower_by: float = 0.8
     slack: float = 0.02
     patience: int = LAGRANGE_PATIENCE
+    fit_within: int | None = None
 
 
 # From an answer that is already cheap and only a little over the limit (toulbar2's under the highest
@@ -67,7 +69,9 @@ class LagrangeSteps:
 # 2^16 (1.4865e9, 903 of 18,384 points up to 15% over) they reached 1.578e9, 1.633e9 and 1.594e9 in 30 s
 # (seeds 0-2), the default steps 1.624e9, and a 2% slack 1.644e9, 1.655e9, 1.576e9; from the planner's
 # GPT-6.7B (2, 4) answer at 2^-24 under a budget, 0.1265 in 2 s (the best of a 120 s solve was 0.1269).
-GENTLE_STEPS = LagrangeSteps(raise_by=1.5, lower_by=0.9, slack=0.0, patience=50)
+# Their first fits came within 5-15 rounds; 50 rounds without one (multipliers 6e8 times higher where the
+# answer overflowed) leave the time to the searches after them.
+GENTLE_STEPS = LagrangeSteps(raise_by=1.5, lower_by=0.9, slack=0.0, patience=50, fit_within=50)
 # clear_forbidden gives up after this many descents in a row that removed no forbidden pair
 _CLEAR_PATIENCE = 3
 # Cores up to this many nodes are searched as they are for each penalty.
@@ -439,7 +443,8 @@ def lagrangian_descent(
     uniform multiplier (cheap but far over the limit) this reached 1.006x the
     best known on contest M in 60 s, where the cheapest fitting uniform
     multiplier plus guarded descents stopped at 1.77x. Stops at ``deadline``,
-    or ``steps.patience`` rounds after the best fit last improved by 0.01%.
+    or ``steps.patience`` rounds after the best fit last improved by 0.01%
+    (or ``steps.fit_within`` rounds without any fit).
     """
     if red.num_core == 0:
         return None
@@ -449,7 +454,8 @@ def lagrangian_descent(
     best, best_cost = None, np.inf
     stale = 0
     last = 0.0
-    while time.perf_counter() + last < deadline and (best is None or stale < steps.patience):
+    unfit = np.inf if steps.fit_within is None else steps.fit_within
+    while time.perf_counter() + last < deadline and stale < (unfit if best is None else steps.patience):
         t0 = time.perf_counter()
         cur, usage = rounds.run(cur, mult)
         hot = usage - rounds.cap > rounds.tol

@@ -281,7 +281,8 @@ def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: i
     run.bisecting = False
     if "state" in over:
         found = lagrangian_descent(red, rows, over["state"].choice, lam=base * 2.0 ** over["e"], seed=seed,
-                                   deadline=max(deadline, give_up or deadline), log=log, steps=GENTLE_STEPS)
+                                   deadline=max(deadline, give_up or deadline), log=lambda m: log(f"cfn {m}"),
+                                   steps=GENTLE_STEPS)
         if found is not None:
             run.keep(found)
     if "state" in over and "fit" in over:

@@ -281,13 +281,12 @@ def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: i
     run.bisecting = False
     if "state" in over:
         found = lagrangian_descent(red, rows, over["state"].choice, lam=base * 2.0 ** over["e"], seed=seed,
-                                   deadline=max(deadline, give_up or deadline), log=lambda m: log(f"cfn {m}"),
-                                   steps=GENTLE_STEPS)
+                                   deadline=run.final(), log=lambda m: log(f"cfn {m}"), steps=GENTLE_STEPS)
         if found is not None:
             run.keep(found)
-    if "state" in over and "fit" in over:
-        local_prices(rows, over["state"], base=base, low=over["e"], high=over["fit"], attempt=run.attempt,
-                      time_left=run.time_left)
+        if "fit" in over:
+            local_prices(rows, over["state"], base=base, low=over["e"], high=over["fit"], attempt=run.attempt,
+                          time_left=run.time_left)
     return run.best
 
 
@@ -314,10 +313,13 @@ class _PricedAttempts:
         span = self.give_up - self.began
         return bool(np.median(self.took) <= _QUICK_ATTEMPT * span or span < _FULL_ATTEMPT)
 
+    def final(self) -> float:
+        """The latest any of the bisection's searches may run: ``give_up`` when that is later than ``deadline``."""
+        return self.deadline if self.give_up is None else max(self.deadline, self.give_up)
+
     def latest(self) -> float:
-        if self.give_up is None:
-            return self.deadline
-        return max(self.deadline, self.give_up) if self.best is None or self.quick() else self.deadline
+        """The end of the next attempt's window: :meth:`final` while nothing fits or the attempts are quick."""
+        return self.final() if self.best is None or self.quick() else self.deadline
 
     def time_left(self) -> bool:
         return self.latest() - time.perf_counter() > self.need

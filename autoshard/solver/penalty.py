@@ -41,21 +41,15 @@ FOREST_PATIENCE = 3
 GUARDED_PATIENCE = 12
 # lagrangian descent stops this many rounds after its best fit last improved
 LAGRANGE_PATIENCE = 25
-# ... and the belief-propagation one after this many, its multipliers raised by _BP_RAISE where a round
-# overflowed and lowered by _BP_LOWER where it had slack. With 2.0 and 0.8 (and 20 rounds) the multipliers
-# swung past the fits: S's best fit was 1.6315e9, A's 7.387e9, M's 1.0145e11; with 1.5 and 0.9 (and 50
-# rounds: fewer stop at a first fit that still holds forbidden pairs) 1.6255e9, 7.248e9, 1.0101e11.
-BP_PATIENCE = 50
-_BP_RAISE = 1.5
-_BP_LOWER = 0.9
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LagrangeSteps:
-    """How :func:`lagrangian_descent` moves its per-point multipliers: points over capacity multiply theirs by
-    ``raise_by``; points with at least ``slack`` of their capacity free multiply theirs by ``lower_by``; it
-    stops ``patience`` rounds after its best fit last improved by 0.01%, and after ``fit_within`` rounds
-    without any fit (None: it runs to its deadline while nothing fits)."""
+    """How the lagrangian searches (:func:`lagrangian_descent`, :func:`lagrangian_bp`) move their per-point
+    multipliers, and when they stop: points over capacity multiply theirs by ``raise_by``; points with at least
+    ``slack`` of their capacity free multiply theirs by ``lower_by``; a search stops ``patience`` rounds after
+    its best fit last improved by 0.01%, and after ``fit_within`` rounds without any fit (None: it runs to its
+    deadline while nothing fits)."""
 
     raise_by: float = 2.0
     lower_by: float = 0.8
@@ -63,6 +57,23 @@ class LagrangeSteps:
     patience: int = LAGRANGE_PATIENCE
     fit_within: int | None = None
 
+    def go_on(self, fitted: bool, stale: int) -> bool:
+        """Whether another round is due, ``stale`` rounds after the best fit last improved (or after the start,
+        while nothing has fitted)."""
+        if fitted:
+            return stale < self.patience
+        return self.fit_within is None or stale < self.fit_within
+
+    def follow(self, mult: np.ndarray, usage: np.ndarray, cap: np.ndarray, hot: np.ndarray) -> None:
+        """Move the multipliers ``mult`` (in place) after a round with ``usage`` per point, ``hot`` where over."""
+        mult[hot] *= self.raise_by
+        mult[~hot & (usage < cap - self.slack * np.abs(cap))] *= self.lower_by
+
+
+# The belief-propagation lagrangian's steps. With 2.0 and 0.8 (and 20 rounds) the multipliers swung past the
+# fits: S's best fit was 1.6315e9, A's 7.387e9, M's 1.0145e11; with 1.5 and 0.9 (and 50 rounds: fewer stop at
+# a first fit that still holds forbidden pairs) 1.6255e9, 7.248e9, 1.0101e11.
+_BP_STEPS = LagrangeSteps(raise_by=1.5, lower_by=0.9, slack=0.02, patience=50)
 
 # From an answer that is already cheap and only a little over the limit (toulbar2's under the highest
 # uniform price that overflowed), gentler steps, lowered wherever a point fits: from contest S's answer at
@@ -454,8 +465,7 @@ def lagrangian_descent(
     best, best_cost = None, np.inf
     stale = 0
     last = 0.0
-    unfit = np.inf if steps.fit_within is None else steps.fit_within
-    while time.perf_counter() + last < deadline and stale < (unfit if best is None else steps.patience):
+    while time.perf_counter() + last < deadline and steps.go_on(best is not None, stale):
         t0 = time.perf_counter()
         cur, usage = rounds.run(cur, mult)
         hot = usage - rounds.cap > rounds.tol
@@ -466,8 +476,7 @@ def lagrangian_descent(
                 stale = 0
             if c < best_cost:
                 best, best_cost = cur.copy(), c
-        mult[hot] *= steps.raise_by
-        mult[~hot & (usage < rounds.cap - steps.slack * np.abs(rounds.cap))] *= steps.lower_by
+        steps.follow(mult, usage, rounds.cap, hot)
         last = time.perf_counter() - t0
     if log is not None:
         log(f"lagrangian descent: {rounds.rounds} rounds, best fit {best_cost:.6g}")
@@ -529,7 +538,7 @@ def lagrangian_bp(
     choice overflows, cut by a tenth where it has 2% slack). The messages are
     kept from round to round, so each round is only ``inner`` message-passing
     steps for the new prices. Stops at ``deadline``, or
-    ``BP_PATIENCE`` rounds after the best fit last improved by 0.01%. On contest A this found a
+    50 rounds after the best fit last improved by 0.01% (``_BP_STEPS``). On contest A this found a
     fitting 7.56e9 (1.15x the best known) in 30 s where the forest rounds ended
     at 1.87e10 (with today's gentler steps, from the multiplier 1: 7.25e9 in
     34 s); on M and S its fits are worse than the forest's, but a guarded
@@ -543,7 +552,7 @@ def lagrangian_bp(
     cap = rows.cap
     best, best_cost = None, np.inf
     stale = 0
-    while time.perf_counter() < deadline and (best is None or stale < BP_PATIENCE):
+    while time.perf_counter() < deadline and _BP_STEPS.go_on(best is not None, stale):
         stale += 1
         w = np.where(mem, range_max(mult, rows.lo, rows.hi), 0.0)
         bp.set_node_costs(
@@ -561,8 +570,7 @@ def lagrangian_bp(
                 stale = 0
             if c < best_cost:
                 best, best_cost = choice, c
-        mult[hot] *= _BP_RAISE
-        mult[~hot & (usage < cap - 0.02 * np.abs(cap))] *= _BP_LOWER
+        _BP_STEPS.follow(mult, usage, cap, hot)
     if log is not None:
         log(f"lagrangian bp: {bp.rounds} steps, best fit {best_cost:.6g}")
     return None if best is None else CoreState(red, rows, best)

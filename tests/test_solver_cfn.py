@@ -225,23 +225,29 @@ def test_a_short_window_starts_with_a_short_attempt(monkeypatch, probe):
         assert best is None and len(granted) == 1 and granted[0] > 3.0
 
 
-def test_local_prices_stop_when_the_prices_repeat():
-    """An answer that overflows where the last one did gives the same prices again: the search ends there
-    rather than asking toulbar2 the same question until time runs out."""
-    problem = _memory_problem(8, n=30)
+def _bisection_setup(seed: int = 8):
+    problem = _memory_problem(seed, n=30)
     red = reduce_problem(problem, with_memory=True)
     rows = memory_rows(problem.intervals, problem.memory_limit, red.core_nodes, red.base_usage, True)
-    over = CoreState(red, rows, np.zeros(red.num_core, dtype=np.int64))
-    over.usage = rows.cap + 1.0  # every point over
-    asked = []
+    return soften(red), rows
 
-    def attempt(lam, what):
-        asked.append(np.array(lam))
-        assert len(asked) < 5, "the same prices were asked again"
-        return over
 
-    cfn.local_prices(rows, over, base=1.0, low=0.0, high=4.0, attempt=attempt, time_left=lambda: True)
-    assert len(asked) == 1
+def test_learned_prices_stop_after_rounds_without_a_cheaper_fit(monkeypatch):
+    """Rounds that never fit end the learned prices after ``_LEARNED_PATIENCE`` of them, however far the
+    deadline."""
+    from autoshard.solver.penalty import LagrangeFit
+
+    soft, rows = _bisection_setup()
+    calls = []
+
+    def never_fits(red_, rows_, start, *, mult, deadline, seed, log=None, steps):
+        calls.append(mult)
+        return LagrangeFit(None, np.array(mult))
+
+    monkeypatch.setattr("autoshard.solver.cfn.lagrangian_fit", never_fits)
+    monkeypatch.setattr("autoshard.solver.cfn._LEARNED_PATIENCE", 2)
+    cfn.penalty_bisection(soft, rows, _far(600.0), 0, log=lambda _: None)
+    assert len(calls) == 2
 
 
 @pytest.mark.parametrize("unit", [1.0, 2.0**-30])
@@ -270,31 +276,40 @@ def test_start_exponent_is_near_the_fitting_price_in_any_units(unit):
 
 def test_bisection_descends_from_its_highest_overflowing_answer(monkeypatch):
     """After the bracket and bisection, forest rounds with gentle per-point multipliers start from the answer at
-    the highest price that overflowed, at that price; their fit is kept when it is the cheapest."""
-    from autoshard.solver.penalty import GENTLE_STEPS, lagrangian_descent
+    the highest price that overflowed, at that price; each later round starts from an overflowing answer of
+    toulbar2 under the node prices of the last rounds' multipliers scaled by a power of two, with those
+    multipliers so scaled. Every fit is kept when it is the cheapest."""
+    from autoshard.solver.penalty import GENTLE_STEPS, lagrangian_fit, node_prices
 
-    problem = _memory_problem(8, n=30)
-    red = reduce_problem(problem, with_memory=True)
-    rows = memory_rows(problem.intervals, problem.memory_limit, red.core_nodes, red.base_usage, True)
-    soft = soften(red)
+    soft, rows = _bisection_setup()
     base = plain_scale(soft)
-    calls, lines = [], []
+    calls, lines, asked = [], [], []
+    real_core = cfn.penalised_core
 
-    def descent(red_, rows_, start, *, lam, deadline, seed, log=None, steps):
-        found = lagrangian_descent(red_, rows_, start, lam=lam, deadline=deadline, seed=seed, steps=steps)
-        calls.append((CoreState(red_, rows_, start).overflow(), lam, steps, found))
+    def rounds(red_, rows_, start, *, mult, deadline, seed, log=None, steps):
+        found = lagrangian_fit(red_, rows_, start, mult=mult, deadline=deadline, seed=seed, steps=steps)
+        calls.append((CoreState(red_, rows_, start).overflow(), np.array(mult), steps, found, len(asked)))
         return found
 
-    monkeypatch.setattr("autoshard.solver.cfn.lagrangian_descent", descent)
+    def priced(red_, lam, deadline=None):
+        asked.append(np.broadcast_to(np.asarray(lam, dtype=np.float64), (red_.num_core,)).copy())
+        return real_core(red_, lam, deadline)
+
+    monkeypatch.setattr("autoshard.solver.cfn.lagrangian_fit", rounds)
+    monkeypatch.setattr("autoshard.solver.cfn.penalised_core", priced)
     best = cfn.penalty_bisection(soft, rows, _far(30.0), 0, log=lines.append)
     answers = [line for line in lines if line.startswith("cfn penalty 2^") and "overflow " in line]
     over = [float(line.split("2^")[1].split(":")[0]) for line in answers
             if float(line.split("overflow ")[1].split(",")[0].split(" ")[0]) > 0]
     assert over, lines
-    assert len(calls) == 1
-    overflow, lam, steps, found = calls[0]
-    assert overflow > 0 and steps == GENTLE_STEPS
-    assert lam == pytest.approx(base * 2.0 ** max(over), rel=1e-12)
+    assert len(calls) >= 2 and all(overflow > 0 and steps == GENTLE_STEPS for overflow, _, steps, _, _ in calls)
+    assert np.allclose(calls[0][1], base * 2.0 ** max(over), rtol=1e-12)
+    for (_, _, _, before, j), (_, mult, _, _, k) in zip(calls, calls[1:]):
+        scale = mult / before.mult
+        assert np.allclose(scale, scale[0]) and np.log2(scale[0]) % 0.5 == pytest.approx(0.0, abs=1e-9)
+        expected = node_prices(soft, rows, before.mult) * scale[0]
+        assert any(np.allclose(lam, expected, rtol=1e-12) for lam in asked[j:k])
     assert best is not None and best.overflow() <= 0
-    if found is not None and not len(violations(found)):
-        assert best.total_cost() <= found.total_cost() + 1e-9
+    for _, _, _, found, _ in calls:
+        if found.state is not None and not len(violations(found.state)):
+            assert best.total_cost() <= found.state.total_cost() + 1e-9

@@ -18,6 +18,9 @@ the optimum (5.26e9) in 10 s.
   then fits. This is the first-place contest team's scheme (memory limits as
   usage penalties, a cost function network solver for each penalty, greedy
   repair), with our own search around it.
+* :func:`learned_prices`: from the highest price's overflowing answer, forest
+  rounds with per-point multipliers alternate with toulbar2 under the node
+  prices those multipliers learned (per-node penalties with adaptive weights).
 
 toulbar2 works in integer costs: each function is shifted to a least entry
 of 0 and scaled by one power of two so that the largest finite entry is near
@@ -31,6 +34,7 @@ pytoulbar2 is imported only when a search needs it; without it
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 
@@ -42,7 +46,8 @@ from autoshard.solver.penalty import (
     GENTLE_STEPS,
     bracket_and_bisect,
     fitted,
-    lagrangian_descent,
+    lagrangian_fit,
+    node_prices,
     plain_scale,
     violations,
 )
@@ -100,6 +105,9 @@ _SHORT_ATTEMPT = 2.0
 # of toulbar2's preprocessing, and at a quarter of A's limit its worker has 9.6 s, one full attempt (1.0038x
 # the best known; 1.12x when a probe took 3 s of it).
 _UNPROVEN_SHARE = 0.5
+# The learned prices (:func:`learned_prices`) stop after this many of their rounds in a row without a cheaper fit.
+_LEARNED_PATIENCE = 3
+_LEARNED_TOL = 0.5
 
 
 def available() -> bool:
@@ -237,18 +245,17 @@ def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: i
     ``red`` is the :func:`~autoshard.solver.penalty.soften`-ed core. One price
     ``plain_scale(red) * 2**e`` for every node starts at ``e = start``
     (:func:`start_exponent` when None), steps out in doubling steps until one
-    answer fits and one does not, then bisects to ``_BISECT_TOL``. Then forest
-    rounds (:func:`~autoshard.solver.penalty.lagrangian_descent` with
-    ``GENTLE_STEPS``, until they stop improving, at most to ``give_up``) start
-    from the answer at the highest price that overflowed, at that price, with
-    per-point multipliers that follow the overflow. toulbar2's answers there
+    answer fits and one does not, then bisects to ``_BISECT_TOL``. Then
+    :func:`learned_prices` starts from the answer at the highest price that
+    overflowed, at that price: forest rounds with per-point multipliers that
+    follow the overflow, then toulbar2 under the node prices those multipliers
+    learned, then rounds from its answer, and so on. toulbar2's answers there
     are cheap and a little over the limit: on contest S at its full limit the
-    rounds fitted at 1.569e9 from its answer at 2^17, where the bisection's
-    best fit was 2.11e9 and the other searches' 1.61e9. Then toulbar2's
-    prices go local: nodes live at a point where the last overflowing answer
-    overflowed pay the fitting price, the others the overflowing one; each
-    answer that still overflows adds its points, and each that fits lowers the
-    others' price one doubling (memory is priced high only where it binds). An
+    first rounds fitted at 1.569e9 from its answer at 2^17, where the
+    bisection's best fit was 2.11e9 and the other searches' 1.61e9; from its
+    answer at 2^16 they fitted at 1.598e9, and toulbar2 and rounds under the
+    learned prices took that to 1.556e9 and 1.551e9 within 85 s (the same
+    rounds restarted from their best fit: 1.573e9). An
     answer that overflows is repaired (:func:`~autoshard.solver.penalty.fitted`)
     and kept when it then fits. ``post(state)`` is called with
     each new best fit; ``stats["cfn_attempts"]`` counts the toulbar2 solves.
@@ -264,29 +271,13 @@ def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: i
     run = _PricedAttempts(red, rows, deadline, give_up, seed=seed, log=log, post=post,
                           stats={} if stats is None else stats, probe=probe)
     base = plain_scale(red)
-    over: dict = {}  # the highest overflowing exponent's answer
-
-    def uniform(e: float) -> bool:
-        state = run.attempt(base * 2.0**e, f"penalty 2^{e:g}")
-        fits = state is not None and state.overflow() <= 0
-        if state is not None and not fits and e > over.get("e", -np.inf):
-            over.update(e=e, state=state)
-        if fits:
-            over["fit"] = min(e, over.get("fit", np.inf))
-        return fits
-
+    uniform = _Scaled(run, base, "penalty 2^")
     start = start_exponent(red, rows) if start is None else start
     log(f"cfn penalty: starting at 2^{start:g}")
     bracket_and_bisect(uniform, run.time_left, start, _START_STEP, _BISECT_TOL)
     run.bisecting = False
-    if "state" in over:
-        found = lagrangian_descent(red, rows, over["state"].choice, lam=base * 2.0 ** over["e"], seed=seed,
-                                   deadline=run.final(), log=lambda m: log(f"cfn {m}"), steps=GENTLE_STEPS)
-        if found is not None:
-            run.keep(found)
-        if "fit" in over:
-            local_prices(rows, over["state"], base=base, low=over["e"], high=over["fit"], attempt=run.attempt,
-                          time_left=run.time_left)
+    if uniform.over is not None:
+        learned_prices(run, uniform.over, base * 2.0**uniform.over_e)
     return run.best
 
 
@@ -302,6 +293,7 @@ class _PricedAttempts:
         self.took: list[float] = []  # the seconds of each attempt that answered
         self.need = _FIRST_ATTEMPT  # the least time left to start an attempt with
         self.cap = np.inf  # the most time the next attempt may take
+        self.floor = _SHORT_ATTEMPT  # the least the cap is cut to
         self.probe = probe  # whether the first attempt may start with a short probe
         self.bisecting = True
 
@@ -341,7 +333,7 @@ class _PricedAttempts:
         self.took.append(time.perf_counter() - t0)
         self.need = max(self.need, _NEXT_ATTEMPT * float(np.median(self.took)))
         if not found.proven:
-            self.cap = max(_UNPROVEN_SHARE * self.took[-1], _SHORT_ATTEMPT)
+            self.cap = max(_UNPROVEN_SHARE * self.took[-1], self.floor)
             self.need = max(_FIRST_ATTEMPT, min(self.need, _NEXT_ATTEMPT * self.cap))
         state = CoreState(self.red, self.rows, sub.expand(found.choice, self.red.num_core))
         kept = state
@@ -353,6 +345,10 @@ class _PricedAttempts:
             self.keep(kept)
         self.log(f"cfn {what}: {said}{' (proven)' if found.proven else ''} ({time.perf_counter() - t0:.1f}s)")
         return state
+
+    def best_cost(self) -> float:
+        """The cost of the best fit so far (``inf`` while none)."""
+        return np.inf if self.best is None else self.best.total_cost()
 
     def keep(self, state: CoreState) -> None:
         """Hold the fitting ``state`` (and post it) when it is free of forbidden pairs and the cheapest yet."""
@@ -378,25 +374,52 @@ class _PricedAttempts:
         return sub, found
 
 
-def local_prices(rows: MemoryRows, state: CoreState, *, base: float, low: float, high: float, attempt,
-                  time_left) -> None:
-    """Price ``base * 2**high`` on the nodes live where ``state`` (and each later answer that overflows)
-    overflowed, ``base * 2**low`` elsewhere, lowered one doubling after each answer that fits; each price
-    vector goes to ``attempt(lam, what)`` while ``time_left()``."""
-    raised = np.zeros(rows.num_points, dtype=bool)
-    last = None
-    while time_left():
-        raised |= state.usage - rows.cap > rows.tol
-        count = np.concatenate([[0], np.cumsum(raised)])
-        hot = count[rows.hi] > count[rows.lo]
-        lam = np.where(hot, base * 2.0**high, base * 2.0**low)
-        if last is not None and np.array_equal(lam, last):
-            return  # the same prices again: toulbar2 would give the same answer
-        last = lam
-        found = attempt(lam, f"local prices 2^{high:g} on {int(hot.sum())} nodes, 2^{low:g}")
-        if found is None:
+def learned_prices(run: _PricedAttempts, over: CoreState, lam: float) -> None:
+    """Forest rounds from the overflowing ``over`` under per-point multipliers (all ``lam`` at first) that follow
+    the overflow; then toulbar2 under the node prices (:func:`~autoshard.solver.penalty.node_prices`) the
+    multipliers had at the rounds' best fit, scaled by a power of two bracketed and bisected to
+    ``_LEARNED_TOL`` for the least that fits; then rounds from the answer at the highest scale that
+    overflowed, under those multipliers so scaled; and so on. Each fit goes to ``run.keep``.
+
+    The rounds are a local search, so toulbar2's least-cost choice under their prices overflows far more than
+    their own (contest M: by 3.4e14 where they fitted); the scale brings its answer back to a little over the
+    limit. The rounds run to ``run.final()`` (they stop themselves when their fits stop improving,
+    ``GENTLE_STEPS``), toulbar2's attempts while ``run.time_left()``; the whole stops after
+    ``_LEARNED_PATIENCE`` rounds in a row without a cheaper fit, or when no scaled answer overflowed.
+    """
+    red, rows = run.red, run.rows
+    mult = np.full(rows.num_points, float(lam))
+    stale, best = 0, run.best_cost()
+    # as long as the quickest attempt that answered: halved ones came late or not at all (contest S)
+    run.floor = max(run.floor, min(run.took, default=0.0))
+    run.cap = max(run.cap, run.floor)
+    for k in itertools.count():
+        fit = lagrangian_fit(red, rows, over.choice, mult=mult, deadline=run.final(), seed=run.seed + k,
+                             log=lambda m: run.log(f"cfn {m}"), steps=GENTLE_STEPS)
+        if fit.state is not None:
+            run.keep(fit.state)
+        stale, best = (0 if run.best_cost() < best else stale + 1), run.best_cost()
+        if stale >= _LEARNED_PATIENCE or not run.time_left():
             return
-        if found.overflow() <= 0:
-            low -= 1.0
-        else:
-            state = found
+        scaled = _Scaled(run, node_prices(red, rows, fit.mult), f"learned prices {k + 1} x2^")
+        bracket_and_bisect(scaled, run.time_left, 0.0, 1.0, _LEARNED_TOL)
+        if scaled.over is None:
+            return
+        over, mult = scaled.over, fit.mult * 2.0**scaled.over_e
+
+
+class _Scaled:
+    """toulbar2's answers under ``prices * 2**e`` (called with ``e``: whether the answer fits), and the answer at
+    the highest ``e`` that overflowed (``over``, at ``over_e``)."""
+
+    def __init__(self, run: _PricedAttempts, prices, what: str):
+        self.run, self.prices, self.what = run, prices, what
+        self.over: CoreState | None = None
+        self.over_e = -np.inf
+
+    def __call__(self, e: float) -> bool:
+        state = self.run.attempt(self.prices * 2.0**e, f"{self.what}{e:g}")
+        fits = state is not None and state.overflow() <= 0
+        if state is not None and not fits and e > self.over_e:
+            self.over, self.over_e = state, e
+        return fits

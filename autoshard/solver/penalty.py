@@ -273,7 +273,6 @@ class _PenalisedRounds:
     def __init__(self, red: Reduction, rows: MemoryRows, choice: np.ndarray, seed: int):
         self.red, self.rows = red, rows
         self.n = red.num_core
-        self.mem = np.array([m is not None for m in red.node_memory]) & (rows.hi > rows.lo)
         self.cap = rows.cap
         self.tol = rows.tol
         self.flat = flat_costs(red)
@@ -286,7 +285,7 @@ class _PenalisedRounds:
             ) -> tuple[np.ndarray, np.ndarray]:
         """The round's new choice (from ``choice``; only ``nodes`` may change, when given) and its usage per point."""
         red, rng, n = self.red, self.rng, self.n
-        w = np.where(self.mem, range_max(mult, self.rows.lo, self.rows.hi), 0.0)
+        w = node_prices(red, self.rows, mult)
         self.pen.red = dataclasses.replace(
             red,
             node_costs=tuple(
@@ -441,28 +440,49 @@ def fitted(state: CoreState, deadline: float, seed: int, log=None) -> CoreState 
     return improved
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class LagrangeFit:
+    """A lagrangian search's cheapest fit (None when nothing fitted) and its per-point multipliers at that fit
+    (the last ones when nothing fitted): memory's price where it binds, to hand to another search."""
+
+    state: CoreState | None
+    mult: np.ndarray
+
+
 def lagrangian_descent(
     red: Reduction, rows: MemoryRows, start: np.ndarray, *, lam: float, deadline: float, seed: int,
     log=None, steps: LagrangeSteps = LagrangeSteps(),
 ) -> CoreState | None:
-    """Forest rounds under per-point multipliers that follow the overflow; the cheapest fit seen.
+    """Forest rounds under per-point multipliers that follow the overflow, all starting at ``lam`` (the uniform
+    multiplier ``start`` was chosen under); the cheapest fit seen (:func:`lagrangian_fit`).
+
+    From the choice of a small uniform multiplier (cheap but far over the
+    limit) this reached 1.006x the best known on contest M in 60 s, where the
+    cheapest fitting uniform multiplier plus guarded descents stopped at 1.77x.
+    """
+    mult = np.full(rows.num_points, float(lam))
+    return lagrangian_fit(red, rows, start, mult=mult, deadline=deadline, seed=seed, log=log, steps=steps).state
+
+
+def lagrangian_fit(
+    red: Reduction, rows: MemoryRows, start: np.ndarray, *, mult: np.ndarray, deadline: float, seed: int,
+    log=None, steps: LagrangeSteps = LagrangeSteps(),
+) -> LagrangeFit:
+    """Forest rounds from ``start`` under per-point multipliers (from ``mult``, not changed) that follow the
+    overflow; the cheapest fit seen, and the multipliers it was found under.
 
     Every round is taken (each is a descent for the current multipliers). By
     default points over capacity double their multiplier and points with 2%
-    slack or more lose a fifth of it (``steps``). All start at ``lam``, the
-    uniform multiplier ``start`` was chosen under. From the choice of a small
-    uniform multiplier (cheap but far over the limit) this reached 1.006x the
-    best known on contest M in 60 s, where the cheapest fitting uniform
-    multiplier plus guarded descents stopped at 1.77x. Stops at ``deadline``,
-    or ``steps.patience`` rounds after the best fit last improved by 0.01%
-    (or ``steps.fit_within`` rounds without any fit).
+    slack or more lose a fifth of it (``steps``). Stops at ``deadline``, or
+    ``steps.patience`` rounds after the best fit last improved by 0.01% (or
+    ``steps.fit_within`` rounds without any fit).
     """
+    mult = np.array(mult, dtype=np.float64)
     if red.num_core == 0:
-        return None
-    mult = np.full(rows.num_points, lam)
+        return LagrangeFit(None, mult)
     rounds = _PenalisedRounds(red, rows, start, seed)
     cur = np.asarray(start, dtype=np.int64).copy()
-    best, best_cost = None, np.inf
+    best, best_cost, best_mult = None, np.inf, None
     stale = 0
     last = 0.0
     while time.perf_counter() + last < deadline and steps.go_on(best is not None, stale):
@@ -475,12 +495,21 @@ def lagrangian_descent(
             if not np.isfinite(best_cost) or c < best_cost - 1e-4 * abs(best_cost):
                 stale = 0
             if c < best_cost:
-                best, best_cost = cur.copy(), c
+                best, best_cost, best_mult = cur.copy(), c, mult.copy()
         steps.follow(mult, usage, rounds.cap, hot)
         last = time.perf_counter() - t0
     if log is not None:
         log(f"lagrangian descent: {rounds.rounds} rounds, best fit {best_cost:.6g}")
-    return None if best is None else CoreState(red, rows, best)
+    if best is None:
+        return LagrangeFit(None, mult)
+    return LagrangeFit(CoreState(red, rows, best), best_mult)
+
+
+def node_prices(red: Reduction, rows: MemoryRows, mult: np.ndarray) -> np.ndarray:
+    """Per core node, the price of a byte of its usage under per-point multipliers ``mult``: the largest
+    multiplier of the points it is live at (0 for nodes without usage or never counted)."""
+    mem = np.array([m is not None for m in red.node_memory], dtype=bool) & (rows.hi > rows.lo)
+    return np.where(mem, range_max(mult, rows.lo, rows.hi), 0.0)
 
 
 def plain_scale(red: Reduction) -> float:
@@ -547,14 +576,13 @@ def lagrangian_bp(
     if red.num_core == 0:
         return None
     bp = MinSumBP(red)
-    mem = np.array([m is not None for m in red.node_memory]) & (rows.hi > rows.lo)
     mult = np.full(rows.num_points, lam)
     cap = rows.cap
     best, best_cost = None, np.inf
     stale = 0
     while time.perf_counter() < deadline and _BP_STEPS.go_on(best is not None, stale):
         stale += 1
-        w = np.where(mem, range_max(mult, rows.lo, rows.hi), 0.0)
+        w = node_prices(red, rows, mult)
         bp.set_node_costs(
             [c if m is None or x == 0 else c + x * m for c, m, x in zip(red.node_costs, red.node_memory, w,
                                                                          strict=True)]

@@ -151,7 +151,7 @@ _FREE_START_SECONDS = 2.0
 # Large memory cores, with toulbar2 installed: its penalty bisection (:func:`cfn.penalty_bisection`) gets
 # this share of the time left in an odd parallel worker (guarded descents and windows the rest), and this
 # share in one process, where the memory-priced searches follow when this share of the time is left.
-_CFN_SHARE = 0.75
+_CFN_SHARE = 0.9
 # Memory-free large cores: toulbar2 gets this share of the time; its answer, unless proven optimal, starts
 # the forest descent and windows (belief propagation's does when toulbar2 is missing or found none).
 _CFN_FREE_SHARE = 0.5
@@ -160,7 +160,7 @@ _CFN_SHARE_ALONE = 0.4
 _CFN_GIVE_UP = 0.9
 # ... then toulbar2's lower bound with memory ignored gets this share of the time, at most these seconds.
 _CFN_BOUND_SHARE = 0.2
-_CFN_BOUND_SECONDS = 30.0
+_CFN_BOUND_SECONDS = 12.0
 _LAGRANGE_AFTER_CFN = 0.3
 
 

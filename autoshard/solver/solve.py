@@ -158,7 +158,9 @@ _CFN_FREE_SHARE = 0.5
 _CFN_SHARE_ALONE = 0.4
 # ... or up to this share while none of its answers fits.
 _CFN_GIVE_UP = 0.9
-# ... then toulbar2's lower bound with memory ignored gets this share of the time, at most these seconds.
+# ... then toulbar2's lower bound with memory ignored gets this share of the time, at most these seconds: it
+# proves contest A's memory-free optimum in 8 s; on S its bound after 5 s (3.1418e8) was within 0.1% of its
+# bound after 30 s, time its learned prices and windows use better.
 _CFN_BOUND_SHARE = 0.2
 _CFN_BOUND_SECONDS = 12.0
 _LAGRANGE_AFTER_CFN = 0.3

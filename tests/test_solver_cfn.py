@@ -225,6 +225,44 @@ def test_a_short_window_starts_with_a_short_attempt(monkeypatch, probe):
         assert best is None and len(granted) == 1 and granted[0] > 3.0
 
 
+def test_a_price_that_found_nothing_is_asked_again(monkeypatch):
+    """An attempt that found nothing in time says nothing about its price: the same price is asked again, for
+    at least as long, before the bisection moves on."""
+    soft, rows = _bisection_setup()
+    granted = []
+    real = cfn.minimise
+
+    def minimise(sub, deadline, *, seed=0):
+        granted.append(deadline - time.perf_counter())
+        return None if len(granted) == 1 else real(sub, deadline, seed=seed)
+
+    monkeypatch.setattr("autoshard.solver.cfn.minimise", minimise)
+    lines: list[str] = []
+    best = cfn.penalty_bisection(soft, rows, _far(30.0), 0, log=lines.append)
+    assert best is not None and best.overflow() <= 0
+    first, second = lines[1], lines[2]  # after "starting at"
+    price = first.split(":")[0]
+    assert "no answer in time" in first and second.startswith(f"{price} again: cost "), lines
+    assert granted[1] >= granted[0] - 0.5
+
+
+def test_no_attempt_is_longer_than_the_longest_until_one_found_nothing(monkeypatch):
+    """Every attempt's window is at most ``_LONGEST_ATTEMPT`` while each finds an answer, however far the
+    deadline (the first price's share of a long limit only brackets the price)."""
+    soft, rows = _bisection_setup()
+    granted = []
+    real = cfn.minimise
+
+    def minimise(sub, deadline, *, seed=0):
+        granted.append(deadline - time.perf_counter())
+        return real(sub, deadline, seed=seed)
+
+    monkeypatch.setattr("autoshard.solver.cfn.minimise", minimise)
+    monkeypatch.setattr("autoshard.solver.cfn._LONGEST_ATTEMPT", 5.0)
+    best = cfn.penalty_bisection(soft, rows, _far(600.0), 0, log=lambda _: None)
+    assert best is not None and granted and max(granted) <= 5.0 + 1e-6
+
+
 def _bisection_setup(seed: int = 8):
     problem = _memory_problem(seed, n=30)
     red = reduce_problem(problem, with_memory=True)
@@ -297,18 +335,23 @@ def test_bisection_descends_from_its_highest_overflowing_answer(monkeypatch):
 
     monkeypatch.setattr("autoshard.solver.cfn.lagrangian_fit", rounds)
     monkeypatch.setattr("autoshard.solver.cfn.penalised_core", priced)
+    monkeypatch.setattr("autoshard.solver.cfn._LEARNED_FLOOR", 0.25)
     best = cfn.penalty_bisection(soft, rows, _far(30.0), 0, log=lines.append)
     answers = [line for line in lines if line.startswith("cfn penalty 2^") and "overflow " in line]
     over = [float(line.split("2^")[1].split(":")[0]) for line in answers
             if float(line.split("overflow ")[1].split(",")[0].split(" ")[0]) > 0]
     assert over, lines
     assert len(calls) >= 2 and all(overflow > 0 and steps == GENTLE_STEPS for overflow, _, steps, _, _ in calls)
-    assert np.allclose(calls[0][1], base * 2.0 ** max(over), rtol=1e-12)
+    first = base * 2.0 ** max(over)
+    assert np.allclose(calls[0][1], first, rtol=1e-12)
     for (_, _, _, before, j), (_, mult, _, _, k) in zip(calls, calls[1:]):
-        scale = mult / before.mult
+        learned = np.maximum(before.mult, 0.25 * first)  # never below a quarter of the first price
+        scale = mult / learned
         assert np.allclose(scale, scale[0]) and np.log2(scale[0]) % 0.5 == pytest.approx(0.0, abs=1e-9)
-        expected = node_prices(soft, rows, before.mult) * scale[0]
+        expected = node_prices(soft, rows, learned) * scale[0]
         assert any(np.allclose(lam, expected, rtol=1e-12) for lam in asked[j:k])
+        assert len({line.split(":")[0] for line in lines if line.startswith(f"cfn learned prices {k} x2^")
+                    and " again:" not in line}) <= 4  # at most _LEARNED_ATTEMPTS scales a round
     assert best is not None and best.overflow() <= 0
     for _, _, _, found, _ in calls:
         if found.state is not None and not len(violations(found.state)):

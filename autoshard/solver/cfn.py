@@ -81,6 +81,12 @@ _ATTEMPT_SHARE = 0.35
 _FULL_ATTEMPT = 10.0
 _NEXT_ATTEMPT = 1.25
 _FIRST_ATTEMPT = 1.5
+# No attempt takes longer than this until one has found nothing in it (then twice that, and so on): on contest S
+# at its full limit the first price's share was 74 s, unproven, for an answer that only brackets the price
+# (overflowing 4.6e11); the answers at the next prices came within 10 s. A price whose attempt found nothing is
+# asked again, with that longer time, while time is left (not when it was cut short as a slow price among quick
+# ones, on purpose): it says nothing about the price.
+_LONGEST_ATTEMPT = 30.0
 # While the median attempt has taken at most this share of the time to ``give_up``, the bracket and bisection
 # may run on to ``give_up``: on the planner's cores under a budget at a 5 s limit the bisection needed ten
 # 0.3 s attempts (from 2^12 to 2^-22) and gave 1.006x the 30 s answer, where the other searches gave 1.42x;
@@ -108,6 +114,15 @@ _UNPROVEN_SHARE = 0.5
 # The learned prices (:func:`learned_prices`) stop after this many of their rounds in a row without a cheaper fit.
 _LEARNED_PATIENCE = 3
 _LEARNED_TOL = 0.5
+# ... and ask toulbar2 at most this many scales each: where the rounds had lowered the multipliers far (x0.9 a
+# round where a point fits), no scale up to 2^15 fitted contest S (6.3e7 over at each), and the bracket spent
+# 62 s on ten scales.
+_LEARNED_ATTEMPTS = 4
+# ... under multipliers at least this share of the first (uniform) one. The rounds lower a point's multiplier
+# a tenth each round it fits, so after 200 rounds most were 1e-9 of it, and toulbar2 filled those points: on
+# S no scale up to 2^15 fitted. From S's answer at 2^17, after 83 rounds (most points at 0.034 of it), scale 1
+# overflowed by 1.25e9 and scale 2 fitted at 1.775e9; floored at a quarter, scale 1 gave 1.589e9, 4.1e7 over.
+_LEARNED_FLOOR = 0.25
 
 
 def available() -> bool:
@@ -274,7 +289,7 @@ def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: i
     uniform = _Scaled(run, base, "penalty 2^")
     start = start_exponent(red, rows) if start is None else start
     log(f"cfn penalty: starting at 2^{start:g}")
-    bracket_and_bisect(uniform, run.time_left, start, _START_STEP, _BISECT_TOL)
+    bracket_and_bisect(uniform, uniform.time_left, start, _START_STEP, _BISECT_TOL)
     run.bisecting = False
     if uniform.over is not None:
         learned_prices(run, uniform.over, base * 2.0**uniform.over_e)
@@ -292,8 +307,9 @@ class _PricedAttempts:
         self.began = time.perf_counter()
         self.took: list[float] = []  # the seconds of each attempt that answered
         self.need = _FIRST_ATTEMPT  # the least time left to start an attempt with
-        self.cap = np.inf  # the most time the next attempt may take
+        self.cap = _LONGEST_ATTEMPT  # the most time the next attempt may take
         self.floor = _SHORT_ATTEMPT  # the least the cap is cut to
+        self.cut_short = False  # whether the last attempt was cut short as a slow price among quick ones
         self.probe = probe  # whether the first attempt may start with a short probe
         self.bisecting = True
 
@@ -322,8 +338,11 @@ class _PricedAttempts:
         t0 = time.perf_counter()
         end = self.latest()
         until = min(end, t0 + max(_ATTEMPT_SHARE * (end - t0), _FULL_ATTEMPT), t0 + self.cap)
+        self.cut_short = False
         if self.quick():  # a slow price among quick ones (memory nearly free) is cut short; it only brackets
-            until = min(until, t0 + max(_SHORT_ATTEMPT, _QUICK_CAP * float(np.median(self.took))))
+            short = t0 + max(_SHORT_ATTEMPT, _QUICK_CAP * float(np.median(self.took)))
+            self.cut_short = short < until
+            until = min(until, short)
         sub, found = self._solved(lam, until, what)
         if found is None or found.choice is None:
             self.need = max(self.need, 2.0 * (until - t0))
@@ -401,24 +420,33 @@ def learned_prices(run: _PricedAttempts, over: CoreState, lam: float) -> None:
         stale, best = (0 if run.best_cost() < best else stale + 1), run.best_cost()
         if stale >= _LEARNED_PATIENCE or not run.time_left():
             return
-        scaled = _Scaled(run, node_prices(red, rows, fit.mult), f"learned prices {k + 1} x2^")
-        bracket_and_bisect(scaled, run.time_left, 0.0, 1.0, _LEARNED_TOL)
+        learned = np.maximum(fit.mult, _LEARNED_FLOOR * lam)
+        scaled = _Scaled(run, node_prices(red, rows, learned), f"learned prices {k + 1} x2^", most=_LEARNED_ATTEMPTS)
+        bracket_and_bisect(scaled, scaled.time_left, 0.0, 1.0, _LEARNED_TOL)
         if scaled.over is None:
             return
-        over, mult = scaled.over, fit.mult * 2.0**scaled.over_e
+        over, mult = scaled.over, learned * 2.0**scaled.over_e
 
 
 class _Scaled:
     """toulbar2's answers under ``prices * 2**e`` (called with ``e``: whether the answer fits), and the answer at
     the highest ``e`` that overflowed (``over``, at ``over_e``)."""
 
-    def __init__(self, run: _PricedAttempts, prices, what: str):
-        self.run, self.prices, self.what = run, prices, what
+    def __init__(self, run: _PricedAttempts, prices, what: str, most: int | None = None):
+        self.run, self.prices, self.what, self.most = run, prices, what, most
         self.over: CoreState | None = None
         self.over_e = -np.inf
+        self.asked = 0  # scales asked (each once, however many attempts it took)
+
+    def time_left(self) -> bool:
+        """Whether another scale may be asked: at most ``most`` of them, while the attempts have time."""
+        return (self.most is None or self.asked < self.most) and self.run.time_left()
 
     def __call__(self, e: float) -> bool:
+        self.asked += 1
         state = self.run.attempt(self.prices * 2.0**e, f"{self.what}{e:g}")
+        while state is None and not self.run.cut_short and self.run.time_left():
+            state = self.run.attempt(self.prices * 2.0**e, f"{self.what}{e:g} again")
         fits = state is not None and state.overflow() <= 0
         if state is not None and not fits and e > self.over_e:
             self.over, self.over_e = state, e

@@ -279,7 +279,9 @@ def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: i
     later than ``deadline``): on contest A at a 15 s limit the first price
     (1.004x the best known) needs 8 s of toulbar2, and the bisection's share
     of a worker that started late left it 7. An attempt after one answered
-    unproven gets half its time; with ``probe`` and less than one full
+    unproven gets half its time, and none more than ``_LONGEST_ATTEMPT``
+    until one found nothing; a price whose attempt found nothing is asked
+    again, with twice the time; with ``probe`` and less than one full
     attempt's time, the first starts with a short one, then takes the rest at
     the same price when that found nothing (see ``_UNPROVEN_SHARE``).
     """

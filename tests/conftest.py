@@ -2,8 +2,17 @@
 
 import os
 
+# The 8 simulated devices are threads that share this machine's cores with the other test worker (and its
+# solver processes). XLA:CPU aborts the whole process when a collective's threads arrive further apart than
+# its termination timeout; once in CI a worker died so ("Fatal Python error: Aborted" while the benchmark
+# suite's quick run read a loss) and pytest-xdist then hung. A slow thread is not a wrong program, so the
+# collectives wait up to 10 minutes (both flags are in jaxlib 0.10.2; XLA added them in 2025).
+_COLLECTIVE_WAIT = 600
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_force_host_platform_device_count=8"
+    + f" --xla_cpu_collective_timeout_seconds={_COLLECTIVE_WAIT}"
+    + f" --xla_cpu_collective_call_terminate_timeout_seconds={_COLLECTIVE_WAIT}"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("AUTOSHARD_VALIDATE", "1")  # CapturedProgram.from_graph checks what each pass builds

@@ -398,9 +398,11 @@ class _PricedAttempts:
 def learned_prices(run: _PricedAttempts, over: CoreState, lam: float) -> None:
     """Forest rounds from the overflowing ``over`` under per-point multipliers (all ``lam`` at first) that follow
     the overflow; then toulbar2 under the node prices (:func:`~autoshard.solver.penalty.node_prices`) the
-    multipliers had at the rounds' best fit, scaled by a power of two bracketed and bisected to
-    ``_LEARNED_TOL`` for the least that fits; then rounds from the answer at the highest scale that
-    overflowed, under those multipliers so scaled; and so on. Each fit goes to ``run.keep``.
+    multipliers had at the rounds' best fit (floored at ``_LEARNED_FLOOR * lam``), scaled by a power of two
+    bracketed and bisected to ``_LEARNED_TOL`` for the least that fits (at most ``_LEARNED_ATTEMPTS``
+    scales); then rounds from the answer at the highest scale that overflowed, under those multipliers so
+    scaled; and so on. Each fit goes to ``run.keep``; toulbar2's attempts here are never cut below the
+    quickest one that answered.
 
     The rounds are a local search, so toulbar2's least-cost choice under their prices overflows far more than
     their own (contest M: by 3.4e14 where they fitted); the scale brings its answer back to a little over the

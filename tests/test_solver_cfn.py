@@ -317,7 +317,7 @@ def test_bisection_descends_from_its_highest_overflowing_answer(monkeypatch):
     the highest price that overflowed, at that price; each later round starts from an overflowing answer of
     toulbar2 under the node prices of the last rounds' multipliers scaled by a power of two, with those
     multipliers so scaled. Every fit is kept when it is the cheapest."""
-    from autoshard.solver.penalty import GENTLE_STEPS, lagrangian_fit, node_prices
+    from autoshard.solver.penalty import GENTLE_STEPS, lagrangian_fit, node_prices, priced_nodes
 
     soft, rows = _bisection_setup()
     base = plain_scale(soft)
@@ -348,7 +348,7 @@ def test_bisection_descends_from_its_highest_overflowing_answer(monkeypatch):
         learned = np.maximum(before.mult, 0.25 * first)  # never below a quarter of the first price
         scale = mult / learned
         assert np.allclose(scale, scale[0]) and np.log2(scale[0]) % 0.5 == pytest.approx(0.0, abs=1e-9)
-        expected = node_prices(soft, rows, learned) * scale[0]
+        expected = node_prices(rows, learned, priced_nodes(soft, rows)) * scale[0]
         assert any(np.allclose(lam, expected, rtol=1e-12) for lam in asked[j:k])
         assert len({line.split(":")[0] for line in lines if line.startswith(f"cfn learned prices {k} x2^")
                     and " again:" not in line}) <= 4  # at most _LEARNED_ATTEMPTS scales a round

@@ -49,6 +49,7 @@ from autoshard.solver.penalty import (
     lagrangian_fit,
     node_prices,
     plain_scale,
+    priced_nodes,
     violations,
 )
 from autoshard.solver.problem import ShardingProblem
@@ -367,6 +368,12 @@ class _PricedAttempts:
         self.log(f"cfn {what}: {said}{' (proven)' if found.proven else ''} ({time.perf_counter() - t0:.1f}s)")
         return state
 
+    def hold_quickest(self) -> None:
+        """From now on no attempt is cut below the quickest one that answered: halved attempts answered late or
+        not at all (contest S's learned prices, at 2 s)."""
+        self.floor = max(self.floor, min(self.took, default=0.0))
+        self.cap = max(self.cap, self.floor)
+
     def best_cost(self) -> float:
         """The cost of the best fit so far (``inf`` while none)."""
         return np.inf if self.best is None else self.best.total_cost()
@@ -411,11 +418,10 @@ def learned_prices(run: _PricedAttempts, over: CoreState, lam: float) -> None:
     ``_LEARNED_PATIENCE`` rounds in a row without a cheaper fit, or when no scaled answer overflowed.
     """
     red, rows = run.red, run.rows
+    priced = priced_nodes(red, rows)
     mult = np.full(rows.num_points, float(lam))
     stale, best = 0, run.best_cost()
-    # as long as the quickest attempt that answered: halved ones came late or not at all (contest S)
-    run.floor = max(run.floor, min(run.took, default=0.0))
-    run.cap = max(run.cap, run.floor)
+    run.hold_quickest()
     for k in itertools.count():
         fit = lagrangian_fit(red, rows, over.choice, mult=mult, deadline=run.final(), seed=run.seed + k,
                              log=lambda m: run.log(f"cfn {m}"), steps=GENTLE_STEPS)
@@ -425,7 +431,8 @@ def learned_prices(run: _PricedAttempts, over: CoreState, lam: float) -> None:
         if stale >= _LEARNED_PATIENCE or not run.time_left():
             return
         learned = np.maximum(fit.mult, _LEARNED_FLOOR * lam)
-        scaled = _Scaled(run, node_prices(red, rows, learned), f"learned prices {k + 1} x2^", most=_LEARNED_ATTEMPTS)
+        scaled = _Scaled(run, node_prices(rows, learned, priced), f"learned prices {k + 1} x2^",
+                         most=_LEARNED_ATTEMPTS)
         bracket_and_bisect(scaled, scaled.time_left, 0.0, 1.0, _LEARNED_TOL)
         if scaled.over is None:
             return

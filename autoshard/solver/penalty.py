@@ -273,6 +273,7 @@ class _PenalisedRounds:
     def __init__(self, red: Reduction, rows: MemoryRows, choice: np.ndarray, seed: int):
         self.red, self.rows = red, rows
         self.n = red.num_core
+        self.priced = priced_nodes(red, rows)
         self.cap = rows.cap
         self.tol = rows.tol
         self.flat = flat_costs(red)
@@ -285,7 +286,7 @@ class _PenalisedRounds:
             ) -> tuple[np.ndarray, np.ndarray]:
         """The round's new choice (from ``choice``; only ``nodes`` may change, when given) and its usage per point."""
         red, rng, n = self.red, self.rng, self.n
-        w = node_prices(red, self.rows, mult)
+        w = node_prices(self.rows, mult, self.priced)
         self.pen.red = dataclasses.replace(
             red,
             node_costs=tuple(
@@ -505,11 +506,17 @@ def lagrangian_fit(
     return LagrangeFit(CoreState(red, rows, best), best_mult)
 
 
-def node_prices(red: Reduction, rows: MemoryRows, mult: np.ndarray) -> np.ndarray:
+def priced_nodes(red: Reduction, rows: MemoryRows) -> np.ndarray:
+    """Per core node, whether its usage is counted at some point (it has usage and a live range): the nodes
+    :func:`node_prices` prices."""
+    return np.array([m is not None for m in red.node_memory], dtype=bool) & (rows.hi > rows.lo)
+
+
+def node_prices(rows: MemoryRows, mult: np.ndarray, priced: np.ndarray) -> np.ndarray:
     """Per core node, the price of a byte of its usage under per-point multipliers ``mult``: the largest
-    multiplier of the points it is live at (0 for nodes without usage or never counted)."""
-    mem = np.array([m is not None for m in red.node_memory], dtype=bool) & (rows.hi > rows.lo)
-    return np.where(mem, range_max(mult, rows.lo, rows.hi), 0.0)
+    multiplier of the points it is live at, 0 where not ``priced`` (:func:`priced_nodes`, computed once by
+    the searches that price every round)."""
+    return np.where(priced, range_max(mult, rows.lo, rows.hi), 0.0)
 
 
 def plain_scale(red: Reduction) -> float:
@@ -576,13 +583,14 @@ def lagrangian_bp(
     if red.num_core == 0:
         return None
     bp = MinSumBP(red)
+    priced = priced_nodes(red, rows)
     mult = np.full(rows.num_points, lam)
     cap = rows.cap
     best, best_cost = None, np.inf
     stale = 0
     while time.perf_counter() < deadline and _BP_STEPS.go_on(best is not None, stale):
         stale += 1
-        w = node_prices(red, rows, mult)
+        w = node_prices(rows, mult, priced)
         bp.set_node_costs(
             [c if m is None or x == 0 else c + x * m for c, m, x in zip(red.node_costs, red.node_memory, w,
                                                                          strict=True)]

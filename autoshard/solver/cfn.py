@@ -44,6 +44,7 @@ from autoshard.solver.local import CoreState, flat_costs, min_memory_choice
 from autoshard.solver.memory import MemoryRows
 from autoshard.solver.penalty import (
     GENTLE_STEPS,
+    bisect,
     bracket_and_bisect,
     fitted,
     lagrangian_fit,
@@ -124,6 +125,9 @@ _LEARNED_ATTEMPTS = 4
 # S no scale up to 2^15 fitted. From S's answer at 2^17, after 83 rounds (most points at 0.034 of it), scale 1
 # overflowed by 1.25e9 and scale 2 fitted at 1.775e9; floored at a quarter, scale 1 gave 1.589e9, 4.1e7 over.
 _LEARNED_FLOOR = 0.25
+# The point prices (:func:`point_prices`) price at most this many points, and bisect their exponent to this.
+_POINT_MOST = 32
+_POINT_TOL = 0.25
 
 
 def available() -> bool:
@@ -261,8 +265,13 @@ def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: i
     ``red`` is the :func:`~autoshard.solver.penalty.soften`-ed core. One price
     ``plain_scale(red) * 2**e`` for every node starts at ``e = start``
     (:func:`start_exponent` when None), steps out in doubling steps until one
-    answer fits and one does not, then bisects to ``_BISECT_TOL``. Then
-    :func:`learned_prices` starts from the answer at the highest price that
+    answer fits and one does not (bisecting to ``_START_STEP`` apart). When
+    toulbar2 proved some answer optimal, :func:`point_prices` follows: memory
+    priced only at the points where answers overflowed most, from the least
+    fitting exponent (contest A fitted at 1.0003x the best known, M at 1.0000x,
+    against 1.003x from the uniform and learned prices; the answers on contest
+    S are unproven, and these prices gave it nothing). Then the uniform price
+    is bisected to ``_BISECT_TOL``, and :func:`learned_prices` starts from the answer at the highest price that
     overflowed, at that price: forest rounds with per-point multipliers that
     follow the overflow, then toulbar2 under the node prices those multipliers
     learned, then rounds from its answer, and so on. toulbar2's answers there
@@ -292,7 +301,11 @@ def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: i
     uniform = _Scaled(run, base, "penalty 2^")
     start = start_exponent(red, rows) if start is None else start
     log(f"cfn penalty: starting at 2^{start:g}")
-    bracket_and_bisect(uniform, uniform.time_left, start, _START_STEP, _BISECT_TOL)
+    bracket_and_bisect(uniform, uniform.time_left, start, _START_STEP, _START_STEP)
+    if uniform.over is not None and np.isfinite(uniform.fit_e):
+        if run.proven:
+            point_prices(run, uniform.over, uniform.fit_e)
+        bisect(uniform, uniform.time_left, uniform.over_e, uniform.fit_e, _BISECT_TOL)
     run.bisecting = False
     if uniform.over is not None:
         learned_prices(run, uniform.over, base * 2.0**uniform.over_e)
@@ -315,6 +328,7 @@ class _PricedAttempts:
         self.cut_short = False  # whether the last attempt was cut short as a slow price among quick ones
         self.probe = probe  # whether the first attempt may start with a short probe
         self.bisecting = True
+        self.proven = False  # whether some attempt was proven optimal
 
     def quick(self) -> bool:
         """Whether the bracket and bisection go on with quick attempts (they may then run on to ``give_up``): each
@@ -353,6 +367,7 @@ class _PricedAttempts:
             self.log(f"cfn {what}: no answer in time ({time.perf_counter() - t0:.1f}s)")
             return None
         self.took.append(time.perf_counter() - t0)
+        self.proven |= found.proven
         self.need = max(self.need, _NEXT_ATTEMPT * float(np.median(self.took)))
         if not found.proven:
             self.cap = max(_UNPROVEN_SHARE * self.took[-1], self.floor)
@@ -439,6 +454,52 @@ def learned_prices(run: _PricedAttempts, over: CoreState, lam: float) -> None:
         over, mult = scaled.over, learned * 2.0**scaled.over_e
 
 
+def point_prices(run: _PricedAttempts, over: CoreState, e: float) -> None:
+    """toulbar2 under memory priced only at the points where answers overflowed most: per-point multipliers
+    ``plain_scale * 2**e`` at those points and 0 elsewhere, so a node pays that price per byte once for each of
+    them it is live at (the memory rows' Lagrangian with its multipliers on a few rows).
+
+    The points start with the one where ``over`` (the uniform price's highest overflowing answer) overflows
+    most. An answer that overflows most at a point not yet priced adds that point and is asked again at the
+    same ``e`` (at most ``_POINT_MOST`` points); one that overflows most at a priced point raises ``e``; one
+    that fits lowers it; ``e`` steps by ``_START_STEP / 4`` until it is bracketed, then bisects to
+    ``_POINT_TOL``. ``e`` starts at ``fit_e``, the least uniform exponent that fitted. Each fit, or repair of
+    an overflowing answer that fits, goes to ``run.keep``.
+
+    A uniform price charges every byte at every point, and on the contest cores memory binds at a few points
+    only: contest A's uniform answers fitted at 6.570e9 at best (2^11.5, 8.6% under the limit at its fullest
+    point) and overflowed by 5% at 2^11; priced at the point where that answer overflowed most, and then at a
+    second, A fitted at 6.5503e9 (1.0003x the best known) in two attempts, 16 s. Contest M fitted at 4.9937e10
+    (1.0002x) in eight attempts, 64 s, against 5.01e10 from its uniform and learned prices.
+    """
+    red, rows = run.red, run.rows
+    points = [_fullest(over)]
+    lo, hi, step = -np.inf, np.inf, _START_STEP / 4
+    while run.time_left():
+        live = sum(((rows.lo <= p) & (rows.hi > p)).astype(np.float64) for p in points)
+        scaled = _Scaled(run, plain_scale(red) * live, f"point prices ({len(points)}) 2^")
+        if scaled(e):
+            hi = e
+        elif scaled.over is None:  # no answer in the time left
+            return
+        elif _fullest(scaled.over) not in points and len(points) < _POINT_MOST:
+            points.append(_fullest(scaled.over))
+            continue
+        else:
+            lo = e
+        if hi - lo <= _POINT_TOL:
+            return
+        if np.isfinite(lo) and np.isfinite(hi):
+            e = 0.5 * (lo + hi)
+        else:
+            e = e - step if np.isfinite(hi) else e + step
+
+
+def _fullest(state: CoreState) -> int:
+    """The memory point where ``state`` overflows most (or is nearest its capacity)."""
+    return int(np.argmax(state.usage - state.cap))
+
+
 class _Scaled:
     """toulbar2's answers under ``prices * 2**e`` (called with ``e``: whether the answer fits), and the answer at
     the highest ``e`` that overflowed (``over``, at ``over_e``)."""
@@ -447,6 +508,7 @@ class _Scaled:
         self.run, self.prices, self.what, self.most = run, prices, what, most
         self.over: CoreState | None = None
         self.over_e = -np.inf
+        self.fit_e = np.inf  # the lowest ``e`` whose answer fitted
         self.asked = 0  # scales asked (each once, however many attempts it took)
 
     def time_left(self) -> bool:
@@ -461,4 +523,6 @@ class _Scaled:
         fits = state is not None and state.overflow() <= 0
         if state is not None and not fits and e > self.over_e:
             self.over, self.over_e = state, e
+        if fits:
+            self.fit_e = min(self.fit_e, e)
         return fits

@@ -251,7 +251,14 @@ def bracket_and_bisect(attempt, time_left, e: float, step: float, tol: float) ->
                 break
             e += step
         step *= 2
-    while lo is not None and hi is not None and hi - lo > tol and time_left():
+    if lo is not None and hi is not None:
+        bisect(attempt, time_left, lo, hi, tol)
+
+
+def bisect(attempt, time_left, lo: float, hi: float, tol: float) -> None:
+    """Bisect the exponents between ``lo`` (whose attempt overflowed) and ``hi`` (whose attempt fitted) down to
+    ``tol``."""
+    while hi - lo > tol and time_left():
         mid = 0.5 * (lo + hi)
         if attempt(mid):
             hi = mid

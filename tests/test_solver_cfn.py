@@ -357,3 +357,95 @@ def test_bisection_descends_from_its_highest_overflowing_answer(monkeypatch):
     for _, _, _, found, _ in calls:
         if found.state is not None and not len(violations(found.state)):
             assert best.total_cost() <= found.state.total_cost() + 1e-9
+
+
+def _priced_attempts(monkeypatch):
+    """Record every toulbar2 attempt's prices and answer (in order) while the bisection runs."""
+    asked, answers = [], []
+    real_core, real_min = cfn.penalised_core, cfn.minimise
+
+    def priced(red_, lam, deadline=None):
+        asked.append(np.broadcast_to(np.asarray(lam, dtype=np.float64), (red_.num_core,)).copy())
+        sub = real_core(red_, lam, deadline)
+        answers.append((red_, sub))
+        return sub
+
+    def minimise(sub, deadline, *, seed=0):
+        found = real_min(sub, deadline, seed=seed)
+        red_, _ = answers[-1]
+        answers[-1] = None if found is None or found.choice is None else sub.expand(found.choice, red_.num_core)
+        return found
+
+    monkeypatch.setattr("autoshard.solver.cfn.penalised_core", priced)
+    monkeypatch.setattr("autoshard.solver.cfn.minimise", minimise)
+    return asked, answers
+
+
+def test_point_prices_price_the_fullest_points_from_the_least_fitting_price(monkeypatch):
+    """After the uniform bracket, memory is priced only at the points where answers overflowed most: the first
+    is where the highest overflowing uniform answer overflows most, each answer that overflows most at a point
+    not yet priced adds it, and a node pays ``plain_scale * 2**e`` per byte for each priced point it is live
+    at, from ``e`` the least uniform exponent that fitted. Every fit is kept when it is the cheapest."""
+    soft, rows = _bisection_setup()
+    base = plain_scale(soft)
+    asked, answers = _priced_attempts(monkeypatch)
+    lines: list[str] = []
+    best = cfn.penalty_bisection(soft, rows, _far(600.0), 0, log=lines.append)
+    tried = [line for line in lines if line.startswith(("cfn penalty 2^", "cfn point prices", "cfn learned"))]
+    assert len(tried) == len(asked) == len(answers)
+    first = next(i for i, line in enumerate(tried) if line.startswith("cfn point prices"))
+    uniform = [(float(line.split("2^")[1].split(":")[0]), CoreState(soft, rows, answers[i]))
+               for i, line in enumerate(tried[:first])]
+    fit_e = min(e for e, st in uniform if st.overflow() <= 0)
+    over = max(((e, st) for e, st in uniform if st.overflow() > 0), key=lambda x: x[0])[1]
+    points = [int(np.argmax(over.usage - over.cap))]
+    assert float(tried[first].split("2^")[1].split(":")[0]) == fit_e
+    for i in range(first, len(tried)):
+        if not tried[i].startswith("cfn point prices"):
+            break
+        e = float(tried[i].split("2^")[1].split(":")[0])
+        assert tried[i].startswith(f"cfn point prices ({len(points)}) 2^")
+        live = sum(((rows.lo <= p) & (rows.hi > p)).astype(np.float64) for p in points)
+        assert np.allclose(asked[i], base * 2.0**e * live, rtol=1e-12)
+        state = CoreState(soft, rows, answers[i])
+        fullest = int(np.argmax(state.usage - state.cap))
+        if state.overflow() > 0 and fullest not in points:
+            points.append(fullest)
+        if state.overflow() <= 0 and not len(violations(state)):
+            assert best.total_cost() <= state.total_cost() + 1e-9
+
+
+def test_no_point_prices_while_toulbar2_proves_nothing(monkeypatch):
+    """Unproven answers need not follow their prices (contest S), so the point prices run only once some answer
+    was proven."""
+    soft, rows = _bisection_setup()
+    real = cfn.minimise
+
+    def unproven(sub, deadline, *, seed=0):
+        found = real(sub, deadline, seed=seed)
+        return found if found is None else dataclasses.replace(found, proven=False)
+
+    monkeypatch.setattr("autoshard.solver.cfn.minimise", unproven)
+    lines: list[str] = []
+    best = cfn.penalty_bisection(soft, rows, _far(600.0), 0, log=lines.append)
+    assert best is not None and best.overflow() <= 0
+    assert any(line.startswith("cfn penalty 2^") for line in lines)
+    assert not any(line.startswith("cfn point prices") for line in lines)
+
+
+@pytest.mark.parametrize("seed", [6, 8, 10])
+def test_point_prices_bound_the_optimum_under_the_limit(seed):
+    """toulbar2's bound under point prices, less the multipliers times the priced points' capacities, is a
+    Lagrangian bound: at most the exact optimum under the memory limit."""
+    problem = _memory_problem(seed, n=30)
+    red = reduce_problem(problem, with_memory=True)
+    rows = memory_rows(problem.intervals, problem.memory_limit, red.core_nodes, red.base_usage, True)
+    stats: dict = {}
+    lines: list[str] = []
+    cfn.penalty_bisection(soften(red), rows, _far(600.0), 0, log=lines.append, stats=stats)
+    assert any(line.startswith("cfn point prices") for line in lines), lines
+    exact = solve(problem, time_limit=60, workers=1)
+    assert exact.optimal
+    core_optimum = CoreState(red, rows, _core_choice(red, exact.choice)).total_cost()
+    assert np.isfinite(stats["free_bound"])
+    assert stats["free_bound"] <= core_optimum * (1 + 1e-9) + 1e-9

@@ -227,11 +227,23 @@ def free_bound(red: Reduction, deadline: float, *, seed: int = 0) -> float:
     choice's cost, read off toulbar2's choice. A solve stopped early still gives its dual bound.
     """
     sub = penalised_core(red, 0.0, deadline)
-    found = minimise(sub, deadline, seed=seed)
+    return priced_bound(red, 0.0, sub, minimise(sub, deadline, seed=seed))
+
+
+def priced_bound(red: Reduction, lam, sub: Reduction, found: CfnAnswer | None) -> float:
+    """A lower bound on the least ``cost + lam * usage`` over ``red``'s choices (memory ignored), from toulbar2's
+    answer ``found`` on ``sub = penalised_core(red, lam)``, or ``-inf``.
+
+    toulbar2's bound is on ``sub``; the reductions add the same constant to every choice's cost, read off
+    toulbar2's choice.
+    """
     if found is None or found.choice is None or not np.isfinite(found.bound):
         return -np.inf
-    constant = flat_costs(red).cost(sub.expand(found.choice, red.num_core)) - flat_costs(sub).cost(found.choice)
-    return found.bound + constant
+    choice = sub.expand(found.choice, red.num_core)
+    lam = np.broadcast_to(np.asarray(lam, dtype=np.float64), (red.num_core,))
+    priced = math.fsum(float(x * m[c]) for x, m, c in zip(lam, red.node_memory, choice, strict=True)
+                       if m is not None and x)
+    return found.bound + flat_costs(red).cost(choice) + priced - flat_costs(sub).cost(found.choice)
 
 
 def start_exponent(red: Reduction, rows: MemoryRows) -> float:
@@ -329,6 +341,7 @@ class _PricedAttempts:
         self.probe = probe  # whether the first attempt may start with a short probe
         self.bisecting = True
         self.proven = False  # whether some attempt was proven optimal
+        self.bound = -np.inf  # the last attempt's lower bound on its priced cost (:func:`priced_bound`)
 
     def quick(self) -> bool:
         """Whether the bracket and bisection go on with quick attempts (they may then run on to ``give_up``): each
@@ -361,6 +374,7 @@ class _PricedAttempts:
             self.cut_short = short < until
             until = min(until, short)
         sub, found = self._solved(lam, until, what)
+        self.bound = priced_bound(self.red, lam, sub, found)
         if found is None or found.choice is None:
             self.need = max(self.need, 2.0 * (until - t0))
             self.cap = max(self.cap, self.need)
@@ -384,9 +398,10 @@ class _PricedAttempts:
         return state
 
     def hold_quickest(self) -> None:
-        """From now on no attempt is cut below the quickest one that answered: halved attempts answered late or
-        not at all (contest S's learned prices, at 2 s)."""
-        self.floor = max(self.floor, min(self.took, default=0.0))
+        """From now on no attempt is cut below ``_NEXT_ATTEMPT`` times the quickest one that answered: halved
+        attempts answered late or not at all (contest S's learned prices, at 2 s; contest A's point prices at
+        3.9 s and again at 8.1 s, where its attempts had answered in 7.3-8.0 s)."""
+        self.floor = max(self.floor, _NEXT_ATTEMPT * min(self.took, default=0.0))
         self.cap = max(self.cap, self.floor)
 
     def best_cost(self) -> float:
@@ -466,6 +481,10 @@ def point_prices(run: _PricedAttempts, over: CoreState, e: float) -> None:
     ``_POINT_TOL``. ``e`` starts at ``fit_e``, the least uniform exponent that fitted. Each fit, or repair of
     an overflowing answer that fits, goes to ``run.keep``.
 
+    These prices are the memory rows' Lagrangian relaxation, so toulbar2's bound under them, less the
+    multipliers times the priced points' capacities, is a lower bound under the memory limit; the best of
+    them goes to ``run.stats["free_bound"]``.
+
     A uniform price charges every byte at every point, and on the contest cores memory binds at a few points
     only: contest A's uniform answers fitted at 6.570e9 at best (2^11.5, 8.6% under the limit at its fullest
     point) and overflowed by 5% at 2^11; priced at the point where that answer overflowed most, and then at a
@@ -473,12 +492,17 @@ def point_prices(run: _PricedAttempts, over: CoreState, e: float) -> None:
     (1.0002x) in eight attempts, 64 s, against 5.01e10 from its uniform and learned prices.
     """
     red, rows = run.red, run.rows
+    run.hold_quickest()
     points = [_fullest(over)]
     lo, hi, step = -np.inf, np.inf, _START_STEP / 4
     while run.time_left():
         live = sum(((rows.lo <= p) & (rows.hi > p)).astype(np.float64) for p in points)
         scaled = _Scaled(run, plain_scale(red) * live, f"point prices ({len(points)}) 2^")
-        if scaled(e):
+        fits = scaled(e)
+        bound = run.bound - plain_scale(red) * 2.0**e * float(rows.cap[points].sum())
+        if bound > run.stats.get("free_bound", -np.inf):
+            run.stats["free_bound"] = bound
+        if fits:
             hi = e
         elif scaled.over is None:  # no answer in the time left
             return

@@ -18,6 +18,10 @@ the optimum (5.26e9) in 10 s.
   then fits. This is the first-place contest team's scheme (memory limits as
   usage penalties, a cost function network solver for each penalty, greedy
   repair), with our own search around it.
+* :func:`point_prices`: memory priced only at the few time points where
+  answers overflowed most (the memory rows' Lagrangian on those rows), one
+  exponent bisected; toulbar2's bound under them is a lower bound under the
+  limit (:func:`priced_bound`).
 * :func:`learned_prices`: from the highest price's overflowing answer, forest
   rounds with per-point multipliers alternate with toulbar2 under the node
   prices those multipliers learned (per-node penalties with adaptive weights).

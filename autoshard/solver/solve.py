@@ -195,8 +195,8 @@ def solve(
       says why it stopped: ``"optimal"`` (proven, also when the reductions left
       no core), ``"gap"`` (the relative gap to the lower bound closed to within
       1e-6; also ``optimal``) or ``"time_limit"``. ``stats["bound"]`` (a lower
-      bound on the cost: the MILP's, or toulbar2's or belief propagation's dual
-      bound with memory ignored) and ``stats["gap"]`` (``(cost - bound) / cost``) come with
+      bound on the cost: the MILP's, toulbar2's Lagrangian bound under its point
+      prices, or toulbar2's or belief propagation's dual bound with memory ignored) and ``stats["gap"]`` (``(cost - bound) / cost``) come with
       every answer that has a finite cost; ``stats["elapsed"]`` (the solve's own
       clock), ``stats["time_limit"]`` and ``stats["first_fit"]`` (when a feasible
       choice was first held) are seconds.

@@ -482,7 +482,7 @@ def point_prices(run: _PricedAttempts, over: CoreState, e: float) -> None:
     most. An answer that overflows most at a point not yet priced adds that point and is asked again at the
     same ``e`` (at most ``_POINT_MOST`` points); one that overflows most at a priced point raises ``e``; one
     that fits lowers it; ``e`` steps by ``_START_STEP / 4`` until it is bracketed, then bisects to
-    ``_POINT_TOL``. ``e`` starts at ``fit_e``, the least uniform exponent that fitted. Each fit, or repair of
+    ``_POINT_TOL``. The first ``e`` is the least uniform exponent that fitted. Each fit, or repair of
     an overflowing answer that fits, goes to ``run.keep``.
 
     These prices are the memory rows' Lagrangian relaxation, so toulbar2's bound under them, less the

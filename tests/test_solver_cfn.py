@@ -322,20 +322,15 @@ def test_bisection_descends_from_its_highest_overflowing_answer(monkeypatch):
 
     soft, rows = _bisection_setup()
     base = plain_scale(soft)
-    calls, lines, asked = [], [], []
-    real_core = cfn.penalised_core
+    calls, lines = [], []
+    asked, _ = _priced_attempts(monkeypatch)
 
     def rounds(red_, rows_, start, *, mult, deadline, seed, log=None, steps):
         found = lagrangian_fit(red_, rows_, start, mult=mult, deadline=deadline, seed=seed, steps=steps)
         calls.append((CoreState(red_, rows_, start).overflow(), np.array(mult), steps, found, len(asked)))
         return found
 
-    def priced(red_, lam, deadline=None):
-        asked.append(np.broadcast_to(np.asarray(lam, dtype=np.float64), (red_.num_core,)).copy())
-        return real_core(red_, lam, deadline)
-
     monkeypatch.setattr("autoshard.solver.cfn.lagrangian_fit", rounds)
-    monkeypatch.setattr("autoshard.solver.cfn.penalised_core", priced)
     monkeypatch.setattr("autoshard.solver.cfn._LEARNED_FLOOR", 0.25)
     best = cfn.penalty_bisection(soft, rows, _far(600.0), 0, log=lines.append)
     answers = [line for line in lines if line.startswith("cfn penalty 2^") and "overflow " in line]

@@ -345,7 +345,7 @@ class _PricedAttempts:
         self.probe = probe  # whether the first attempt may start with a short probe
         self.bisecting = True
         self.proven = False  # whether some attempt was proven optimal
-        self.bound = -np.inf  # the last attempt's lower bound on its priced cost (:func:`priced_bound`)
+        self.last: tuple | None = None  # the last attempt's prices, priced core and answer
 
     def quick(self) -> bool:
         """Whether the bracket and bisection go on with quick attempts (they may then run on to ``give_up``): each
@@ -378,7 +378,7 @@ class _PricedAttempts:
             self.cut_short = short < until
             until = min(until, short)
         sub, found = self._solved(lam, until, what)
-        self.bound = priced_bound(self.red, lam, sub, found)
+        self.last = (lam, sub, found)
         if found is None or found.choice is None:
             self.need = max(self.need, 2.0 * (until - t0))
             self.cap = max(self.cap, self.need)
@@ -407,6 +407,11 @@ class _PricedAttempts:
         3.9 s and again at 8.1 s, where its attempts had answered in 7.3-8.0 s)."""
         self.floor = max(self.floor, _NEXT_ATTEMPT * min(self.took, default=0.0))
         self.cap = max(self.cap, self.floor)
+
+    def last_bound(self) -> float:
+        """The last attempt's lower bound on its priced cost (:func:`priced_bound`; ``-inf`` when none), computed
+        when asked: only the point prices turn it into a bound under the limit."""
+        return -np.inf if self.last is None else priced_bound(self.red, *self.last)
 
     def best_cost(self) -> float:
         """The cost of the best fit so far (``inf`` while none)."""
@@ -495,23 +500,24 @@ def point_prices(run: _PricedAttempts, over: CoreState, e: float) -> None:
     second, A fitted at 6.5503e9 (1.0003x the best known) in two attempts, 16 s. Contest M fitted at 4.9937e10
     (1.0002x) in eight attempts, 64 s, against 5.01e10 from its uniform and learned prices.
     """
-    red, rows = run.red, run.rows
+    rows, base = run.rows, plain_scale(run.red)
     run.hold_quickest()
     points = [_fullest(over)]
     lo, hi, step = -np.inf, np.inf, _START_STEP / 4
     while run.time_left():
         live = sum(((rows.lo <= p) & (rows.hi > p)).astype(np.float64) for p in points)
-        scaled = _Scaled(run, plain_scale(red) * live, f"point prices ({len(points)}) 2^")
+        scaled = _Scaled(run, base * live, f"point prices ({len(points)}) 2^")
         fits = scaled(e)
-        bound = run.bound - plain_scale(red) * 2.0**e * float(rows.cap[points].sum())
+        bound = run.last_bound() - base * 2.0**e * float(rows.cap[points].sum())
         if bound > run.stats.get("free_bound", -np.inf):
             run.stats["free_bound"] = bound
+        worst = None if fits or scaled.over is None else _fullest(scaled.over)
         if fits:
             hi = e
-        elif scaled.over is None:  # no answer in the time left
+        elif worst is None:  # no answer in the time left
             return
-        elif _fullest(scaled.over) not in points and len(points) < _POINT_MOST:
-            points.append(_fullest(scaled.over))
+        elif worst not in points and len(points) < _POINT_MOST:
+            points.append(worst)
             continue
         else:
             lo = e

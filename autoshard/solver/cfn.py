@@ -579,7 +579,7 @@ def node_weights(run: _PricedAttempts, over: CoreState, over_e: float, fit_e: fl
     contest S's answers under the uniform and learned prices came no nearer than 1.575e9 (1.9e7 over), and
     forest rounds from them fitted at 1.58-1.64e9. Under node prices its answers came near the limit after
     4-9 rounds (1.5406e9, 1.1e7 over, at the ninth, 182 s into its 240 s), and the rounds from that one
-    fitted at 1.5372e9, against a best known 1.5346e9. A probe with 9 s attempts from the bracket [2^16, 2^18]
+    fitted at 1.5372e9, against a best known 1.5346e9. A probe with 9 s attempts from the same bracket
     found near answers whose rounds fitted at 1.5341e9 and 1.5356e9.
     """
     red, rows = run.red, run.rows

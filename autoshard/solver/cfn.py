@@ -343,9 +343,8 @@ def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: i
         run.bisecting = False
         node_weights(run, uniform.over, uniform.over_e, uniform.fit_e)
         return run.best
-    if bracketed and run.proven:
-        point_prices(run, uniform.over, uniform.fit_e)
     if bracketed:
+        point_prices(run, uniform.over, uniform.fit_e)
         bisect(uniform, uniform.time_left, uniform.over_e, uniform.fit_e, _BISECT_TOL)
     run.bisecting = False
     if uniform.over is not None:

@@ -144,10 +144,6 @@ _WEIGHT_ROUNDS_BELOW = 4.0
 _WEIGHT_NEAR = 1.0
 # ... and they stop after this many rounds in a row without an answer, fitting or near, cheaper than any before.
 _WEIGHT_PATIENCE = 3
-# They run only with time for this many rounds (else the uniform bisection and learned prices do): contest S's
-# answers came near enough for the forest rounds to pay after 4-9 rounds; at half its limit (3 rounds) they
-# gave 1.600e9, against 1.568e9 from the learned prices.
-_WEIGHT_MIN_ROUNDS = 6
 # A node's bracket grows by these factors a round: its top when its highest price overflowed, its bottom (down)
 # when no price did. After the first such round in a row the power grows with the streak (the bottom's by 1.25
 # a round), less so as the rounds go on (_WEIGHT_FADE), at most the caps. The bottom of a node that no answer
@@ -304,22 +300,25 @@ def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: i
     ``red`` is the :func:`~autoshard.solver.penalty.soften`-ed core. One price
     ``plain_scale(red) * 2**e`` for every node starts at ``e = start``
     (:func:`start_exponent` when None), steps out in doubling steps until one
-    answer fits and one does not (bisecting to ``_START_STEP`` apart).
-
-    When toulbar2 proved nothing there and time is left for ``_WEIGHT_MIN_ROUNDS`` of its rounds,
-    :func:`node_weights` follows: a price per node, bracketed by the answers, then forest rounds from the
-    last answer near the limit (contest S at its full limit fitted at 1.5372e9, where the learned prices
-    below gave 1.569e9). Otherwise, when toulbar2 proved some answer,
-    :func:`point_prices`: memory priced only at the points where answers overflowed most, from the least
-    fitting exponent (contest A fitted at 1.0003x the best known, M at 1.0000x, against 1.003x from the
-    uniform and learned prices). Then the uniform price is bisected to ``_BISECT_TOL``, and
-    :func:`learned_prices` starts from the answer at the highest price that overflowed, at that price:
-    forest rounds with per-point multipliers that follow the overflow, then toulbar2 under the node prices
-    those multipliers learned, then rounds from its answer, and so on. An answer that overflows is repaired
-    (:func:`~autoshard.solver.penalty.fitted`) and kept when it then fits (not in the node weights, whose
-    repairs never paid). ``post(state)`` is called with each new best fit; ``stats["cfn_attempts"]`` counts
-    the toulbar2 solves.
-
+    answer fits and one does not (bisecting to ``_START_STEP`` apart). When
+    toulbar2 proved some answer optimal, :func:`point_prices` follows: memory
+    priced only at the points where answers overflowed most, from the least
+    fitting exponent (contest A fitted at 1.0003x the best known, M at 1.0000x,
+    against 1.003x from the uniform and learned prices; the answers on contest
+    S are unproven, and these prices gave it nothing). Then the uniform price
+    is bisected to ``_BISECT_TOL``, and :func:`learned_prices` starts from the answer at the highest price that
+    overflowed, at that price: forest rounds with per-point multipliers that
+    follow the overflow, then toulbar2 under the node prices those multipliers
+    learned, then rounds from its answer, and so on. toulbar2's answers there
+    are cheap and a little over the limit: on contest S at its full limit the
+    first rounds fitted at 1.569e9 from its answer at 2^17, where the
+    bisection's best fit was 2.11e9 and the other searches' 1.61e9; from its
+    answer at 2^16 they fitted at 1.598e9, and toulbar2 and rounds under the
+    learned prices took that to 1.556e9 and 1.551e9 within 85 s (the same
+    rounds restarted from their best fit: 1.573e9). An
+    answer that overflows is repaired (:func:`~autoshard.solver.penalty.fitted`)
+    and kept when it then fits. ``post(state)`` is called with
+    each new best fit; ``stats["cfn_attempts"]`` counts the toulbar2 solves.
     While nothing fits, or while the bracket and bisection go on with quick
     attempts (``_QUICK_ATTEMPT``), attempts may run on to ``give_up`` (when
     later than ``deadline``): on contest A at a 15 s limit the first price
@@ -339,7 +338,7 @@ def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: i
     log(f"cfn penalty: starting at 2^{start:g}")
     bracket_and_bisect(uniform, uniform.time_left, start, _START_STEP, _START_STEP)
     bracketed = uniform.over is not None and np.isfinite(uniform.fit_e)
-    if bracketed and not run.proven and _weights_have_time(run):
+    if bracketed and not run.proven:
         run.bisecting = False
         node_weights(run, uniform.over, uniform.over_e, uniform.fit_e)
         return run.best
@@ -563,29 +562,24 @@ def node_weights(run: _PricedAttempts, over: CoreState, over_e: float, fit_e: fl
     """toulbar2 under a price per node, each bracketed by the answers (:class:`_NodeBrackets`), then forest rounds
     from the last answer that came near the limit.
 
-    Each round asks ``_WEIGHT_TASKS`` prices per node, spread over its bracket, which starts between the uniform
-    prices ``plain_scale * 2**over_e`` (overflowed) and ``2**fit_e`` (fitted): a node live at a point where an
-    answer overflowed needs a higher price, one live only where answers fitted may have a lower one. Each
-    attempt takes the median attempt so far, at most ``_WEIGHT_ATTEMPT`` seconds (at least ``_SHORT_ATTEMPT``).
-    The rounds stop ``_WEIGHT_PATIENCE`` rounds after the last one with an answer, fitting or over the limit by
-    at most ``_WEIGHT_NEAR`` of it, cheaper than every one before, or with ``_WEIGHT_ROUNDS_SHARE`` of their
-    time left; then forest rounds (:func:`~autoshard.solver.penalty.lagrangian_fit`) run from the last such
-    answer that overflowed (``over`` when none did), their multipliers starting ``_WEIGHT_ROUNDS_BELOW``
-    doublings under ``2**over_e``, so that they are raised only where that answer overflows. Fits go to
-    ``run.keep``.
+    Each round asks ``_WEIGHT_TASKS`` prices per node, spread over its bracket, which starts as the uniform
+    prices ``plain_scale * 2**over_e`` (overflowed) and ``2**fit_e`` (fitted). A node live at a point where an
+    answer overflowed needs a higher price; one live only where it fitted may have a lower one. The last
+    ``_WEIGHT_ROUNDS_SHARE`` of their time goes to forest rounds (:func:`~autoshard.solver.penalty.lagrangian_fit`) from the
+    last answer over the limit by at most ``_WEIGHT_NEAR`` of it (``over`` when none was), their multipliers
+    starting ``_WEIGHT_ROUNDS_BELOW`` doublings under ``2**over_e``: they raise them only where the answer
+    overflows. Fits go to ``run.keep``.
 
-    This is for cores where toulbar2 proves nothing, so that its answers need not follow their prices:
-    contest S's answers under the uniform and learned prices came no nearer than 1.575e9 (1.9e7 over), and
-    forest rounds from them fitted at 1.58-1.64e9. Under node prices its answers came near the limit after
-    4-9 rounds (1.5406e9, 1.1e7 over, at the ninth, 182 s into its 240 s), and the rounds from that one
-    fitted at 1.5372e9, against a best known 1.5346e9. A probe with 9 s attempts from the same bracket
-    found near answers whose rounds fitted at 1.5341e9 and 1.5356e9.
+    For cores where toulbar2 proves nothing: contest S's answers under the uniform and learned prices are
+    unproven, and their rounds fitted at 1.569e9 at best. Under these prices its answers came near the limit
+    (1.5419e9, 6.7e6 over; 1.6236e9, 5.0e7 over) after 8-11 rounds, and rounds from them fitted at 1.5356e9
+    and 1.5341e9, against a best known 1.5346e9. Answers from the first rounds gave 1.58-1.63e9.
     """
     red, rows = run.red, run.rows
     base = plain_scale(red)
     priced = priced_nodes(red, rows)
     brackets = _NodeBrackets(priced, base * 2.0**over_e, base * 2.0**fit_e, over)
-    run.hold(_weight_seconds(run))
+    run.hold(max(_SHORT_ATTEMPT, min(_WEIGHT_ATTEMPT, float(np.median(run.took)) if run.took else _WEIGHT_ATTEMPT)))
     start, keep = over, _WEIGHT_ROUNDS_SHARE * max(run.latest() - time.perf_counter(), 0.0)
     cheapest, stale = np.inf, 0  # the cheapest answer that fitted or came near, and the rounds since it fell
     for k in itertools.count(1):
@@ -610,20 +604,6 @@ def node_weights(run: _PricedAttempts, over: CoreState, over_e: float, fit_e: fl
                          log=lambda m: run.log(f"cfn node weights: {m}"), steps=GENTLE_STEPS)
     if fit.state is not None:
         run.keep(fit.state)
-
-
-def _weight_seconds(run: _PricedAttempts) -> float:
-    """The time each of :func:`node_weights`' attempts takes: the median attempt so far, at least
-    ``_SHORT_ATTEMPT`` and at most ``_WEIGHT_ATTEMPT``."""
-    median = float(np.median(run.took)) if run.took else _WEIGHT_ATTEMPT
-    return max(_SHORT_ATTEMPT, min(_WEIGHT_ATTEMPT, median))
-
-
-def _weights_have_time(run: _PricedAttempts) -> bool:
-    """Whether the time to ``run.deadline`` holds ``_WEIGHT_MIN_ROUNDS`` rounds of node weights besides the
-    forest rounds' share."""
-    left = (1.0 - _WEIGHT_ROUNDS_SHARE) * (run.deadline - time.perf_counter())
-    return left >= _WEIGHT_MIN_ROUNDS * _WEIGHT_TASKS * _weight_seconds(run)
 
 
 class _NodeBrackets:

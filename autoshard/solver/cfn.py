@@ -132,25 +132,6 @@ _LEARNED_FLOOR = 0.25
 # The point prices (:func:`point_prices`) price at most this many points, and bisect their exponent to this.
 _POINT_MOST = 32
 _POINT_TOL = 0.25
-# The node weights (:func:`node_weights`): toulbar2 answers under this many prices per node a round, spread
-# over each node's bracket; the share of their time kept for the forest rounds at the end; the rounds' first
-# multiplier, this
-# many doublings below the highest uniform price that overflowed; and how far over the limit (overflow summed
-# over the points, as a share of the limit) an answer may be for the rounds to start from it.
-_WEIGHT_TASKS = 2
-_WEIGHT_ATTEMPT = 8.0
-_WEIGHT_ROUNDS_SHARE = 0.15
-_WEIGHT_ROUNDS_BELOW = 4.0
-_WEIGHT_NEAR = 1.0
-# ... and they stop after this many rounds in a row without an answer, fitting or near, cheaper than any before.
-_WEIGHT_PATIENCE = 3
-# A node's bracket grows by these factors a round: its top when its highest price overflowed, its bottom (down)
-# when no price did. After the first such round in a row the power grows with the streak (the bottom's by 1.25
-# a round), less so as the rounds go on (_WEIGHT_FADE), at most the caps. The bottom of a node that no answer
-# has overflowed at yet drops by the bottom's cap at once.
-_WEIGHT_UP, _WEIGHT_UP_MOST = 1.35, 100.0
-_WEIGHT_DOWN, _WEIGHT_DOWN_MOST = 1.5, 1000.0
-_WEIGHT_FADE = 0.175
 
 
 def available() -> bool:
@@ -337,13 +318,9 @@ def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: i
     start = start_exponent(red, rows) if start is None else start
     log(f"cfn penalty: starting at 2^{start:g}")
     bracket_and_bisect(uniform, uniform.time_left, start, _START_STEP, _START_STEP)
-    bracketed = uniform.over is not None and np.isfinite(uniform.fit_e)
-    if bracketed and not run.proven:
-        run.bisecting = False
-        node_weights(run, uniform.over, uniform.over_e, uniform.fit_e)
-        return run.best
-    if bracketed:
-        point_prices(run, uniform.over, uniform.fit_e)
+    if uniform.over is not None and np.isfinite(uniform.fit_e):
+        if run.proven:
+            point_prices(run, uniform.over, uniform.fit_e)
         bisect(uniform, uniform.time_left, uniform.over_e, uniform.fit_e, _BISECT_TOL)
     run.bisecting = False
     if uniform.over is not None:
@@ -389,9 +366,9 @@ class _PricedAttempts:
     def time_left(self) -> bool:
         return self.latest() - time.perf_counter() > self.need
 
-    def attempt(self, lam, what: str, repair: bool = True) -> CoreState | None:
-        """The answer under prices ``lam`` (None when toulbar2 found none in time); keeps it, or (with ``repair``)
-        its repair, when it fits."""
+    def attempt(self, lam, what: str) -> CoreState | None:
+        """The answer under prices ``lam`` (None when toulbar2 found none in time); keeps it, or its repair, when
+        it fits."""
         t0 = time.perf_counter()
         end = self.latest()
         until = min(end, t0 + max(_ATTEMPT_SHARE * (end - t0), _FULL_ATTEMPT), t0 + self.cap)
@@ -416,9 +393,7 @@ class _PricedAttempts:
         state = CoreState(self.red, self.rows, sub.expand(found.choice, self.red.num_core))
         kept = state
         said = f"cost {state.total_cost():.6g}, overflow {state.overflow():.3g}"
-        if state.overflow() > 0 and not repair:
-            kept = None
-        elif state.overflow() > 0:
+        if state.overflow() > 0:
             kept = fitted(state, end, self.seed)
             said += f", repaired: {'none' if kept is None else f'cost {kept.total_cost():.6g}'}"
         if kept is not None:
@@ -432,10 +407,6 @@ class _PricedAttempts:
         3.9 s and again at 8.1 s, where its attempts had answered in 7.3-8.0 s)."""
         self.floor = max(self.floor, _NEXT_ATTEMPT * min(self.took, default=0.0))
         self.cap = max(self.cap, self.floor)
-
-    def hold(self, seconds: float) -> None:
-        """From now on each attempt takes ``seconds`` (longer after one that found nothing)."""
-        self.floor = self.cap = max(self.floor, seconds)
 
     def last_bound(self) -> float:
         """The last attempt's lower bound on its priced cost (:func:`priced_bound`; ``-inf`` when none), computed
@@ -556,114 +527,6 @@ def point_prices(run: _PricedAttempts, over: CoreState, e: float) -> None:
             e = 0.5 * (lo + hi)
         else:
             e = e - step if np.isfinite(hi) else e + step
-
-
-def node_weights(run: _PricedAttempts, over: CoreState, over_e: float, fit_e: float) -> None:
-    """toulbar2 under a price per node, each bracketed by the answers (:class:`_NodeBrackets`), then forest rounds
-    from the last answer that came near the limit.
-
-    Each round asks ``_WEIGHT_TASKS`` prices per node, spread over its bracket, which starts as the uniform
-    prices ``plain_scale * 2**over_e`` (overflowed) and ``2**fit_e`` (fitted). A node live at a point where an
-    answer overflowed needs a higher price; one live only where it fitted may have a lower one. The last
-    ``_WEIGHT_ROUNDS_SHARE`` of their time goes to forest rounds (:func:`~autoshard.solver.penalty.lagrangian_fit`) from the
-    last answer over the limit by at most ``_WEIGHT_NEAR`` of it (``over`` when none was), their multipliers
-    starting ``_WEIGHT_ROUNDS_BELOW`` doublings under ``2**over_e``: they raise them only where the answer
-    overflows. Fits go to ``run.keep``.
-
-    For cores where toulbar2 proves nothing: contest S's answers under the uniform and learned prices are
-    unproven, and their rounds fitted at 1.569e9 at best. Under these prices its answers came near the limit
-    (1.5419e9, 6.7e6 over; 1.6236e9, 5.0e7 over) after 8-11 rounds, and rounds from them fitted at 1.5356e9
-    and 1.5341e9, against a best known 1.5346e9. Answers from the first rounds gave 1.58-1.63e9.
-    """
-    red, rows = run.red, run.rows
-    base = plain_scale(red)
-    priced = priced_nodes(red, rows)
-    brackets = _NodeBrackets(priced, base * 2.0**over_e, base * 2.0**fit_e, over)
-    run.hold(max(_SHORT_ATTEMPT, min(_WEIGHT_ATTEMPT, float(np.median(run.took)) if run.took else _WEIGHT_ATTEMPT)))
-    start, keep = over, _WEIGHT_ROUNDS_SHARE * max(run.latest() - time.perf_counter(), 0.0)
-    cheapest, stale = np.inf, 0  # the cheapest answer that fitted or came near, and the rounds since it fell
-    for k in itertools.count(1):
-        asked = []
-        for j in range(_WEIGHT_TASKS):
-            prices, state = brackets.prices(j, _WEIGHT_TASKS), None
-            while state is None and run.latest() - time.perf_counter() > run.need + keep:
-                state = run.attempt(prices, f"node weights {k}.{j + 1}", repair=False)
-            if state is None:
-                break
-            asked.append((prices, state))
-            if state.overflow() <= _WEIGHT_NEAR * rows.limit and state.total_cost() < cheapest:
-                cheapest, stale = state.total_cost(), -1
-            if 0 < state.overflow() <= _WEIGHT_NEAR * rows.limit:
-                start = state
-        stale += 1
-        if len(asked) < _WEIGHT_TASKS or stale >= _WEIGHT_PATIENCE:
-            break
-        brackets.update(asked)
-    mult = np.full(rows.num_points, base * 2.0**(over_e - _WEIGHT_ROUNDS_BELOW))
-    fit = lagrangian_fit(red, rows, start.choice, mult=mult, deadline=run.final(), seed=run.seed,
-                         log=lambda m: run.log(f"cfn node weights: {m}"), steps=GENTLE_STEPS)
-    if fit.state is not None:
-        run.keep(fit.state)
-
-
-class _NodeBrackets:
-    """A bracket of prices per priced node, moved by the answers under prices inside it (:func:`node_weights`)."""
-
-    def __init__(self, priced: np.ndarray, lo: float, hi: float, over: CoreState):
-        self.priced = priced
-        self.lo = np.where(priced, lo, 0.0)
-        self.hi = np.where(priced, hi, 0.0)
-        # whether some answer overflowed where the node is live (``over``, the answer at ``lo``, did)
-        self.ever_over = _live_over(over) & priced
-        self.streak = np.zeros(priced.size)  # rounds in a row the bracket grew the same way (+ up, - down)
-        self.rounds = 0
-
-    def prices(self, j: int, tasks: int) -> np.ndarray:
-        """The ``j``-th of ``tasks`` prices: ``(j + 1) / tasks`` of the way up each bracket."""
-        return self.lo + (j + 1) / tasks * (self.hi - self.lo)
-
-    def update(self, asked: list[tuple[np.ndarray, CoreState]]) -> None:
-        """Move the brackets after one round's ``(prices, answer)`` pairs, the prices in rising order.
-
-        Per node, the bottom rises to the price of an answer that overflowed where it is live while no lower
-        price's answer fitted there, and the top falls to the price of the cheapest answer that fitted there
-        above every one that overflowed. When its highest price overflowed, the top grows; when none did,
-        the bottom drops."""
-        n = self.priced.size
-        fit_seen = np.zeros(n, dtype=bool)
-        over_seen = np.zeros(n, dtype=bool)
-        over_after_fit = np.zeros(n, dtype=bool)
-        best = np.full(n, np.inf)
-        for prices, state in asked:
-            over = self.priced & _live_over(state)
-            fit = self.priced & ~over
-            cost = state.total_cost()
-            self.lo = np.where(over & ~fit_seen, prices, self.lo)
-            take = fit & (~fit_seen | over_after_fit | (cost < best))
-            self.hi = np.where(take, prices, self.hi)
-            best = np.where(take, cost, best)
-            over_seen |= over
-            over_after_fit = (over_after_fit | over) & ~fit
-            fit_seen |= fit
-        fit_seen &= ~over_after_fit
-        up = self.priced & ~fit_seen
-        down = self.priced & ~over_seen
-        self.rounds += 1
-        self.streak = np.where(up, np.maximum(self.streak, 0) + 1,
-                               np.where(down, np.minimum(self.streak, 0) - 1, self.streak))
-        fade = math.exp(-_WEIGHT_FADE * (self.rounds - 1))  # a streak's growth fades with the rounds
-        grow = np.minimum(_WEIGHT_UP ** (1.0 + (self.streak - 1.0) * fade), _WEIGHT_UP_MOST)
-        self.hi = np.where(up, self.hi * np.where(self.streak > 1, grow, _WEIGHT_UP), self.hi)
-        first = np.where(self.ever_over, _WEIGHT_DOWN, _WEIGHT_DOWN_MOST)
-        drop = np.minimum(_WEIGHT_DOWN ** (1.0 + (-1.25 * self.streak - 1.0) * fade), _WEIGHT_DOWN_MOST)
-        self.lo = np.minimum(np.where(down, self.lo / np.where(self.streak < -1, drop, first), self.lo), self.hi)
-        self.ever_over |= over_seen
-
-
-def _live_over(state: CoreState) -> np.ndarray:
-    """Per core node, whether ``state`` overflows at some point the node is live at."""
-    hot = np.concatenate([[0], np.cumsum(state.usage > state.cap + state.tol)])
-    return hot[state.rows.hi] > hot[state.rows.lo]
 
 
 def _fullest(state: CoreState) -> int:

@@ -64,6 +64,19 @@ def test_minimise_matches_brute_force(seed, scale, negative, forbid):
     assert found.bound >= best - 1e-9 * max(abs(best), scale)
 
 
+def test_minimise_runs_the_default_search_whatever_ran_before():
+    """pytoulbar2's options are global to the process: a solve elsewhere built for VNS does not carry over."""
+    import pytoulbar2
+
+    pytoulbar2.CFN(verbose=-1, vns=0)  # sets the process's search to decomposition-guided VNS
+    red = _core(5, n=7, s=3)
+    found = cfn.minimise(red, _far())
+    option = pytoulbar2.tb2.option
+    assert (option.searchMethod, option.hbfs, option.lds, option.restart) == (0, 1, 0, -1)
+    assert found.proven
+    assert FlatCosts(red).cost(found.choice) == pytest.approx(_optimum(red), rel=1e-9)
+
+
 def test_priced_forbidden_pairs_stay_forbidden():
     """A :func:`soften`-ed core's priced pairs are hard again for toulbar2."""
     red = _core(4, n=8, s=4, forbid=0.4)

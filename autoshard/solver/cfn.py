@@ -186,6 +186,7 @@ def minimise(red: Reduction, deadline: float, *, seed: int = 0) -> CfnAnswer | N
     bits = min(_CELL_BITS, math.log2(_TOTAL_COST / max(len(shifted), 1)))
     scale = 2.0 ** math.floor(bits - math.log2(top)) if top > 0 else 1.0
 
+    _default_search(pytoulbar2.tb2.option)
     cfn = pytoulbar2.CFN(verbose=-1, seed=seed)
     wcsp = cfn.CFN.wcsp
     for k, c in enumerate(nodes):
@@ -205,6 +206,16 @@ def minimise(red: Reduction, deadline: float, *, seed: int = 0) -> CfnAnswer | N
     if found is None:
         return CfnAnswer(None, bound, False)
     return CfnAnswer(np.asarray(found[0], dtype=np.int64), bound, float(found[1]) <= dual)
+
+
+def _default_search(option) -> None:
+    """Set toulbar2's default search (hybrid best-first branch and bound) in pytoulbar2's ``option``.
+
+    pytoulbar2's options are global to the process, and ``CFN()`` does not reset them: a solve elsewhere in
+    the process built with ``CFN(vns=...)`` would leave every later solve running its variable-neighbourhood
+    search, with other answers and bounds.
+    """
+    option.searchMethod, option.hbfs, option.lds, option.restart, option.vnsInitSol = 0, 1, 0, -1, -4
 
 
 def _hard_tables(red: Reduction) -> tuple[np.ndarray, ...]:

@@ -72,7 +72,7 @@ def test_minimise_runs_the_default_search_whatever_ran_before():
     red = _core(5, n=7, s=3)
     found = cfn.minimise(red, _far())
     option = pytoulbar2.tb2.option
-    assert (option.searchMethod, option.hbfs, option.lds, option.restart) == (0, 1, 0, -1)
+    assert (option.searchMethod, option.lds, option.restart) == (0, 0, -1)
     assert found.proven
     assert FlatCosts(red).cost(found.choice) == pytest.approx(_optimum(red), rel=1e-9)
 
@@ -425,7 +425,7 @@ def test_point_prices_price_the_fullest_points_from_the_least_fitting_price(monk
 
 def test_no_point_prices_while_toulbar2_proves_nothing(monkeypatch):
     """Unproven answers need not follow their prices (contest S), so the point prices run only once some answer
-    was proven."""
+    was proven; the node weights run instead, and stop by themselves (the deadline is 600 s away)."""
     soft, rows = _bisection_setup()
     real = cfn.minimise
 
@@ -439,6 +439,7 @@ def test_no_point_prices_while_toulbar2_proves_nothing(monkeypatch):
     assert best is not None and best.overflow() <= 0
     assert any(line.startswith("cfn penalty 2^") for line in lines)
     assert not any(line.startswith("cfn point prices") for line in lines)
+    assert any(line.startswith("cfn node weights 1.1") for line in lines)
 
 
 @pytest.mark.parametrize("seed", [6, 8, 10])
@@ -457,3 +458,142 @@ def test_point_prices_bound_the_optimum_under_the_limit(seed):
     core_optimum = CoreState(red, rows, _core_choice(red, exact.choice)).total_cost()
     assert np.isfinite(stats["free_bound"])
     assert stats["free_bound"] <= core_optimum * (1 + 1e-9) + 1e-9
+
+
+def _unproven(monkeypatch):
+    """Make every toulbar2 answer unproven (contest S's priced cores), keeping the recording of
+    :func:`_priced_attempts`."""
+    asked, answers = _priced_attempts(monkeypatch)
+    recorded = cfn.minimise
+
+    def minimise(sub, deadline, *, seed=0):
+        found = recorded(sub, deadline, seed=seed)
+        return found if found is None else dataclasses.replace(found, proven=False)
+
+    monkeypatch.setattr("autoshard.solver.cfn.minimise", minimise)
+    return asked, answers
+
+
+def _live_over(state: CoreState) -> np.ndarray:
+    hot = np.concatenate([[0], np.cumsum(state.usage > state.cap + state.tol)])
+    return hot[state.rows.hi] > hot[state.rows.lo]
+
+
+def test_node_weights_bracket_a_price_per_node(monkeypatch):
+    """Where toulbar2 proves nothing, each node gets its own price, bracketed between the highest uniform price
+    that overflowed and the lowest that fitted: each round asks half way up every bracket and at its top, the
+    first round from the uniform prices. A node live where both of a round's answers overflowed is asked more
+    the next round; one live only where both fitted is asked less. Every fit is kept when cheapest."""
+    soft, rows = _bisection_setup()
+    base = plain_scale(soft)
+    asked, answers = _unproven(monkeypatch)
+    lines: list[str] = []
+    best = cfn.penalty_bisection(soft, rows, _far(600.0), 0, log=lines.append)
+    tried = [line for line in lines if line.startswith(("cfn penalty 2^", "cfn node weights "))]
+    assert len(tried) == len(asked) == len(answers)
+    assert not any(line.startswith(("cfn learned", "cfn point prices")) for line in lines)
+    first = next(i for i, line in enumerate(tried) if line.startswith("cfn node weights"))
+    rounds = (len(tried) - first) // 2
+    assert rounds >= 3 and [line.split(":")[0] for line in tried[first:]] == [
+        f"cfn node weights {k}.{j}" for k in range(1, rounds + 1) for j in (1, 2)]
+    uniform = [(float(line.split("2^")[1].split(":")[0]), CoreState(soft, rows, answers[i]))
+               for i, line in enumerate(tried[:first])]
+    fit_e = min(e for e, st in uniform if st.overflow() <= 0)
+    over_e = max(e for e, st in uniform if st.overflow() > 0)
+    priced = np.array([m is not None for m in soft.node_memory]) & (rows.hi > rows.lo)
+    lo, hi = base * 2.0**over_e, base * 2.0**fit_e
+    assert np.allclose(asked[first], np.where(priced, 0.5 * (lo + hi), 0.0), rtol=1e-12)
+    assert np.allclose(asked[first + 1], np.where(priced, hi, 0.0), rtol=1e-12)
+    seen_over = seen_fit = False
+    for k in range(rounds - 1):
+        i = first + 2 * k
+        hot = [_live_over(CoreState(soft, rows, answers[i + j])) for j in (0, 1)]
+        both_over, both_fit = priced & hot[0] & hot[1], priced & ~hot[0] & ~hot[1]
+        assert (asked[i + 2][both_over] > asked[i][both_over]).all()
+        assert (asked[i + 2][both_fit] < asked[i][both_fit]).all()
+        seen_over, seen_fit = seen_over or both_over.any(), seen_fit or both_fit.any()
+    assert seen_over and seen_fit
+    for choice in answers:
+        state = CoreState(soft, rows, choice)
+        if state.overflow() <= 0 and not len(violations(state)):
+            assert best.total_cost() <= state.total_cost() + 1e-9
+
+
+def test_node_weights_stop_after_rounds_without_a_cheaper_answer(monkeypatch):
+    """The node weights end ``_WEIGHT_PATIENCE`` rounds after the last round with an answer, fitting or over the
+    limit by at most ``_WEIGHT_NEAR`` of it, cheaper than every one before, however far the deadline; then one
+    run of forest rounds starts from the last such near answer that overflowed."""
+    soft, rows = _bisection_setup()
+    _, answers = _unproven(monkeypatch)
+    monkeypatch.setattr("autoshard.solver.cfn._WEIGHT_PATIENCE", 2)
+    monkeypatch.setattr("autoshard.solver.cfn._WEIGHT_NEAR", 1.0)
+    starts = []
+    real_fit = cfn.lagrangian_fit
+
+    def fit(red_, rows_, start, **kw):
+        starts.append(np.array(start))
+        return real_fit(red_, rows_, start, **kw)
+
+    monkeypatch.setattr("autoshard.solver.cfn.lagrangian_fit", fit)
+    lines: list[str] = []
+    cfn.penalty_bisection(soft, rows, _far(600.0), 0, log=lines.append)
+    tried = [line for line in lines if line.startswith(("cfn penalty 2^", "cfn node weights "))]
+    first = next(i for i, line in enumerate(tried) if line.startswith("cfn node weights"))
+    cheapest, last_better, near = np.inf, 0, None
+    for i in range(first, len(tried)):
+        state = CoreState(soft, rows, answers[i])
+        if state.overflow() <= rows.limit and state.total_cost() < cheapest:
+            cheapest, last_better = state.total_cost(), (i - first) // 2
+        if 0 < state.overflow() <= rows.limit:
+            near = answers[i]
+    assert (len(tried) - first) // 2 == last_better + 1 + 2
+    assert len(starts) == 1 and near is not None and np.array_equal(starts[0], near)
+
+
+def test_node_weights_offer_each_rounds_nearest_answer(monkeypatch):
+    """With another search to send them to, the node weights offer each round's cheapest answer over the limit
+    by at most ``_WEIGHT_NEAR`` of it, with the forest rounds' first multiplier, and their rounds go on past
+    ``_WEIGHT_PATIENCE`` (the other search draws forest rounds from the answers as they come)."""
+    soft, rows = _bisection_setup()
+    _, answers = _unproven(monkeypatch)
+    monkeypatch.setattr("autoshard.solver.cfn._WEIGHT_PATIENCE", 1)
+    monkeypatch.setattr("autoshard.solver.cfn._WEIGHT_MIN_ROUNDS", 1)
+    monkeypatch.setattr("autoshard.solver.cfn._WEIGHT_NEAR", 1.0)
+    monkeypatch.setattr("autoshard.solver.cfn._WEIGHT_ROUNDS_BELOW", 3.0)
+    offered = []
+    lines: list[str] = []
+    cfn.penalty_bisection(soft, rows, _far(8.0), 0, log=lines.append,
+                          offer=lambda state, mult: offered.append((state.choice.copy(), mult)))
+    tried = [line for line in lines if line.startswith(("cfn penalty 2^", "cfn node weights "))]
+    first = next(i for i, line in enumerate(tried) if line.startswith("cfn node weights"))
+    uniform = [(float(line.split("2^")[1].split(":")[0]), CoreState(soft, rows, answers[i]))
+               for i, line in enumerate(tried[:first])]
+    over_e = max(e for e, st in uniform if st.overflow() > 0)
+    expected = []
+    cheapest, last_better = np.inf, 0
+    for k in range((len(tried) - first) // 2):
+        states = [CoreState(soft, rows, answers[first + 2 * k + j]) for j in (0, 1)]
+        near = [st for st in states if 0 < st.overflow() <= rows.limit]
+        if near:
+            expected.append(min(near, key=lambda st: st.total_cost()).choice)
+        for st in states:
+            if st.overflow() <= rows.limit and st.total_cost() < cheapest:
+                cheapest, last_better = st.total_cost(), k
+    assert expected and len(offered) == len(expected)
+    for (choice, mult), want in zip(offered, expected, strict=True):
+        assert np.array_equal(choice, want)
+        assert mult == pytest.approx(plain_scale(soft) * 2.0 ** (over_e - 3.0), rel=1e-12)
+    assert (len(tried) - first) // 2 > last_better + 2
+
+
+def test_node_weights_need_time_for_their_rounds(monkeypatch):
+    """Without time for ``_WEIGHT_MIN_ROUNDS`` rounds the node weights do not start; the uniform bisection and
+    the learned prices run instead, as before they were built (and no point prices: nothing was proven)."""
+    soft, rows = _bisection_setup()
+    _unproven(monkeypatch)
+    monkeypatch.setattr("autoshard.solver.cfn._WEIGHT_MIN_ROUNDS", 10**9)
+    lines: list[str] = []
+    best = cfn.penalty_bisection(soft, rows, _far(600.0), 0, log=lines.append)
+    assert best is not None and best.overflow() <= 0
+    assert not any(line.startswith(("cfn node weights", "cfn point prices")) for line in lines)
+    assert any(line.startswith("cfn learned prices") for line in lines)

@@ -355,3 +355,103 @@ def test_a_memory_free_optimum_that_fits_is_the_answer_without_the_memory_milp(m
     sol = solve(roomy, time_limit=10.0, workers=1)
     assert sol.optimal and sol.stats["stop"] == "optimal" and not calls
     assert sol.cost == pytest.approx(free.cost, rel=1e-9)
+
+
+_RELAY_WORKER = '''
+import os, sys
+import numpy as np
+from autoshard.solver.parallel import Frames, encode
+
+inbox, out, frames, msgs = sys.stdin.fileno(), sys.stdout.buffer, Frames(), []
+while not msgs:
+    msgs = frames.feed(os.read(inbox, 1 << 20))
+job = msgs.pop(0)
+n = job["red"].num_core
+if job["variant"] == 1:  # offers a start, then answers with nothing cheap
+    out.write(encode(("start", 0.5, np.arange(n, dtype=np.int32) % 2)))
+    out.write(encode(("answer", {"choice": np.zeros(n, np.int64), "cost": 1e300, "optimal": False,
+                                 "bound": np.nan, "infeasible": False, "stats": {}})))
+else:  # answers with the start it was sent, and its multiplier as the cost
+    while not any(m[0] == "start" for m in msgs):
+        msgs += frames.feed(os.read(inbox, 1 << 20))
+    start = next(m for m in msgs if m[0] == "start")
+    out.write(encode(("answer", {"choice": start[2].astype(np.int64), "cost": start[1], "optimal": False,
+                                 "bound": np.nan, "infeasible": False, "stats": {}})))
+out.flush()
+'''
+
+
+def test_a_start_one_worker_offers_reaches_the_others(monkeypatch, tmp_path):
+    """A start for forest rounds (``PipeSharing.offer``) goes through the parent to every other worker."""
+    import sys
+
+    from autoshard.solver.parallel import search_in_workers
+    from autoshard.solver.reduce import reduce_problem
+
+    script = tmp_path / "relay_worker.py"
+    script.write_text(_RELAY_WORKER)
+    fake = tmp_path / "relay-python"
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} {script}\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    red = reduce_problem(_mid_memory_problem(1), with_memory=True)
+    got = search_in_workers(red, None, time.perf_counter() + 60.0, seed=0, count=2, stats={})
+    assert got["cost"] == 0.5
+    np.testing.assert_array_equal(got["choice"], np.arange(red.num_core) % 2)
+
+
+def test_a_worker_takes_the_newest_start_and_keeps_incumbents_for_its_poll():
+    """``take_start`` answers the newest start offered (older ones are dropped) and leaves the incumbents read on
+    the way to :meth:`PipeSharing.poll`; ``offer`` writes a start another worker's ``take_start`` reads."""
+    import io
+    import os
+    import types
+
+    from autoshard.solver.parallel import Frames, PipeSharing, encode
+
+    read_end, write_end = os.pipe()
+    try:
+        os.write(write_end, encode(("start", 0.5, np.array([1, 1, 0], np.int32)))
+                 + encode(("incumbent", 3.0, np.array([2, 0, 1], np.int32)))
+                 + encode(("start", 0.25, np.array([0, 1, 1], np.int32))))
+        share = PipeSharing(read_end, io.BytesIO(), Frames())
+        choice, mult = share.take_start()
+        np.testing.assert_array_equal(choice, [0, 1, 1])
+        assert mult == 0.25 and share.take_start() is None
+        np.testing.assert_array_equal(share.poll(), [2, 0, 1])
+        share.offer(types.SimpleNamespace(choice=np.array([2, 2, 0])), 0.125)
+        (kind, mult, choice), = Frames().feed(share.out.getvalue())
+        assert (kind, mult) == ("start", 0.125)
+        np.testing.assert_array_equal(choice, [2, 2, 0])
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+def test_a_worker_draws_forest_rounds_from_a_start_offered_to_it(monkeypatch):
+    """A worker's windows take the start another worker offered: forest rounds from it, whose fit the windows
+    adopt when it is cheaper (their answer is never worse than the fit)."""
+    from autoshard.solver.memory import memory_rows
+    from autoshard.solver.penalty import plain_scale, soften
+    from autoshard.solver.reduce import reduce_problem
+    from autoshard.solver.solve import NoSharing, search_core
+
+    monkeypatch.setattr("autoshard.solver.cfn.available", lambda: False)  # straight to the windows
+    p = _mid_memory_problem(2)
+    red = reduce_problem(p, with_memory=True)
+    rows = memory_rows(p.intervals, p.memory_limit, red.core_nodes, red.base_usage, True)
+    cheapest = np.array([int(np.argmin(c)) for c in red.node_costs])  # far over the limit
+
+    class Offered(NoSharing):
+        def __init__(self):
+            self.starts = [(cheapest, plain_scale(soften(red)))]
+
+        def take_start(self):
+            return self.starts.pop() if self.starts else None
+
+    share, lines = Offered(), []
+    answer = search_core(red, rows, time.perf_counter() + 10.0, seed=0, log=lines.append, stats={}, variant=1,
+                         share=share)
+    drawn = [line for line in lines if line.startswith("offered start: lagrangian descent")]
+    assert len(drawn) == 1 and not share.starts
+    assert answer.cost <= float(drawn[0].rsplit(" ", 1)[1]) * (1 + 1e-12)

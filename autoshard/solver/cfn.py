@@ -132,6 +132,29 @@ _LEARNED_FLOOR = 0.25
 # The point prices (:func:`point_prices`) price at most this many points, and bisect their exponent to this.
 _POINT_MOST = 32
 _POINT_TOL = 0.25
+# The node weights (:func:`node_weights`): toulbar2 answers under this many prices per node a round, spread
+# over each node's bracket; the share of their time kept for the forest rounds at the end; the rounds' first
+# multiplier, this
+# many doublings below the highest uniform price that overflowed; and how far over the limit (overflow summed
+# over the points, as a share of the limit) an answer may be for the rounds to start from it.
+_WEIGHT_TASKS = 2
+_WEIGHT_ATTEMPT = 8.0
+_WEIGHT_ROUNDS_SHARE = 0.15
+_WEIGHT_ROUNDS_BELOW = 4.0
+_WEIGHT_NEAR = 1.0
+# ... and they stop after this many rounds in a row without an answer, fitting or near, cheaper than any before.
+_WEIGHT_PATIENCE = 3
+# They run only with time for this many rounds (else the uniform bisection and learned prices do): contest S's
+# answers came near enough for the forest rounds to pay after 4-9 rounds; at half its limit (3 rounds) they
+# gave 1.600e9, against 1.568e9 from the learned prices.
+_WEIGHT_MIN_ROUNDS = 6
+# A node's bracket grows by these factors a round: its top when its highest price overflowed, its bottom (down)
+# when no price did. After the first such round in a row the power grows with the streak (the bottom's by 1.25
+# a round), less so as the rounds go on (_WEIGHT_FADE), at most the caps. The bottom of a node that no answer
+# has overflowed at yet drops by the bottom's cap at once.
+_WEIGHT_UP, _WEIGHT_UP_MOST = 1.35, 100.0
+_WEIGHT_DOWN, _WEIGHT_DOWN_MOST = 1.5, 1000.0
+_WEIGHT_FADE = 0.175
 
 
 def available() -> bool:
@@ -213,9 +236,12 @@ def _default_search(option) -> None:
 
     pytoulbar2's options are global to the process, and ``CFN()`` does not reset them: a solve elsewhere in
     the process built with ``CFN(vns=...)`` would leave every later solve running its variable-neighbourhood
-    search, with other answers and bounds.
+    search, with other answers and bounds. ``option.hbfs`` is left as it is: toulbar2 raises it during a
+    search (from 1 to ``hbfsGlobalLimit``, 32768), and later solves start from there. Reset to 1 before each
+    solve, contest M's priced cores lost their proofs (2^8: unproven after 11 s, against proven in 4.3 s)
+    and M ended 0.25% dearer.
     """
-    option.searchMethod, option.hbfs, option.lds, option.restart, option.vnsInitSol = 0, 1, 0, -1, -4
+    option.searchMethod, option.lds, option.restart, option.vnsInitSol = 0, 0, -1, -4
 
 
 def _hard_tables(red: Reduction) -> tuple[np.ndarray, ...]:
@@ -285,32 +311,30 @@ def start_exponent(red: Reduction, rows: MemoryRows) -> float:
 
 def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: int, *, log, post=None,
                       start: float | None = None, stats: dict | None = None, give_up: float | None = None,
-                      probe: bool = False) -> CoreState | None:
+                      probe: bool = False, offer=None) -> CoreState | None:
     """The cheapest fitting choice from toulbar2's answers under memory prices, and from the descent that
     starts at the highest overflowing one; None if none fits.
 
     ``red`` is the :func:`~autoshard.solver.penalty.soften`-ed core. One price
     ``plain_scale(red) * 2**e`` for every node starts at ``e = start``
     (:func:`start_exponent` when None), steps out in doubling steps until one
-    answer fits and one does not (bisecting to ``_START_STEP`` apart). When
-    toulbar2 proved some answer optimal, :func:`point_prices` follows: memory
-    priced only at the points where answers overflowed most, from the least
-    fitting exponent (contest A fitted at 1.0003x the best known, M at 1.0000x,
-    against 1.003x from the uniform and learned prices; the answers on contest
-    S are unproven, and these prices gave it nothing). Then the uniform price
-    is bisected to ``_BISECT_TOL``, and :func:`learned_prices` starts from the answer at the highest price that
-    overflowed, at that price: forest rounds with per-point multipliers that
-    follow the overflow, then toulbar2 under the node prices those multipliers
-    learned, then rounds from its answer, and so on. toulbar2's answers there
-    are cheap and a little over the limit: on contest S at its full limit the
-    first rounds fitted at 1.569e9 from its answer at 2^17, where the
-    bisection's best fit was 2.11e9 and the other searches' 1.61e9; from its
-    answer at 2^16 they fitted at 1.598e9, and toulbar2 and rounds under the
-    learned prices took that to 1.556e9 and 1.551e9 within 85 s (the same
-    rounds restarted from their best fit: 1.573e9). An
-    answer that overflows is repaired (:func:`~autoshard.solver.penalty.fitted`)
-    and kept when it then fits. ``post(state)`` is called with
-    each new best fit; ``stats["cfn_attempts"]`` counts the toulbar2 solves.
+    answer fits and one does not (bisecting to ``_START_STEP`` apart).
+
+    When toulbar2 proved nothing there and time is left for ``_WEIGHT_MIN_ROUNDS`` of its rounds,
+    :func:`node_weights` follows: a price per node, bracketed by the answers, then forest rounds from the
+    last answer near the limit (contest S at its full limit fitted at 1.5372e9, where the learned prices
+    below gave 1.569e9). Otherwise, when toulbar2 proved some answer,
+    :func:`point_prices`: memory priced only at the points where answers overflowed most, from the least
+    fitting exponent (contest A fitted at 1.0003x the best known, M at 1.0000x, against 1.003x from the
+    uniform and learned prices). Then the uniform price is bisected to ``_BISECT_TOL``, and
+    :func:`learned_prices` starts from the answer at the highest price that overflowed, at that price:
+    forest rounds with per-point multipliers that follow the overflow, then toulbar2 under the node prices
+    those multipliers learned, then rounds from its answer, and so on. An answer that overflows is repaired
+    (:func:`~autoshard.solver.penalty.fitted`) and kept when it then fits (not in the node weights, whose
+    repairs never paid). ``post(state)`` is called with each new best fit; ``offer(state, mult)``, when
+    given, with each round's nearest answer of the node weights (a start for another search's forest rounds
+    from multipliers ``mult``); ``stats["cfn_attempts"]`` counts the toulbar2 solves.
+
     While nothing fits, or while the bracket and bisection go on with quick
     attempts (``_QUICK_ATTEMPT``), attempts may run on to ``give_up`` (when
     later than ``deadline``): on contest A at a 15 s limit the first price
@@ -324,14 +348,20 @@ def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: i
     """
     run = _PricedAttempts(red, rows, deadline, give_up, seed=seed, log=log, post=post,
                           stats={} if stats is None else stats, probe=probe)
+    run.offer = offer
     base = plain_scale(red)
     uniform = _Scaled(run, base, "penalty 2^")
     start = start_exponent(red, rows) if start is None else start
     log(f"cfn penalty: starting at 2^{start:g}")
     bracket_and_bisect(uniform, uniform.time_left, start, _START_STEP, _START_STEP)
-    if uniform.over is not None and np.isfinite(uniform.fit_e):
-        if run.proven:
-            point_prices(run, uniform.over, uniform.fit_e)
+    bracketed = uniform.over is not None and np.isfinite(uniform.fit_e)
+    if bracketed and not run.proven and _weights_have_time(run):
+        run.bisecting = False
+        node_weights(run, uniform.over, uniform.over_e, uniform.fit_e)
+        return run.best
+    if bracketed and run.proven:
+        point_prices(run, uniform.over, uniform.fit_e)
+    if bracketed:
         bisect(uniform, uniform.time_left, uniform.over_e, uniform.fit_e, _BISECT_TOL)
     run.bisecting = False
     if uniform.over is not None:
@@ -357,6 +387,7 @@ class _PricedAttempts:
         self.bisecting = True
         self.proven = False  # whether some attempt was proven optimal
         self.last: tuple | None = None  # the last attempt's prices, priced core and answer
+        self.offer = None  # offer(state, mult): sends a start for forest rounds to the other searches
 
     def quick(self) -> bool:
         """Whether the bracket and bisection go on with quick attempts (they may then run on to ``give_up``): each
@@ -377,9 +408,9 @@ class _PricedAttempts:
     def time_left(self) -> bool:
         return self.latest() - time.perf_counter() > self.need
 
-    def attempt(self, lam, what: str) -> CoreState | None:
-        """The answer under prices ``lam`` (None when toulbar2 found none in time); keeps it, or its repair, when
-        it fits."""
+    def attempt(self, lam, what: str, repair: bool = True) -> CoreState | None:
+        """The answer under prices ``lam`` (None when toulbar2 found none in time); keeps it, or (with ``repair``)
+        its repair, when it fits."""
         t0 = time.perf_counter()
         end = self.latest()
         until = min(end, t0 + max(_ATTEMPT_SHARE * (end - t0), _FULL_ATTEMPT), t0 + self.cap)
@@ -404,7 +435,9 @@ class _PricedAttempts:
         state = CoreState(self.red, self.rows, sub.expand(found.choice, self.red.num_core))
         kept = state
         said = f"cost {state.total_cost():.6g}, overflow {state.overflow():.3g}"
-        if state.overflow() > 0:
+        if state.overflow() > 0 and not repair:
+            kept = None
+        elif state.overflow() > 0:
             kept = fitted(state, end, self.seed)
             said += f", repaired: {'none' if kept is None else f'cost {kept.total_cost():.6g}'}"
         if kept is not None:
@@ -418,6 +451,10 @@ class _PricedAttempts:
         3.9 s and again at 8.1 s, where its attempts had answered in 7.3-8.0 s)."""
         self.floor = max(self.floor, _NEXT_ATTEMPT * min(self.took, default=0.0))
         self.cap = max(self.cap, self.floor)
+
+    def hold(self, seconds: float) -> None:
+        """From now on each attempt takes ``seconds`` (longer after one that found nothing)."""
+        self.floor = self.cap = max(self.floor, seconds)
 
     def last_bound(self) -> float:
         """The last attempt's lower bound on its priced cost (:func:`priced_bound`; ``-inf`` when none), computed
@@ -538,6 +575,141 @@ def point_prices(run: _PricedAttempts, over: CoreState, e: float) -> None:
             e = 0.5 * (lo + hi)
         else:
             e = e - step if np.isfinite(hi) else e + step
+
+
+def node_weights(run: _PricedAttempts, over: CoreState, over_e: float, fit_e: float) -> None:
+    """toulbar2 under a price per node, each bracketed by the answers (:class:`_NodeBrackets`), and forest rounds
+    from the answers that come near the limit.
+
+    Each round asks ``_WEIGHT_TASKS`` prices per node, spread over its bracket, which starts between the uniform
+    prices ``plain_scale * 2**over_e`` (overflowed) and ``2**fit_e`` (fitted): a node live at a point where an
+    answer overflowed needs a higher price, one live only where answers fitted may have a lower one. Each
+    attempt takes the median attempt so far, at most ``_WEIGHT_ATTEMPT`` seconds (at least ``_SHORT_ATTEMPT``).
+    An answer is near when it overflows by at most ``_WEIGHT_NEAR`` of the limit. Forest rounds
+    (:func:`~autoshard.solver.penalty.lagrangian_fit`) from a near answer, their multipliers starting
+    ``_WEIGHT_ROUNDS_BELOW`` doublings under ``2**over_e`` (so they are raised only where it overflows), are
+    a draw: on contest S about one near answer in three is a start whose rounds fit below 1.54e9, and
+    nothing in the answer tells which. So with another search to send them to (``run.offer``, the parallel
+    workers), each round's cheapest near answer is offered as a start (the other worker draws its forest
+    rounds, :func:`~autoshard.solver.solve.search_core`'s windows), and the rounds of prices go on until
+    ``_WEIGHT_ROUNDS_SHARE`` of their time is left; alone, they stop ``_WEIGHT_PATIENCE`` rounds after the
+    last one with an answer, fitting or near, cheaper than every one before. Either way the rest of the
+    time goes to forest rounds from the last near answer (``over`` when none came). Fits go to
+    ``run.keep``.
+
+    This is for cores where toulbar2 proves nothing, so that its answers need not follow their prices:
+    contest S's answers under the uniform and learned prices came no nearer than 1.575e9 (1.9e7 over), and
+    forest rounds from them fitted at 1.58-1.64e9. Under node prices, near answers come every two or three
+    rounds. With both workers, S at its full limit fitted at 1.5370e9, 1.5482e9 and 1.5431e9 with 8, 6 and
+    10 s attempts, against 1.5466-1.5564e9 from the learned prices (one worker alone: 1.5369e9 at 8 s, but
+    1.6086e9 and 1.6036e9 at 6 and 10 s, from one draw each).
+    """
+    red, rows = run.red, run.rows
+    base = plain_scale(red)
+    priced = priced_nodes(red, rows)
+    brackets = _NodeBrackets(priced, base * 2.0**over_e, base * 2.0**fit_e, over)
+    run.hold(_weight_seconds(run))
+    start, keep = over, _WEIGHT_ROUNDS_SHARE * max(run.latest() - time.perf_counter(), 0.0)
+    cheapest, stale = np.inf, 0  # the cheapest answer that fitted or came near, and the rounds since it fell
+    mult = np.full(rows.num_points, base * 2.0**(over_e - _WEIGHT_ROUNDS_BELOW))
+    for k in itertools.count(1):
+        asked = []
+        for j in range(_WEIGHT_TASKS):
+            prices, state = brackets.prices(j, _WEIGHT_TASKS), None
+            while state is None and run.latest() - time.perf_counter() > run.need + keep:
+                state = run.attempt(prices, f"node weights {k}.{j + 1}", repair=False)
+            if state is None:
+                break
+            asked.append((prices, state))
+            if state.overflow() <= _WEIGHT_NEAR * rows.limit and state.total_cost() < cheapest:
+                cheapest, stale = state.total_cost(), -1
+            if 0 < state.overflow() <= _WEIGHT_NEAR * rows.limit:
+                start = state
+        near = [st for _, st in asked if 0 < st.overflow() <= _WEIGHT_NEAR * rows.limit]
+        if near and run.offer is not None:
+            run.offer(min(near, key=lambda st: st.total_cost()), float(mult[0]))
+        stale += 1
+        if len(asked) < _WEIGHT_TASKS or (stale >= _WEIGHT_PATIENCE and run.offer is None):
+            break
+        brackets.update(asked)
+    fit = lagrangian_fit(red, rows, start.choice, mult=mult, deadline=run.final(), seed=run.seed,
+                         log=lambda m: run.log(f"cfn node weights: {m}"), steps=GENTLE_STEPS)
+    if fit.state is not None:
+        run.keep(fit.state)
+
+
+def _weight_seconds(run: _PricedAttempts) -> float:
+    """The time each of :func:`node_weights`' attempts takes: the median attempt so far, at least
+    ``_SHORT_ATTEMPT`` and at most ``_WEIGHT_ATTEMPT``."""
+    median = float(np.median(run.took)) if run.took else _WEIGHT_ATTEMPT
+    return max(_SHORT_ATTEMPT, min(_WEIGHT_ATTEMPT, median))
+
+
+def _weights_have_time(run: _PricedAttempts) -> bool:
+    """Whether the time to ``run.deadline`` holds ``_WEIGHT_MIN_ROUNDS`` rounds of node weights besides the
+    forest rounds' share."""
+    left = (1.0 - _WEIGHT_ROUNDS_SHARE) * (run.deadline - time.perf_counter())
+    return left >= _WEIGHT_MIN_ROUNDS * _WEIGHT_TASKS * _weight_seconds(run)
+
+
+class _NodeBrackets:
+    """A bracket of prices per priced node, moved by the answers under prices inside it (:func:`node_weights`)."""
+
+    def __init__(self, priced: np.ndarray, lo: float, hi: float, over: CoreState):
+        self.priced = priced
+        self.lo = np.where(priced, lo, 0.0)
+        self.hi = np.where(priced, hi, 0.0)
+        # whether some answer overflowed where the node is live (``over``, the answer at ``lo``, did)
+        self.ever_over = _live_over(over) & priced
+        self.streak = np.zeros(priced.size)  # rounds in a row the bracket grew the same way (+ up, - down)
+        self.rounds = 0
+
+    def prices(self, j: int, tasks: int) -> np.ndarray:
+        """The ``j``-th of ``tasks`` prices: ``(j + 1) / tasks`` of the way up each bracket."""
+        return self.lo + (j + 1) / tasks * (self.hi - self.lo)
+
+    def update(self, asked: list[tuple[np.ndarray, CoreState]]) -> None:
+        """Move the brackets after one round's ``(prices, answer)`` pairs, the prices in rising order.
+
+        Per node, the bottom rises to the price of an answer that overflowed where it is live while no lower
+        price's answer fitted there, and the top falls to the price of the cheapest answer that fitted there
+        above every one that overflowed. When its highest price overflowed, the top grows; when none did,
+        the bottom drops."""
+        n = self.priced.size
+        fit_seen = np.zeros(n, dtype=bool)
+        over_seen = np.zeros(n, dtype=bool)
+        over_after_fit = np.zeros(n, dtype=bool)
+        best = np.full(n, np.inf)
+        for prices, state in asked:
+            over = self.priced & _live_over(state)
+            fit = self.priced & ~over
+            cost = state.total_cost()
+            self.lo = np.where(over & ~fit_seen, prices, self.lo)
+            take = fit & (~fit_seen | over_after_fit | (cost < best))
+            self.hi = np.where(take, prices, self.hi)
+            best = np.where(take, cost, best)
+            over_seen |= over
+            over_after_fit = (over_after_fit | over) & ~fit
+            fit_seen |= fit
+        fit_seen &= ~over_after_fit
+        up = self.priced & ~fit_seen
+        down = self.priced & ~over_seen
+        self.rounds += 1
+        self.streak = np.where(up, np.maximum(self.streak, 0) + 1,
+                               np.where(down, np.minimum(self.streak, 0) - 1, self.streak))
+        fade = math.exp(-_WEIGHT_FADE * (self.rounds - 1))  # a streak's growth fades with the rounds
+        grow = np.minimum(_WEIGHT_UP ** (1.0 + (self.streak - 1.0) * fade), _WEIGHT_UP_MOST)
+        self.hi = np.where(up, self.hi * np.where(self.streak > 1, grow, _WEIGHT_UP), self.hi)
+        first = np.where(self.ever_over, _WEIGHT_DOWN, _WEIGHT_DOWN_MOST)
+        drop = np.minimum(_WEIGHT_DOWN ** (1.0 + (-1.25 * self.streak - 1.0) * fade), _WEIGHT_DOWN_MOST)
+        self.lo = np.minimum(np.where(down, self.lo / np.where(self.streak < -1, drop, first), self.lo), self.hi)
+        self.ever_over |= over_seen
+
+
+def _live_over(state: CoreState) -> np.ndarray:
+    """Per core node, whether ``state`` overflows at some point the node is live at."""
+    hot = np.concatenate([[0], np.cumsum(state.usage > state.cap + state.tol)])
+    return hot[state.rows.hi] > hot[state.rows.lo]
 
 
 def _fullest(state: CoreState) -> int:

@@ -10,7 +10,9 @@ Parent and workers talk over the workers' stdin and stdout in length-prefixed
 pickles. The parent sends the job (the core, its memory rows, the deadline, a
 seed and the worker's index, which picks its share of the searches) and later
 any cheaper incumbent another worker found; a worker sends each feasible
-incumbent it finds, then its answer. At the deadline the
+incumbent it finds, then its answer. A worker may also offer a start for
+forest rounds (an answer near the memory limit, ``PipeSharing.offer``),
+which the parent passes to the other workers. At the deadline the
 parent stops waiting, ends the workers still running and answers with the
 cheapest incumbent it holds, so a worker that overruns cannot make the solve late.
 """
@@ -91,6 +93,7 @@ class PipeSharing:
         self.pending = list(pending or ())  # messages already read from the inbox
         self.best = np.inf
         self.closed = False
+        self.start: tuple[np.ndarray, float] | None = None  # the newest start offered, not yet taken
 
     def post(self, state: CoreState) -> None:
         cost = state.total_cost()
@@ -99,7 +102,34 @@ class PipeSharing:
             self.out.write(encode(("incumbent", cost, state.choice.astype(np.int32))))
             self.out.flush()
 
+    def offer(self, state: CoreState, mult: float) -> None:
+        """Offer the other workers ``state`` (over the limit, near it) as a start for forest rounds whose
+        multipliers start at ``mult``."""
+        self.out.write(encode(("start", mult, state.choice.astype(np.int32))))
+        self.out.flush()
+
     def poll(self) -> np.ndarray | None:
+        newest = None
+        for kind, cost, choice in self._read():
+            if kind == "incumbent" and cost < self.best:
+                newest, self.best = choice.astype(np.int64), cost
+            elif kind == "start":
+                self.start = (choice.astype(np.int64), cost)
+        return newest
+
+    def take_start(self) -> tuple[np.ndarray, float] | None:
+        """The newest start another worker offered and none took yet (older ones are dropped), or None. Cheaper
+        incumbents read on the way wait for :meth:`poll`."""
+        msgs = self._read()
+        self.pending = [m for m in msgs if m[0] != "start"]
+        for m in msgs:
+            if m[0] == "start":
+                self.start = (m[2].astype(np.int64), m[1])
+        start, self.start = self.start, None
+        return start
+
+    def _read(self) -> list:
+        """The messages pending and those in the inbox now."""
         msgs, self.pending = self.pending, []
         # an incumbent is larger than a pipe's buffer (contest A: 93 KB), so the parent's writer may
         # still be sending the rest of one: wait a little for a message begun (else it came a poll late)
@@ -109,11 +139,7 @@ class PipeSharing:
                 self.closed = True
                 break
             msgs += self.frames.feed(data)
-        newest = None
-        for kind, cost, choice in msgs:
-            if kind == "incumbent" and cost < self.best:
-                newest, self.best = choice.astype(np.int64), cost
-        return newest
+        return msgs
 
 
 def search_in_workers(
@@ -153,6 +179,10 @@ def search_in_workers(
                         best_cost, best_choice = msg[1], msg[2].astype(np.int64)
                         if np.isfinite(hard.cost(best_choice)):
                             stats.setdefault("first_fit_at", time.perf_counter())
+                        for j, (_, box, _) in enumerate(workers):
+                            if j != k and j not in answers:
+                                box.put(encode(msg))
+                    elif msg[0] == "start":  # a start for the other workers' forest rounds
                         for j, (_, box, _) in enumerate(workers):
                             if j != k and j not in answers:
                                 box.put(encode(msg))

@@ -37,10 +37,12 @@ from autoshard.solver.memory import MemoryRows, memory_rows
 from autoshard.solver.milp import promising, restrict, solve_milp
 from autoshard.solver.parallel import MIN_PARALLEL_SECONDS, default_workers, search_in_workers
 from autoshard.solver.penalty import (
+    GENTLE_STEPS,
     clear_forbidden,
     guarded_descent,
     lagrangian_bp,
     lagrangian_descent,
+    lagrangian_fit,
     penalised_choice,
     penalty_search,
     plain_scale,
@@ -325,6 +327,13 @@ class NoSharing:
 
     def poll(self) -> np.ndarray | None:
         """The newest incumbent choice another search found, or None."""
+        return None
+
+    def offer(self, state: CoreState, mult: float) -> None:
+        """Offer the other searches ``state`` as a start for forest rounds from multipliers ``mult``."""
+
+    def take_start(self) -> tuple[np.ndarray, float] | None:
+        """The newest start another search offered, with its multiplier, or None."""
         return None
 
 
@@ -683,10 +692,15 @@ def _windows(s: Search, state: CoreState, large: bool, window=None, seeds=None) 
         if cost < posted[0]:
             share.post(ws.state)
             posted[0] = cost
+        drawn = _drawn(s, share.take_start())
+        if drawn is not None:
+            share.post(drawn)
         choice = share.poll()
-        if choice is None:
+        cand = drawn if choice is None else CoreState(red, rows, choice)
+        if drawn is not None and drawn.total_cost() < cand.total_cost():
+            cand = drawn
+        if cand is None:
             return
-        cand = CoreState(red, rows, choice)
         if cand.overflow() <= 0 and cand.total_cost() < cost - 1e-12 * max(1.0, abs(cost)):
             ws.state = cand
             ws.settled[:] = False
@@ -708,6 +722,16 @@ def _windows(s: Search, state: CoreState, large: bool, window=None, seeds=None) 
     return search.state
 
 
+def _drawn(s: Search, start: tuple[np.ndarray, float] | None) -> CoreState | None:
+    """Forest rounds from a start another search offered (``(choice, mult)``, or None): their fit, or None."""
+    if start is None:
+        return None
+    choice, mult = start
+    fit = lagrangian_fit(s.red, s.rows, choice, mult=np.full(s.rows.num_points, mult), deadline=s.deadline - _MARGIN,
+                         seed=s.seed, log=lambda m: s.log(f"offered start: {m}"), steps=GENTLE_STEPS)
+    return fit.state
+
+
 def _large_start(s: Search, state: CoreState, start_time: float, bp: MinSumBP | None) -> CoreState:
     """A first fitting choice of a large memory-constrained core (``state`` when none is found).
 
@@ -725,7 +749,8 @@ def _large_start(s: Search, state: CoreState, start_time: float, bp: MinSumBP | 
         share = _CFN_SHARE if s.variant is not None else _CFN_SHARE_ALONE
         rest = max(deadline - _MARGIN - now, 0.0)
         cands.append(cfn.penalty_bisection(red, rows, now + share * rest, seed, log=log, post=lambda st: _post(s, st),
-                                           stats=s.stats, give_up=now + _CFN_GIVE_UP * rest, probe=s.variant is None))
+                                           stats=s.stats, give_up=now + _CFN_GIVE_UP * rest, probe=s.variant is None,
+                                           offer=s.share.offer))
         _cfn_bound(s, start_time)
     if huge and (not priced or s.variant is None):
         rest = deadline - time.perf_counter()

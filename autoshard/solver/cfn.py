@@ -347,8 +347,7 @@ def penalty_bisection(red: Reduction, rows: MemoryRows, deadline: float, seed: i
     the same price when that found nothing (see ``_UNPROVEN_SHARE``).
     """
     run = _PricedAttempts(red, rows, deadline, give_up, seed=seed, log=log, post=post,
-                          stats={} if stats is None else stats, probe=probe)
-    run.offer = offer
+                          stats={} if stats is None else stats, probe=probe, offer=offer)
     base = plain_scale(red)
     uniform = _Scaled(run, base, "penalty 2^")
     start = start_exponent(red, rows) if start is None else start
@@ -373,7 +372,7 @@ class _PricedAttempts:
     """toulbar2's answers under memory prices, the best fit among them, and the time each may take."""
 
     def __init__(self, red: Reduction, rows: MemoryRows, deadline: float, give_up: float | None, *, seed: int,
-                 log, post, stats: dict, probe: bool = False):
+                 log, post, stats: dict, probe: bool = False, offer=None):
         self.red, self.rows, self.deadline, self.give_up = red, rows, deadline, give_up
         self.seed, self.log, self.post, self.stats = seed, log, post, stats
         self.best: CoreState | None = None
@@ -387,7 +386,7 @@ class _PricedAttempts:
         self.bisecting = True
         self.proven = False  # whether some attempt was proven optimal
         self.last: tuple | None = None  # the last attempt's prices, priced core and answer
-        self.offer = None  # offer(state, mult): sends a start for forest rounds to the other searches
+        self.offer = offer  # offer(state, mult): sends a start for forest rounds to the other searches
 
     def quick(self) -> bool:
         """Whether the bracket and bisection go on with quick attempts (they may then run on to ``give_up``): each
@@ -623,11 +622,11 @@ def node_weights(run: _PricedAttempts, over: CoreState, over_e: float, fit_e: fl
             asked.append((prices, state))
             if state.overflow() <= _WEIGHT_NEAR * rows.limit and state.total_cost() < cheapest:
                 cheapest, stale = state.total_cost(), -1
-            if 0 < state.overflow() <= _WEIGHT_NEAR * rows.limit:
-                start = state
         near = [st for _, st in asked if 0 < st.overflow() <= _WEIGHT_NEAR * rows.limit]
-        if near and run.offer is not None:
-            run.offer(min(near, key=lambda st: st.total_cost()), float(mult[0]))
+        if near:
+            start = near[-1]
+            if run.offer is not None:
+                run.offer(min(near, key=lambda st: st.total_cost()), float(mult[0]))
         stale += 1
         if len(asked) < _WEIGHT_TASKS or (stale >= _WEIGHT_PATIENCE and run.offer is None):
             break

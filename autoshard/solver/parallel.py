@@ -113,23 +113,17 @@ class PipeSharing:
         for kind, cost, choice in self._read():
             if kind == "incumbent" and cost < self.best:
                 newest, self.best = choice.astype(np.int64), cost
-            elif kind == "start":
-                self.start = (choice.astype(np.int64), cost)
         return newest
 
     def take_start(self) -> tuple[np.ndarray, float] | None:
         """The newest start another worker offered and none took yet (older ones are dropped), or None. Cheaper
         incumbents read on the way wait for :meth:`poll`."""
-        msgs = self._read()
-        self.pending = [m for m in msgs if m[0] != "start"]
-        for m in msgs:
-            if m[0] == "start":
-                self.start = (m[2].astype(np.int64), m[1])
+        self.pending = self._read()
         start, self.start = self.start, None
         return start
 
     def _read(self) -> list:
-        """The messages pending and those in the inbox now."""
+        """The messages pending and those in the inbox now, but starts: the newest of those goes to ``start``."""
         msgs, self.pending = self.pending, []
         # an incumbent is larger than a pipe's buffer (contest A: 93 KB), so the parent's writer may
         # still be sending the rest of one: wait a little for a message begun (else it came a poll late)
@@ -139,7 +133,10 @@ class PipeSharing:
                 self.closed = True
                 break
             msgs += self.frames.feed(data)
-        return msgs
+        for kind, mult, choice in msgs:
+            if kind == "start":
+                self.start = (choice.astype(np.int64), mult)
+        return [m for m in msgs if m[0] != "start"]
 
 
 def search_in_workers(
@@ -179,13 +176,9 @@ def search_in_workers(
                         best_cost, best_choice = msg[1], msg[2].astype(np.int64)
                         if np.isfinite(hard.cost(best_choice)):
                             stats.setdefault("first_fit_at", time.perf_counter())
-                        for j, (_, box, _) in enumerate(workers):
-                            if j != k and j not in answers:
-                                box.put(encode(msg))
+                        _relay(msg, workers, k, answers)
                     elif msg[0] == "start":  # a start for the other workers' forest rounds
-                        for j, (_, box, _) in enumerate(workers):
-                            if j != k and j not in answers:
-                                box.put(encode(msg))
+                        _relay(msg, workers, k, answers)
                     elif msg[0] == "answer":
                         answers[k] = msg[1]
                     elif msg[0] == "error":
@@ -205,6 +198,13 @@ def search_in_workers(
     return _combined_answer(done, errors, best_cost=best_cost, best_choice=best_choice, count=count, stats=stats,
                             floor=trivial_bound(red),
                             log=log)
+
+
+def _relay(msg, workers: list, sender: int, answers: dict) -> None:
+    """Send ``msg`` from worker ``sender`` to every other worker that has not answered yet."""
+    for j, (_, box, _) in enumerate(workers):
+        if j != sender and j not in answers:
+            box.put(encode(msg))
 
 
 def _start_workers(red: Reduction, rows: MemoryRows | None, deadline: float, *, seed: int, count: int,

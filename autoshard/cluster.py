@@ -95,6 +95,17 @@ class ClusterSpec:
       memory: device memory in bytes.
       host_bandwidth: device <-> host copy bandwidth in bytes/s.
       name: a label, kept through :meth:`for_mesh` and JSON.
+      hardware: the :class:`~autoshard.perf.Hardware` (chip and network tiers) the performance model
+        prices with (:mod:`autoshard.perf`): a roofline per op, collectives at their device group's slowest
+        tier, async collectives overlapping compute. None (a hand-written spec, ``cpu-sim``): ``flops`` and
+        the per-axis alpha-beta links alone, no overlap. With hardware, ``flops``, ``bandwidth`` and
+        ``latency`` are its summary (the sustained bf16 matmul rate, the innermost tier) for code that reads
+        them, and the tiers decide.
+      nodes: how many groups of the innermost tier (nodes, TPU slices) the mesh's devices are spread over;
+        None: as many as the hardware's node size makes (8 GPUs a node). ``h100-2node-ib`` is ``nodes=2``:
+        a mesh ``(2, k)`` then has its first axis across the two nodes whatever ``k`` is.
+      mesh_shape: set by :meth:`for_mesh` on a spec with hardware: the mesh whose device groups
+        :meth:`collective_cost` prices.
 
     Example:
         >>> spec = ClusterSpec(flops=1e12, bandwidth=1e10, latency=1e-5, memory=2**32)
@@ -108,6 +119,9 @@ class ClusterSpec:
     memory: float
     host_bandwidth: float = 25e9
     name: str = "custom"
+    hardware: Any = None
+    nodes: int | None = None
+    mesh_shape: tuple[int, ...] | None = None
 
     def __post_init__(self):
         for field in ("flops", "memory", "host_bandwidth"):
@@ -119,6 +133,12 @@ class ClusterSpec:
         object.__setattr__(self, "latency", _as_positive("latency", self.latency))
         if not isinstance(self.name, str):
             raise ValueError(f"ClusterSpec.name must be a string, got {self.name!r}")
+        if isinstance(self.hardware, str):
+            from autoshard.perf.hardware import hardware_preset
+
+            object.__setattr__(self, "hardware", hardware_preset(self.hardware))
+        if self.nodes is not None and (not isinstance(self.nodes, int) or self.nodes < 1):
+            raise ValueError(f"ClusterSpec.nodes must be a positive int or None, got {self.nodes!r}")
         bw, lat = self.bandwidth, self.latency
         if isinstance(bw, tuple) and isinstance(lat, tuple) and len(bw) != len(lat):
             raise ValueError(
@@ -146,6 +166,11 @@ class ClusterSpec:
         """
         shape = mesh_shape(mesh_or_shape)
         nd = len(shape)
+        if self.hardware is not None:
+            links = [self.axis_link(shape, (a,)) for a in range(nd)]
+            return dataclasses.replace(self, bandwidth=tuple(b for b, _ in links) or self.bandwidth,
+                                       latency=tuple(lat for _, lat in links) or self.latency,
+                                       mesh_shape=tuple(int(n) for n in shape))
         out = {}
         for field in ("bandwidth", "latency"):
             v = getattr(self, field)
@@ -160,6 +185,23 @@ class ClusterSpec:
             else:
                 out[field] = (v,) * nd
         return dataclasses.replace(self, **out)
+
+    def inner_span(self, num_devices: int) -> int | None:
+        """Devices in one group of the innermost tier for a mesh of ``num_devices`` (None: the hardware's)."""
+        if self.nodes is None:
+            return None
+        return max(1, num_devices // self.nodes)
+
+    def axis_link(self, shape: Sequence[int], axes: Sequence[int]) -> tuple[float, float]:
+        """``(bytes/s per device, latency)`` of a collective over mesh ``axes`` of a mesh ``shape``, from the
+        hardware's tiers (:func:`autoshard.perf.comm.group_link`)."""
+        from autoshard.perf.comm import group_link
+        from autoshard.perf.hardware import ring_span
+
+        shape = tuple(int(n) for n in shape)
+        group = math.prod(shape[a] for a in axes)
+        link = group_link(self.hardware, group, ring_span(shape, axes), inner_span=self.inner_span(math.prod(shape)))
+        return link.bandwidth, link.latency
 
     def _axis_value(self, field: str, axis: int) -> float:
         v = getattr(self, field)
@@ -228,6 +270,13 @@ class ClusterSpec:
         sizes = (sizes,) if isinstance(sizes, (int, np.integer)) else tuple(sizes)
         if len(axes) != len(sizes):
             raise ValueError(f"{len(axes)} axes {axes} but {len(sizes)} sizes {sizes}")
+        if self.hardware is not None:
+            from autoshard.cost import hardware_collective_seconds
+
+            shape = self.mesh_shape if self.mesh_shape is not None else tuple(int(s) for s in sizes)
+            axes = axes if self.mesh_shape is not None else tuple(range(len(sizes)))
+            return hardware_collective_seconds(self.hardware, kind, nbytes, shape, axes,
+                                               inner_span=self.inner_span(math.prod(shape)))
         links = [self.link(a, s) for a, s in sorted(zip(axes, sizes, strict=True))]
         return collective_seconds(kind, nbytes, links)
 
@@ -239,6 +288,10 @@ class ClusterSpec:
         for k in ("bandwidth", "latency"):
             if isinstance(d[k], tuple):
                 d[k] = list(d[k])
+        if d["hardware"] is not None:
+            d["hardware"] = d["hardware"].name  # a preset of autoshard.perf.HARDWARE
+        if d["mesh_shape"] is not None:
+            d["mesh_shape"] = list(d["mesh_shape"])
         return d
 
     @classmethod
@@ -272,79 +325,109 @@ class ClusterSpec:
 
 
 # ---------------------------------------------------------------------------------
-# Presets. ``flops`` is achievable dense bf16 matmul throughput, about 70% of the
-# data-sheet peak (large cuBLAS GEMMs reach 65–75%); ``bandwidth`` is the peak
-# unidirectional link bandwidth per device (NCCL rings reach 80–90% of it for
-# large messages); ``latency`` is a typical small-message collective time.
+# Presets. Each GPU and TPU preset is a chip and its network from autoshard.perf.hardware, where every
+# number has its source; ``flops`` is its sustained bf16 matmul rate and ``bandwidth``/``latency`` its
+# innermost tier, a summary for code that reads them (the performance model prices with the tiers).
 
 _GiB = 2**30
-_MATMUL_EFFICIENCY = 0.7
 
-# H100 nodes joined by one 400 Gb/s InfiniBand NIC per GPU (50 GB/s) on mesh axis 0, NVLink on axis 1.
-_H100_IB = ClusterSpec(
-    flops=989e12 * _MATMUL_EFFICIENCY,
-    bandwidth=(50e9, 450e9),
-    latency=(1e-5, 5e-6),
-    memory=80 * _GiB,
-    host_bandwidth=50e9,
-    name="h100-2node-ib",
-)
 
-PRESETS: dict[str, ClusterSpec] = {
-    # 8×H100 SXM in one node: 989 TFLOP/s dense bf16; NVLink 4 at 900 GB/s
-    # bidirectional = 450 GB/s per direction; PCIe Gen5 x16 to the host.
-    "h100-nvlink": ClusterSpec(
-        flops=989e12 * _MATMUL_EFFICIENCY,
-        bandwidth=450e9,
-        latency=5e-6,
-        memory=80 * _GiB,
-        host_bandwidth=50e9,
-        name="h100-nvlink",
-    ),
-    # 8×H200: the H100's compute and NVLink, 141 GB of HBM3e (about 140 GiB
-    # visible to CUDA).
-    "h200-nvlink": ClusterSpec(
-        flops=989e12 * _MATMUL_EFFICIENCY,
-        bandwidth=450e9,
-        latency=5e-6,
-        memory=140 * _GiB,
-        host_bandwidth=50e9,
-        name="h200-nvlink",
-    ),
-    # 8×A100 SXM 80GB: 312 TFLOP/s bf16; NVLink 3 at 600 GB/s bidirectional.
-    "a100": ClusterSpec(
-        flops=312e12 * _MATMUL_EFFICIENCY,
-        bandwidth=300e9,
-        latency=8e-6,
-        memory=80 * _GiB,
-        host_bandwidth=25e9,
-        name="a100",
-    ),
-    # TPU v5e: 197 TFLOP/s bf16; 1,600 Gb/s of ICI per chip over four links of a
-    # 2-D torus, so a ring along one axis uses two links: about 100 GB/s.
-    "tpu-v5e": ClusterSpec(
-        flops=197e12 * _MATMUL_EFFICIENCY,
-        bandwidth=100e9,
-        latency=3e-6,
-        memory=16 * _GiB,
-        host_bandwidth=25e9,
-        name="tpu-v5e",
-    ),
-    # The simulated CPU devices of the tests (--xla_force_host_platform_device_count).
-    "cpu-sim": ClusterSpec(
-        flops=1e11,
-        bandwidth=1e10,
-        latency=1e-5,
-        memory=4 * _GiB,
-        host_bandwidth=1e10,
-        name="cpu-sim",
-    ),
-    # Two 8×H100 nodes joined by one 400 Gb/s InfiniBand NIC per GPU (50 GB/s).
-    # For a 2-D mesh (2, 8) whose first axis spans the nodes.
-    "h100-2node-ib": _H100_IB,
-    # Four such nodes: the same links, for a mesh (4, 8) (or (4k, n)) whose first axis spans the 4 nodes.
-    "h100-4node-ib": dataclasses.replace(_H100_IB, name="h100-4node-ib"),
-}
+def from_hardware(hardware, *, name: str | None = None, nodes: int | None = None,
+                  memory: float | None = None) -> ClusterSpec:
+    """A :class:`ClusterSpec` for :class:`~autoshard.perf.Hardware` ``hardware`` (or a preset's name).
+
+    Example:
+        >>> from_hardware("h200").memory == 141e9
+        True
+    """
+    from autoshard.perf.hardware import hardware_preset
+
+    hw = hardware_preset(hardware) if isinstance(hardware, str) else hardware
+    inner = hw.tiers[0]
+    return ClusterSpec(flops=hw.accelerator.matmul_rate("bf16"), bandwidth=inner.bandwidth * inner.efficiency,
+                       latency=max(inner.latency, 1e-9), memory=hw.memory if memory is None else memory,
+                       host_bandwidth=hw.host_bandwidth, name=name or hw.name, hardware=hw, nodes=nodes)
+
+
+def _presets() -> dict[str, ClusterSpec]:
+    presets = {name: from_hardware(name) for name in ("a100-40", "a100-80", "h100", "h200", "b200", "v100",
+                                                      "tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e")}
+    presets.update({
+        # The names autoshard had before the performance model; the same hardware.
+        "h100-nvlink": from_hardware("h100", name="h100-nvlink"),
+        "h200-nvlink": from_hardware("h200", name="h200-nvlink"),
+        "a100": from_hardware("a100-80", name="a100"),
+        # Two (four) H100 nodes: the mesh's devices are split into that many nodes, joined by one 400 Gb/s
+        # NDR NIC per GPU; a mesh (2, k) has its first axis across the nodes.
+        "h100-2node-ib": from_hardware("h100", name="h100-2node-ib", nodes=2),
+        "h100-4node-ib": from_hardware("h100", name="h100-4node-ib", nodes=4),
+        # The simulated CPU devices of the tests (--xla_force_host_platform_device_count): no hardware model,
+        # flops and alpha-beta links alone.
+        "cpu-sim": ClusterSpec(flops=1e11, bandwidth=1e10, latency=1e-5, memory=4 * _GiB, host_bandwidth=1e10,
+                               name="cpu-sim"),
+    })
+    return presets
+
+
+class _Presets(dict):
+    """``PRESETS``, built on first use (the hardware module is not imported with autoshard)."""
+
+    def _fill(self):
+        if not dict.__len__(self):
+            dict.update(self, _presets())
+
+    def __getitem__(self, k):
+        self._fill()
+        return dict.__getitem__(self, k)
+
+    def __iter__(self):
+        self._fill()
+        return dict.__iter__(self)
+
+    def __len__(self):
+        self._fill()
+        return dict.__len__(self)
+
+    def __contains__(self, k):
+        self._fill()
+        return dict.__contains__(self, k)
+
+    def keys(self):
+        self._fill()
+        return dict.keys(self)
+
+    def items(self):
+        self._fill()
+        return dict.items(self)
+
+    def values(self):
+        self._fill()
+        return dict.values(self)
+
+
+PRESETS: dict[str, ClusterSpec] = _Presets()
+
+
+def preset_for_devices(devices) -> ClusterSpec:
+    """The preset for these devices: by ``device_kind`` (an H200 gets ``h200`` and its 141 GB), else by
+    platform (``cpu-sim`` on CPU; ``h100`` for an unknown GPU, ``tpu-v5e`` for an unknown TPU).
+
+    Example:
+        >>> preset_for_devices([]).name
+        'h100'
+    """
+    from autoshard.perf.hardware import hardware_for_device_kind
+
+    devices = list(devices)
+    if not devices:
+        return PRESETS["h100"]
+    d = devices[0]
+    if d.platform == "cpu":
+        return PRESETS["cpu-sim"]
+    hw = hardware_for_device_kind(str(getattr(d, "device_kind", "")))
+    if hw is not None:
+        return PRESETS[hw.name]
+    return PRESETS["tpu-v5e" if d.platform == "tpu" else "h100"]
 
 
 def cluster_preset(name: str) -> ClusterSpec:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import numpy as np
 
@@ -23,7 +24,13 @@ ELEMENTWISE_FLOPS_PER_ELEMENT = 1.0
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class CostModel:
-    """Per-axis alpha and beta plus device flop/s, for one mesh."""
+    """Prices ops and collectives on one mesh.
+
+    With a :class:`~autoshard.perf.Hardware` (every GPU and TPU preset), an op's :class:`~autoshard.perf.Work`
+    is priced by the roofline of :mod:`autoshard.perf.compute` and a collective over mesh axes at the
+    slowest network tier its device group crosses (:mod:`autoshard.perf.comm`). Without one (``cpu-sim``, a
+    hand-written :class:`~autoshard.ClusterSpec`), compute is ``flops / cluster.flops`` and a collective
+    Alpa's alpha-beta formula on the per-axis links (:func:`autoshard.collectives.collective_seconds`)."""
 
     mesh: MeshInfo
     flops: float
@@ -33,31 +40,51 @@ class CostModel:
     """The backend emits a reduce-scatter as an all-reduce plus a slice (XLA:CPU); price it so."""
     widen_half_precision: bool = False
     """The backend moves 2-byte floats (bf16, f16) through collectives as f32 (XLA:CPU); price them so."""
+    hardware: Any = None
+    """The :class:`~autoshard.perf.Hardware`, or None (alpha-beta only)."""
+    inner_span: int | None = None
+    """Devices per group of the innermost tier (``ClusterSpec.nodes``); None: the hardware's."""
+    overlap: bool = False
+    """Asynchronous collectives overlap independent compute (XLA:GPU and XLA:TPU; not XLA:CPU)."""
+    profile: Any = dataclasses.field(default=None, compare=False, hash=False)
+    """The :class:`~autoshard.backends.BackendProfile` (which values XLA writes out, for the bytes ops move)."""
     _memo: dict = dataclasses.field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @classmethod
     def create(cls, mesh: MeshInfo, cluster, *, profile=None, platform: str | None = None) -> CostModel:
-        """Build from a ``ClusterSpec`` (scalar or per-axis bandwidth and latency).
+        """Build from a ``ClusterSpec`` (scalar or per-axis bandwidth and latency, or a hardware model).
 
         ``profile``: the :class:`~autoshard.backends.BackendProfile` of the backend that compiles
         the plan (its reduce-scatter and half-precision collectives are priced as it emits them);
-        ``platform`` names one instead; neither: the GPU profile."""
+        ``platform`` names one instead; neither: the GPU profile. Collectives overlap compute when the
+        cluster's hardware is a GPU or TPU (their XLA backends run them asynchronously), else when the
+        profile says so."""
         from autoshard.backends import GPU, profile_for
 
         if profile is None:
             profile = GPU if platform is None else profile_for(platform)
-        bw = _per_axis(cluster.bandwidth, mesh.ndim, "bandwidth")
-        lat = _per_axis(cluster.latency, mesh.ndim, "latency")
+        hardware = getattr(cluster, "hardware", None)
+        if hardware is not None:
+            shape = mesh.shape
+            links = [cluster.axis_link(shape, (a,)) for a in range(mesh.ndim)]
+            bw, lat = [b for b, _ in links], [a for _, a in links]
+            overlap = hardware.accelerator.platform in ("gpu", "tpu")
+            inner = cluster.inner_span(mesh.size)
+        else:
+            bw = _per_axis(cluster.bandwidth, mesh.ndim, "bandwidth")
+            lat = _per_axis(cluster.latency, mesh.ndim, "latency")
+            overlap, inner = bool(profile.async_collectives), None
         fields = (mesh, float(cluster.flops), tuple(lat), tuple(1.0 / b for b in bw),
-                  profile.reduce_scatter_as_all_reduce, profile.widen_half_precision_collectives)
-        return cls(*fields, _memo=_shared_memo(fields))
+                  profile.reduce_scatter_as_all_reduce, profile.widen_half_precision_collectives,
+                  hardware, inner, overlap)
+        return cls(*fields, profile=profile, _memo=_shared_memo((*fields, profile.platform)))
 
     def without_latency(self) -> CostModel:
         """The same model with zero alpha: for collectives that XLA will combine with others."""
         hit = self._memo.get("without_latency")
         if hit is None:
             hit = self._memo["without_latency"] = dataclasses.replace(
-                self, alpha=(0.0,) * len(self.alpha), _memo={})
+                self, alpha=(0.0,) * len(self.alpha), _memo={"latency": 0.0})
         return hit
 
     def links(self, axes) -> list[Link]:
@@ -65,14 +92,38 @@ class CostModel:
         return [Link(self.mesh.shape[a], self.alpha[a], self.beta[a]) for a in sorted(axes)]
 
     def collective_time(self, c: Collective) -> float:
-        """Alpha-beta seconds of one collective (:func:`~autoshard.collectives.collective_seconds`)."""
+        """Seconds of one collective: on the hardware's tiers when there is a hardware model, else Alpa's
+        alpha-beta formula (:func:`~autoshard.collectives.collective_seconds`)."""
         kind = c.kind
         if kind is CollectiveKind.REDUCE_SCATTER and self.reduce_scatter_as_all_reduce:
             kind = CollectiveKind.ALL_REDUCE
-        return collective_seconds(kind, c.bytes, self.links(c.axes))
+        if self.hardware is None:
+            return collective_seconds(kind, c.bytes, self.links(c.axes))
+        return hardware_collective_seconds(self.hardware, kind, c.bytes, self.mesh.shape, c.axes,
+                                           inner_span=self.inner_span, latency=self._memo.get("latency"))
+
+    def stream(self, c: Collective) -> str:
+        """The communication stream (network tier) a collective runs on, for the step's schedule."""
+        if self.hardware is None:
+            return "comm"
+        from autoshard.perf.comm import group_link
+        from autoshard.perf.hardware import ring_span
+
+        group = self.mesh.axes_size(c.axes)
+        return group_link(self.hardware, group, ring_span(self.mesh.shape, c.axes), inner_span=self.inner_span).tier
 
     def compute_time(self, flops: float) -> float:
+        """Seconds of ``flops`` at the cluster's flop/s: the rules' price when there is no hardware model."""
         return flops / self.flops
+
+    def work_time(self, work) -> float:
+        """Seconds of one op's :class:`~autoshard.perf.Work`: its roofline on the hardware, else its flops at
+        the cluster's flop/s."""
+        if self.hardware is None:
+            return work.flops / self.flops
+        from autoshard.perf.compute import seconds
+
+        return seconds(work, self.hardware.accelerator)
 
     def reshard(self, shape: tuple[int, ...], itemsize: int, src: ShardingSpec, dst: ShardingSpec):
         """(seconds, collectives) to move an array from ``src`` to ``dst`` layout."""
@@ -88,6 +139,21 @@ class CostModel:
 
     def reshard_time(self, shape, itemsize, src, dst) -> float:
         return self.reshard(shape, itemsize, src, dst)[0]
+
+
+def hardware_collective_seconds(hardware, kind, nbytes: float, shape, axes, *, inner_span=None,
+                                latency: float | None = None) -> float:
+    """Seconds of one collective over mesh ``axes`` of a mesh ``shape`` on ``hardware``: its device group's
+    slowest tier (:func:`autoshard.perf.comm.group_link`), the bytes :func:`autoshard.perf.comm.moved_bytes`
+    says each device sends; ``latency`` replaces the tier's (0: a collective XLA combines with others)."""
+    from autoshard.perf.comm import group_link, moved_bytes
+    from autoshard.perf.hardware import ring_span
+
+    group = math.prod(shape[a] for a in axes)
+    if group <= 1:
+        return 0.0
+    link = group_link(hardware, group, ring_span(shape, axes), inner_span=inner_span)
+    return (link.latency if latency is None else latency) + moved_bytes(kind, nbytes, group) / link.bandwidth
 
 
 _MEMOS: dict = {}

@@ -170,13 +170,14 @@ class Attempt:
 
 
 def default_cluster(mesh):
-    """The :class:`~autoshard.ClusterSpec` preset for the mesh's platform."""
-    from autoshard.cluster import cluster_preset, is_abstract
+    """The :class:`~autoshard.ClusterSpec` preset for the mesh's devices: by ``device_kind`` (an H200 gets
+    ``h200``), ``cpu-sim`` on CPU; an ``AbstractMesh`` has no devices to ask, so ``h100-nvlink``, as the GPU
+    backend profile."""
+    from autoshard.cluster import cluster_preset, is_abstract, preset_for_devices
 
-    if is_abstract(mesh):  # no devices to ask: the GPU preset, as the GPU backend profile
+    if is_abstract(mesh):
         return cluster_preset("h100-nvlink")
-    platform = mesh.devices.flat[0].platform
-    return cluster_preset({"cpu": "cpu-sim", "tpu": "tpu-v5e"}.get(platform, "h100-nvlink"))
+    return preset_for_devices(mesh.devices.flat[:1])
 
 
 # ---- the passes ----------------------------------------------------------------------------------

@@ -25,28 +25,40 @@ SPEC = ClusterSpec(flops=1e12, bandwidth=(1e9, 4e9), latency=(2e-5, 1e-6), memor
 # -- construction and presets --------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["h100-nvlink", "h200-nvlink", "a100", "tpu-v5e", "cpu-sim", "h100-2node-ib", "h100-4node-ib"])
+@pytest.mark.parametrize("name", ["h100-nvlink", "h200-nvlink", "a100", "tpu-v5e", "cpu-sim", "h100-2node-ib",
+                                  "h100-4node-ib", "h100", "h200", "a100-40", "b200", "tpu-v4", "tpu-v5p", "tpu-v6e"])
 def test_presets_exist_and_broadcast(name):
     spec = cluster_preset(name)
     assert spec is PRESETS[name] and spec.name == name
-    if isinstance(spec.bandwidth, tuple):
-        shaped = spec.for_mesh((2, 8))
-    else:
-        shaped = spec.for_mesh((2, 2, 2))
+    shaped = spec.for_mesh((2, 2, 2))
+    assert len(shaped.bandwidth) == len(shaped.latency) == 3
+    if spec.hardware is None:
         assert shaped.bandwidth == (spec.bandwidth,) * 3
         assert shaped.latency == (spec.latency,) * 3
+    else:  # per-axis numbers come from the tiers each axis's device groups cross
+        assert all(b > 0 for b in shaped.bandwidth) and shaped.mesh_shape == (2, 2, 2)
     assert shaped.flops == spec.flops and shaped.memory == spec.memory
 
 
 def test_two_node_preset_has_slow_first_axis():
-    spec = cluster_preset("h100-2node-ib")
-    assert spec.axis_bandwidth(0) == 50e9 and spec.axis_bandwidth(1) == 450e9
+    spec = cluster_preset("h100-2node-ib").for_mesh((2, 8))
+    ib, nvlink = spec.hardware.tiers[1], spec.hardware.tiers[0]
+    assert spec.axis_bandwidth(0) == ib.bandwidth * ib.efficiency
+    assert spec.axis_bandwidth(1) == nvlink.bandwidth * nvlink.efficiency
     assert cluster_preset("h200-nvlink").memory > cluster_preset("h100-nvlink").memory
 
 
+def test_presets_follow_the_hardware_facts():
+    """An H200 preset gets its own 141 GB; every GPU and TPU preset carries its hardware model."""
+    assert cluster_preset("h200").memory == 141e9
+    assert cluster_preset("a100-40").memory == 40 * 2**30
+    for name in ("a100-80", "h100", "b200", "tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e"):
+        assert cluster_preset(name).hardware is not None, name
+
+
 def test_unknown_preset():
-    with pytest.raises(ValueError, match="unknown cluster preset 'v100'.*cpu-sim"):
-        cluster_preset("v100")
+    with pytest.raises(ValueError, match="unknown cluster preset 'k80'.*cpu-sim"):
+        cluster_preset("k80")
 
 
 def test_for_mesh_accepts_a_mesh():

@@ -209,7 +209,7 @@ def plan(request: PlanRequest):
                 raise
             infeasible.append(e)
             continue
-        if best is None or p.cost.objective < best.cost.objective:
+        if best is None or p.cost.total_seconds < best.cost.total_seconds:  # the simulated step ranks meshes
             best = p
     if best is None:  # report the mesh that comes closest
         raise min(infeasible, key=lambda e: math.inf if e.smallest_memory is None else e.smallest_memory)
@@ -607,7 +607,13 @@ def _decoded_plan(request: PlanRequest, on: MeshTarget, solved: _Solved, *, stat
     in_specs = tuple(dec.value_specs[v] for v in program.graph.invars)
     ties = request.ties
     comm_bytes = sum(c.bytes * k for c, k in dec.collectives)
-    pcost = PlanCost(dec.compute_seconds, dec.comm_seconds, comm_bytes, memory.peak_bytes, float(sol.cost))
+    from autoshard.planner import simulate_step
+
+    t = simulate_step(sgraph, dec.node_strategy, program, solved.cost)
+    stats["perf"] = {"streams": t.busy, "by_kind": t.by_kind}
+    pcost = PlanCost(t.compute_seconds, t.communication_seconds, comm_bytes, memory.peak_bytes, float(sol.cost),
+                     step_seconds=t.step_seconds, exposed_communication_seconds=t.exposed_seconds, flops=t.flops,
+                     hbm_bytes=t.hbm_bytes)
     if offloaded:
         from autoshard.offload import transfer_seconds
 

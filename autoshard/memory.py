@@ -151,6 +151,18 @@ def _materialised(graph: OpGraph, avals, profile: BackendProfile) -> set:
     return mat
 
 
+def materialised_values(program: CapturedProgram, profile: BackendProfile) -> frozenset:
+    """Every value of the program (top level and scan bodies) that XLA writes to a buffer
+    (:func:`_materialised`): what the performance model counts as HBM traffic (:mod:`autoshard.work`)."""
+    out: set = set()
+    stack = [program.graph]
+    while stack:
+        g = stack.pop()
+        out |= _materialised(g, program.avals, profile)
+        stack.extend(op.body for op in g.ops if op.body is not None)
+    return frozenset(out)
+
+
 def _centrings(graph: OpGraph, avals, producer, mat: set, library_reductions) -> None:
     """Add to ``mat`` the centrings that feed a library reduction.
 

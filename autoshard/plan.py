@@ -18,11 +18,17 @@ class PlanCost:
     """Predicted per-device cost of one step.
 
     Attributes:
-      compute_seconds: flops over the cluster's flop/s.
-      communication_seconds: alpha-beta time of every collective and reshard.
+      compute_seconds: every op's roofline time on the cluster's hardware (:mod:`autoshard.perf`), or its
+        flops over the cluster's flop/s without a hardware model.
+      communication_seconds: the time of every collective and reshard on its network tier.
       communication_bytes: the bytes those collectives move per device (Alpa's B).
       peak_memory_bytes: the predicted peak of live values per device.
-      objective: what the solver minimised (compute + communication seconds).
+      objective: what the solver minimised (its pairwise sum of compute and communication seconds).
+      step_seconds: the predicted step: compute and communication list-scheduled, overlapped where the
+        backend runs collectives asynchronously (:func:`autoshard.planner.simulate_step`). None for a plan
+        saved before it was recorded (then :attr:`total_seconds` is the plain sum).
+      exposed_communication_seconds: the part of the step spent waiting on communication.
+      flops, hbm_bytes: per device per step, from every op's work (0 without a hardware model).
     """
 
     compute_seconds: float
@@ -30,9 +36,16 @@ class PlanCost:
     communication_bytes: float
     peak_memory_bytes: float
     objective: float
+    step_seconds: float | None = None
+    exposed_communication_seconds: float | None = None
+    flops: float = 0.0
+    hbm_bytes: float = 0.0
 
     @property
     def total_seconds(self) -> float:
+        """The one predicted step time of the plan: :attr:`step_seconds`, or the plain sum for an old plan."""
+        if self.step_seconds is not None:
+            return self.step_seconds
         return self.compute_seconds + self.communication_seconds
 
 

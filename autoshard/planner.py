@@ -187,6 +187,13 @@ class _GraphBuilder:
         self.cache: dict = {}
         self.terminal = _terminal_ops(program)
         self.quiet = cost.without_latency()
+        self.traffic = None
+        if cost.hardware is not None:  # every op priced by its roofline on the hardware (autoshard.work)
+            from autoshard.backends import GPU
+            from autoshard.work import program_traffic
+
+            self.traffic = program_traffic(program, cost.profile or GPU,
+                                           fused_attention=cost.hardware.accelerator.platform in ("gpu", "tpu"))
 
     def add_node(self, node: _Node) -> int:
         self.nodes.append(node)
@@ -244,23 +251,38 @@ class _GraphBuilder:
 
     def op_strategies(self, op: Op, ctx: RuleContext):
         """The rule's strategies (cached by shapes and params) and whether the op is a follower."""
+        traffic = None if self.traffic is None else self.traffic.get(op.index)
         entry = lookup_rule(op.name)
         if entry is None:
             if self.unsupported.get(op.name, "<unknown>") == "<unknown>":  # the first op with a user line
                 self.unsupported[op.name] = op.source()
             flops = sum(math.prod(s) for s in ctx.out_shapes)
-            return [replicated_strategy(ctx, flops)], False
+            return self.priced(op, ctx, traffic, [replicated_strategy(ctx, flops)]), False
         pkey = _params_key(op.params)
         key = None if pkey is None else (op.index in self.terminal, op.name, ctx.in_shapes, ctx.out_shapes,
-                                          ctx.const_inputs, ctx.in_dtypes, ctx.out_dtypes, pkey)
+                                          ctx.const_inputs, ctx.in_dtypes, ctx.out_dtypes, pkey, traffic)
         if key is not None and key in self.cache:
             return self.cache[key], entry.follows
         strategies = entry.rule(op, ctx)
         if not strategies:  # nothing divides evenly: fall back to replicated
             strategies = [replicated_strategy(ctx, sum(math.prod(s) for s in ctx.out_shapes))]
+        strategies = self.priced(op, ctx, traffic, strategies)
         if key is not None:
             self.cache[key] = strategies
         return strategies, entry.follows
+
+    def priced(self, op: Op, ctx: RuleContext, traffic, strategies: list[Strategy]) -> list[Strategy]:
+        """With a hardware model, each strategy's compute is its :class:`~autoshard.perf.Work`'s roofline
+        (:mod:`autoshard.work`); the rule's own compute (flops at one rate) stands otherwise."""
+        if traffic is None:
+            return strategies
+        from autoshard.work import strategy_work
+
+        out = []
+        for s in strategies:
+            work = strategy_work(op, traffic, s, ctx, self.avals)
+            out.append(dataclasses.replace(s, compute=self.cost.work_time(work), work=work))
+        return out
 
     def visit(self, graph_ops):
         for op in graph_ops:
@@ -857,6 +879,103 @@ def decode(built: BuiltProblem, choice, program: CapturedProgram, cost: CostMode
         comm += t * e.scale
         colls.extend((c, e.scale) for c in cs)
     return Decoded(tuple(node_strategy), value_specs, operand_specs, tuple(colls), compute, comm, deferred)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepTime:
+    """The simulated step of a decoded plan (:func:`simulate_step`).
+
+    Attributes:
+      step_seconds: the schedule's makespan: compute and communication, overlapped where the backend runs
+        collectives asynchronously.
+      compute_seconds, communication_seconds: the work on the compute stream and on the network streams.
+      exposed_seconds: the part of the step the compute stream waits on communication.
+      flops, hbm_bytes: per device, summed over every op's :class:`~autoshard.perf.Work` (0 without a
+        hardware model).
+      busy: stream -> seconds.
+      by_kind: the compute per :class:`~autoshard.perf.Work` kind (matmul, attention, vector):
+        ``{"seconds", "flops", "bytes", "ops"}``, what a report shows of why a plan is slow.
+    """
+
+    step_seconds: float
+    compute_seconds: float
+    communication_seconds: float
+    exposed_seconds: float
+    flops: float
+    hbm_bytes: float
+    busy: dict
+    by_kind: dict = dataclasses.field(default_factory=dict)
+
+
+def simulate_step(graph: StrategyGraph, node_strategy, program: CapturedProgram, cost: CostModel) -> StepTime:
+    """List-schedule one run of every op of a decoded plan (:func:`autoshard.perf.simulate`).
+
+    Each op is a compute task (its strategy's roofline seconds times its trips), preceded by the
+    collectives that reshard its operands and followed by its own collectives, each on the stream of the
+    network tier its device group crosses (:meth:`~autoshard.cost.CostModel.stream`). A reshard XLA computes
+    once for several readers is one task. Where the backend overlaps collectives (``cost.overlap``), a
+    collective runs beside every op that does not need its result; otherwise every task is serial and the
+    step is the sum of compute and communication, as before the performance model."""
+    from autoshard.perf.schedule import COMPUTE, Task, simulate
+
+    tasks: list[Task] = []
+    ready: dict[int, tuple[int, ...]] = {}  # value id -> tasks that must finish before it can be read
+    into: dict[int, list[_Edge]] = {}
+    later: dict[int, list[_Edge]] = {}  # back edges (loop carries) and state ties, after their source
+    for e in graph.edges:
+        if e.dst_pos < 0 or e.src >= e.dst:
+            later.setdefault(e.src, []).append(e)
+        else:
+            into.setdefault(e.dst, []).append(e)
+    resharded: dict[tuple, tuple[int, ...]] = {}
+    flops = hbm = 0.0
+    by_kind: dict[str, dict] = {}
+
+    def reshard(e: _Edge, dst_spec) -> tuple[int, ...]:
+        src_spec = node_strategy[e.src].out_specs[e.src_pos]
+        deps = ready.get(e.value, ())
+        if src_spec == dst_spec:
+            return deps
+        key = (e.value, e.scale, src_spec, dst_spec)
+        if key in resharded:
+            return resharded[key]
+        aval = program.avals[e.value]
+        _, colls = cost.reshard(_aval_shape(aval), _itemsize(aval), src_spec, dst_spec)
+        for c in colls:
+            tasks.append(Task(f"reshard {c.kind}", cost.stream(c), cost.collective_time(c) * e.scale, deps))
+            deps = (len(tasks) - 1,)
+        resharded[key] = deps
+        return deps
+
+    for i, (node, s) in enumerate(zip(graph.nodes, node_strategy, strict=True)):
+        deps: set[int] = set()
+        for e in into.get(i, ()):
+            deps.update(reshard(e, s.in_specs[e.dst_pos]))
+        final = tuple(sorted(deps))
+        if s.compute > 0:
+            tasks.append(Task(node.label, COMPUTE, s.compute * node.trips, final))
+            final = (len(tasks) - 1,)
+        if s.work is not None:
+            flops += s.work.flops * node.trips
+            hbm += s.work.bytes * node.trips
+            k = by_kind.setdefault(s.work.kind, {"seconds": 0.0, "flops": 0.0, "bytes": 0.0, "ops": 0})
+            k["seconds"] += s.compute * node.trips
+            k["flops"] += s.work.flops * node.trips
+            k["bytes"] += s.work.bytes * node.trips
+            k["ops"] += 1
+        if s.comm > 0 and s.collectives:
+            tasks.append(Task(f"{node.label} {s.collectives[0].kind}", cost.stream(s.collectives[0]),
+                              s.comm * node.trips, final))
+            final = (len(tasks) - 1,)
+        for v in node.outputs:
+            ready[v] = final
+        for e in later.get(i, ()):
+            dst = node_strategy[e.dst]
+            reshard(e, dst.out_specs[0] if e.dst_pos < 0 else dst.in_specs[e.dst_pos])
+    sched = simulate(tasks, overlap=cost.overlap)
+    compute = sched.busy.get(COMPUTE, 0.0)
+    comm = sum(v for k, v in sched.busy.items() if k != COMPUTE)
+    return StepTime(sched.makespan, compute, comm, sched.exposed, flops, hbm, dict(sched.busy), by_kind)
 
 
 def warn_unsupported(names) -> None:

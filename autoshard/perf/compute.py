@@ -7,9 +7,9 @@ neighbours, what kind of unit runs it and, for a matmul, its local shape. :func:
     time = max(flops / achievable rate, bytes / HBM stream bandwidth)
 
 - A **matmul** runs at the chip's sustained matmul rate for its operand class (fp8, bf16, tf32), times the
-  tile and wave quantization of its local shape (:func:`matmul_efficiency`): on a GPU, cuBLAS spreads output
-  tiles over the SMs one wave at a time, so a matmul of 1.5 waves runs at 75%, and a 100-row output in a
-  256-row tile at 39%; on a TPU the operands are padded to the MXU's tile.
+  tile quantization of its local shape (:func:`matmul_efficiency`): a 100-row output in 128-row tiles uses
+  78% of them, and a matmul of fewer tiles than the chip has SMs (MXUs) leaves the rest idle; on a TPU the
+  operands are padded to the MXU's tile.
 - A **fused attention** kernel (FlashAttention, cuDNN, Splash) runs at the chip's measured attention rate,
   forward or backward; its score matrix never reaches HBM.
 - **Elementwise**, reduction and layout work runs on the vector units, and is nearly always bound by the
@@ -78,9 +78,10 @@ def operand_class(dtypes, platform: str = "gpu") -> str:
             d = np.dtype(dt)
         except TypeError:
             continue
-        if d.kind == "V" or "float8" in d.name or "e4m3" in d.name or "e5m2" in d.name:
+        name = d.name
+        if "float8" in name or "e4m3" in name or "e5m2" in name:
             widths.append(1)
-        elif d.kind == "f":
+        elif d.kind == "f" or name in ("bfloat16", "float16"):
             widths.append(d.itemsize)
     if not widths:
         return "fp32"
@@ -97,22 +98,19 @@ def _quantized(size: int, tile: int) -> float:
 def matmul_efficiency(acc: Accelerator, batch: int, m: int, n: int, k: int) -> float:
     """The fraction of the sustained matmul rate a local ``(batch, m, n, k)`` matmul reaches.
 
-    GPU ([cublas-tile]): the output is cut into ``matmul_tile`` tiles (either orientation, the better one),
-    one per SM per wave; efficiency = filled tile area x filled waves. TPU ([mxu]): ``m``, ``n`` and ``k``
-    are padded to the MXU tile, and the tiles spread over the MXUs in waves the same way."""
+    The output is cut into ``matmul_tile`` tiles ([cublas-tile], [mxu]); a dimension that does not fill its
+    last tile wastes the rest of it (tile quantization), and a matmul of fewer tiles than the chip has
+    compute units leaves the others idle. Beyond one tile per unit the libraries balance the last wave
+    (cuBLAS's heuristics pick among tile shapes and split-K; Hopper's stream-K schedules), so whole waves
+    are not counted. On a TPU ``k`` is padded to the MXU too."""
     if min(batch, m, n, k) <= 0:
         return 1.0
-    units = acc.compute_units
-    best = 0.0
-    a, b = acc.matmul_tile
-    for tm, tn in ((a, b), (b, a)) if a != b else ((a, b),):
-        tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
-        waves = math.ceil(tiles / units)
-        eff = _quantized(m, tm) * _quantized(n, tn) * tiles / (waves * units)
-        if acc.platform == "tpu":
-            eff *= _quantized(k, a)
-        best = max(best, eff)
-    return best
+    tm, tn = acc.matmul_tile
+    tiles = math.ceil(m / tm) * math.ceil(n / tn) * batch
+    eff = _quantized(m, tm) * _quantized(n, tn) * min(1.0, tiles / acc.compute_units)
+    if acc.platform == "tpu":
+        eff *= _quantized(k, tm)
+    return eff
 
 
 def seconds(work: Work, acc: Accelerator) -> float:

@@ -31,8 +31,9 @@ Sources, cited by key in the comments below:
 - ``[fa3-bench]``: pytorch/benchmark commit ff65cb67 (FlashAttention-3 on H100, head dim 128): 566 TFLOPS
   forward at sequence 2k, 590 at 4k, 614 at 8k (0.57-0.62 of 989).
 - ``[cublas-tile]``: NVIDIA, "Matrix Multiplication Background User's Guide", §2.3 and §3: cuBLAS runs a
-  GEMM as thread-block tiles of the output (256x128 and 128x256 the most efficient), one tile per SM at a
-  time; tile and wave quantization follow.
+  GEMM as thread-block tiles of the output, one tile per SM at a time; a dimension that does not fill its
+  last tile wastes the rest (tile quantization). 128x128 is the granularity counted here (cuBLAS picks
+  among 256x128, 128x256, 128x128 and smaller, and balances the last wave by split-K, stream-K on Hopper).
 - ``[mxu]``: scaling-book ``tpus.md``: the MXU is a 128x128 systolic array (256x256 on v6e), fed from
   VMEM with the HBM copies pipelined under the MXU work, so a large aligned matmul is compute bound;
   operands are padded to the MXU tile.
@@ -221,7 +222,7 @@ A100_80 = Accelerator(
     hbm_bandwidth=2.039e12,  # [nv-a100] 80 GB SXM: 2,039 GB/s
     hbm_efficiency=_HBM_STREAM,
     compute_units=108,  # [nv-a100] SMs
-    matmul_tile=(256, 128),  # [cublas-tile]
+    matmul_tile=(128, 128),  # [cublas-tile]
     vector_flops=19.5e12,
 )
 A100_40 = dataclasses.replace(A100_80, name="a100-40", hbm_bytes=40 * _GiB,
@@ -241,7 +242,7 @@ H100 = Accelerator(
     hbm_bandwidth=3.35e12,  # [nv-h100] HBM3
     hbm_efficiency=_HBM_STREAM,
     compute_units=132,  # [nv-h100] SMs
-    matmul_tile=(128, 256),  # [cublas-tile]
+    matmul_tile=(128, 128),  # [cublas-tile]
     vector_flops=67e12,
 )
 H200 = dataclasses.replace(H100, name="h200", hbm_bytes=141e9, hbm_bandwidth=4.8e12)  # [nv-h200] HBM3e
@@ -259,7 +260,7 @@ B200 = Accelerator(
     hbm_bandwidth=8.0e12,  # [nv-b200]
     hbm_efficiency=_HBM_STREAM,
     compute_units=148,  # [nv-b200] SMs
-    matmul_tile=(128, 256),
+    matmul_tile=(128, 128),
     vector_flops=80e12,
 )
 

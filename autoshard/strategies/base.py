@@ -36,6 +36,8 @@ class Strategy:
       comm: seconds of communication inside the op (e.g. the all-reduce of a
         sharded contraction). Resharding between ops is priced on edges.
       collectives: what ``comm`` consists of, for reports.
+      work: the :class:`~autoshard.perf.Work` (flops, HBM bytes, unit) behind ``compute``, set by the planner
+        when the cluster has a hardware model (:mod:`autoshard.work`); None otherwise.
     """
 
     name: str
@@ -44,6 +46,7 @@ class Strategy:
     compute: float = 0.0
     comm: float = 0.0
     collectives: tuple[Collective, ...] = ()
+    work: object = None
 
     @property
     def cost(self) -> float:

@@ -1,0 +1,547 @@
+"""Predict published, measured training runs with autoshard's performance model.
+
+    python -m benchmarks.published [--csv ../shared/published_runs.csv] [--json benchmarks/results/published.json]
+                                   [--only REGEX] [--md benchmarks/PUBLISHED.md]
+
+Each row of the CSV (format: ``../shared/published_runs.md``) is one measured multi-device run with its
+configuration. The row is **reconstructed** as a JAX program and planned with autoshard, then **predicted**
+with the performance model (:mod:`autoshard.perf`), in the row's own unit:
+
+1. **Model.** :mod:`benchmarks.models.llm` with the row's dimensions. The architecture follows the model's
+   family as its name gives it (GPT: LayerNorm, learned positions, GeLU, tied embeddings; Llama: RMSNorm,
+   RoPE, SwiGLU, GQA, untied; MaxText's decoders: RMSNorm, ReLU, head dim 256, tied), matmuls in bf16
+   (fp8 when the precision says so) with fp32 parameters and AdamW state.
+2. **Parallel configuration.** Devices are laid out as ``(pipeline, data, fsdp, context, tensor)``, the
+   last fastest, as Megatron-LM and MaxText order them. The data ranks that shard parameters (ZeRO-3,
+   FSDP) are the ``fsdp`` axis; the rest replicate (``data``). On a TPU row the data column counts DCN
+   slices and FSDP is over ICI; on a GPU row FSDP is part of the data ranks: whichever product equals the
+   device count decides.
+3. **Plans.** One pipeline stage (or interleaved model chunk: the first holds the embedding, the last the
+   head and loss) is planned on an ``AbstractMesh`` of the ``(fsdp, context, tensor)`` devices with the
+   row's layouts as hints: Megatron's column- and row-parallel weights on ``tensor``, every weight split over
+   ``fsdp``, the microbatch split over ``fsdp`` and its sequence over ``context``. The planner lays out
+   everything else. Three programs per stage: the forward, the forward and backward of one microbatch,
+   and the optimizer update; each plan's predicted step is the list-scheduled roofline of
+   :mod:`autoshard.perf`.
+4. **The step.** The stages' forward and backward times make a pipeline schedule
+   (:func:`autoshard.perf.pipeline_seconds`: 1F1B, interleaved, or GPipe as the row says, with the
+   activations crossing each stage boundary at the link between the stages' devices), plus the gradient
+   all-reduce over the ``data`` replicas (once per step, after the last microbatch) and the update.
+5. **Unit.** Tokens/s per device, seconds per step, or TFLOP/s per device counted by the source's FLOP
+   convention as its notes state it: Megatron-LM's Eq. 3 (with the recomputed forward), MaxText's
+   ``6·N·tokens`` plus causal attention; for other sources the model FLOPs without recomputation.
+
+Unknown fields (``?``) are stated in the row's ``assumptions``, never tuned: microbatch 1, the 1F1B
+schedule without interleaving, and recomputation only when the plan without it does not fit the device's
+memory. A row the benchmark cannot reconstruct (mixture-of-experts layers, multi-head latent attention) is
+listed with its reason. Nothing depends on a row's source beyond its FLOP convention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import math
+import os
+import re
+import statistics
+import time
+
+DEFAULT_CSV = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "published_runs.csv")
+DEFAULT_JSON = "benchmarks/results/published.json"
+DEFAULT_MD = "benchmarks/PUBLISHED.md"
+
+AXES = ("fsdp", "context", "tensor")
+
+
+# ---- reading a row ---------------------------------------------------------------------------------------
+
+
+def _num(text) -> float | None:
+    """The first number in a field (``[9216]`` -> 9216, ``2 (op)`` -> 2, ``8/dev`` -> 8); None for ``?``, ``-``."""
+    if text is None:
+        return None
+    m = re.search(r"-?\d+(?:\.\d+)?", str(text).replace(",", ""))
+    return float(m.group()) if m else None
+
+
+def _int(text, default=None) -> int | None:
+    v = _num(text)
+    return default if v is None else int(round(v))
+
+
+def _unknown(text) -> bool:
+    return str(text).strip() in ("?", "")
+
+
+_HARDWARE = (("a10040", "a100-40"), ("a100", "a100-80"), ("h200", "h200"), ("h100", "h100"), ("b200", "b200"),
+             ("v100", "v100"), ("tpuv5p", "tpu-v5p"), ("tpuv5e", "tpu-v5e"), ("tpuv5", "tpu-v5p"),
+             ("tpuv6e", "tpu-v6e"), ("tpuv4", "tpu-v4"))
+
+
+def hardware_name(accel: str) -> str | None:
+    """The :data:`autoshard.perf.HARDWARE` preset of an ``accel`` field (``A100-80GB``, ``TPUv5p``...)."""
+    key = re.sub(r"[^a-z0-9]", "", accel.lower())
+    for k, name in _HARDWARE:
+        if key.startswith(k) or k in key:
+            return name
+    return None
+
+
+def flop_convention(source: str) -> str:
+    """The FLOP convention the source's notes state (``published_runs.md``): ``"megatron-eq3"`` counts the
+    recomputed forward, ``"maxtext"`` counts 6·N·tokens plus causal attention, ``"model"`` (every other
+    source) the model's FLOPs without recomputation."""
+    if source.upper().startswith("MEG"):
+        return "megatron-eq3"
+    if source.upper().startswith("MTX"):
+        return "maxtext"
+    return "model"
+
+
+@dataclasses.dataclass(frozen=True)
+class Reconstruction:
+    """A row made concrete: the model, the devices and how they are used, and what was measured.
+
+    ``dp`` counts the data-parallel replicas outside the planned mesh (DCN slices on a TPU row), ``fsdp``
+    the data ranks that shard parameters, ``microbatch`` the sequences one ``(fsdp, context, tensor)``
+    replica runs per microbatch and ``microbatches`` how many make a step."""
+
+    cfg: object  # benchmarks.models.llm.LMConfig
+    hardware: str
+    n: int
+    dp: int
+    fsdp: int
+    cp: int
+    tp: int
+    pp: int
+    virtual: int
+    schedule: str
+    microbatch: int
+    microbatches: int
+    batch: int
+    recompute: str
+    unit: str
+    measured: float
+    convention: str
+    assumptions: tuple[str, ...]
+
+
+class NotReconstructed(Exception):
+    """A row the benchmark cannot express; the message is the reason."""
+
+
+def reconstruct(row: dict) -> Reconstruction:
+    """The :class:`Reconstruction` of one CSV row.
+
+    Raises:
+      NotReconstructed: the row needs something this benchmark does not model, with the reason.
+    """
+    from benchmarks.models.llm import LMConfig
+
+    assumptions = []
+    model = row["model"]
+    if "moe" in model.lower() or "e top" in row["ffn"] or (_int(row.get("ep"), 1) or 1) > 1:
+        raise NotReconstructed("mixture-of-experts layers (expert parallelism, top-k routing) are not in the "
+                               "benchmark's model")
+    if "mla" in row["heads"].lower():
+        raise NotReconstructed("multi-head latent attention is not in the benchmark's model")
+    hardware = hardware_name(row["accel"])
+    if hardware is None:
+        raise NotReconstructed(f"no hardware preset for accelerator {row['accel']!r}")
+    n = _int(row["n_accel"])
+    layers, hidden, heads = _int(row["layers"]), _int(row["hidden"]), _int(row["heads"])
+    kv = _int(row["kv_heads"], heads)
+    ffn = _int(row["ffn"])
+    seq, batch = _int(row["seq"]), _int(row["global_batch_seqs"])
+    if None in (n, layers, hidden, heads, ffn, seq, batch):
+        raise NotReconstructed("a model dimension, the sequence, the batch or the device count is not stated")
+    family = model.lower()
+    if "llama" in family:
+        arch = dict(mlp="swiglu", norm="rmsnorm", positions="rope", tied=False, head_dim=hidden // heads)
+    elif "maxtext" in family:  # MaxText base.yml at the cited commit: head_dim 256, relu, tied embeddings
+        arch = dict(mlp="relu", norm="rmsnorm", positions="rope", tied=True, head_dim=256)
+    else:
+        arch = dict(mlp="gelu", norm="layernorm", positions="learned", tied=True, head_dim=hidden // heads)
+    vocab = _int(row["vocab"])
+    if vocab is None:
+        vocab = 51200 if "gpt" in family else 32000
+        assumptions.append(f"vocab ? -> {vocab}")
+    precision = row["precision"].lower()
+    fp8 = "fp8" in precision
+
+    tp, pp, cp = _int(row["tp"], 1), _int(row["pp"], 1), _int(row["cp"], 1)
+    dp_col = _int(row["dp"], None)
+    zero = row["fsdp_or_zero"].strip()
+    fsdp_col = _int(zero) if zero.upper().startswith("FSDP") and _int(zero) else None
+    if zero.upper().startswith("ZERO-3"):
+        fsdp_col = "all"
+    if dp_col is None:
+        dp_col = n // (tp * pp * cp)
+    if isinstance(fsdp_col, int) and n == dp_col * fsdp_col * tp * pp * cp:  # FSDP besides the data column
+        dp, fsdp = dp_col, fsdp_col
+    elif n == dp_col * tp * pp * cp:  # FSDP among the data ranks
+        fsdp = dp_col if fsdp_col == "all" else (fsdp_col or 1)
+        if dp_col % fsdp:
+            raise NotReconstructed(f"FSDP over {fsdp} does not divide the {dp_col} data ranks")
+        dp = dp_col // fsdp
+    else:
+        raise NotReconstructed(f"{n} devices do not factor into the stated tp={tp}, pp={pp}, cp={cp}, "
+                               f"data={dp_col}, fsdp={fsdp_col}")
+
+    sched_col = row["vp_or_schedule"].strip()
+    virtual, schedule, stated_m = 1, "1f1b", None
+    if sched_col.upper().startswith("VP"):
+        virtual = _int(sched_col, 1)
+    elif "gpipe" in sched_col.lower():
+        schedule, stated_m = "gpipe", _int(sched_col)
+    elif _unknown(sched_col) and pp > 1:
+        assumptions.append("schedule ? -> 1F1B, not interleaved")
+
+    mb_col = row["microbatch"].strip()
+    replicas = batch // dp  # sequences one (fsdp, context, tensor) replica runs per step, over its microbatches
+    if "/dev" in mb_col:  # per-device batch (MaxText): each data replica runs its share at once
+        microbatches = 1
+    elif stated_m:
+        microbatches = stated_m
+    else:
+        per_rank = _int(mb_col)
+        if per_rank is None:
+            per_rank = 1
+            assumptions.append("microbatch ? -> 1 sequence per data rank")
+        microbatches = max(1, batch // (dp * fsdp * per_rank))
+    if replicas % microbatches:
+        raise NotReconstructed(f"{replicas} sequences per replica do not split into {microbatches} microbatches")
+    microbatch = replicas // microbatches
+
+    rc = row["recompute"].strip().lower()
+    recompute = {"full": "full", "remat": "full", "minimal": "minimal", "selective": "minimal",
+                 "none": "none"}.get(rc, "auto")
+    if recompute == "auto":
+        assumptions.append("recompute ? -> none, or full when the plan without it does not fit in memory")
+
+    metric = row["measured_metric"].split(";")[0].strip().lower()
+    value = _num(row["measured_value"].split(";")[0])
+    if "tok/s" in metric:
+        unit = "tok/s/device"
+    elif metric.startswith("s/"):
+        unit = "s/step"
+    elif "tflop/s" in metric:
+        unit = "TFLOP/s/device"
+    else:
+        raise NotReconstructed(f"unknown metric {row['measured_metric']!r}")
+    cfg = LMConfig(vocab=vocab, seq=seq, hidden=hidden, layers=layers, heads=heads, kv_heads=kv, ffn=ffn,
+                   fp8=fp8, remat="none" if recompute == "auto" else recompute, **arch)
+    return Reconstruction(cfg, hardware, n, dp, fsdp, cp, tp, pp, virtual, schedule, microbatch, microbatches,
+                          batch, recompute, unit, value, flop_convention(row["source"]), tuple(assumptions))
+
+
+def step_flops(rec: Reconstruction) -> float:
+    """The FLOPs of one step as the row's source counts them."""
+    c, B, s = rec.cfg, rec.batch, rec.cfg.seq
+    L, h, V = c.layers, c.hidden, c.vocab
+    if rec.convention == "megatron-eq3":  # Narayanan et al. SC'21, Eq. 3 (with the recomputed forward)
+        return 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    tokens = B * s
+    if rec.convention == "maxtext":  # MaxText train.py calculate_training_tflops: 6·N·tokens + causal attention
+        return 6 * c.num_params() * tokens + 6 * L * c.heads * c.head_dim * s * tokens
+    non_embed = c.num_params() - c.vocab * h * (1 if c.tied else 2)
+    return 6 * (non_embed + c.vocab * h) * tokens + 6 * L * c.heads * c.head_dim * s * tokens
+
+
+# ---- planning and predicting -----------------------------------------------------------------------------
+
+
+def _divides(n: int, k: int) -> bool:
+    return k <= 1 or n % k == 0
+
+
+def _spec(shape, *names):
+    """A PartitionSpec of ``names`` per dimension, dropping any mesh axis that does not divide its dimension."""
+    from jax.sharding import PartitionSpec as P
+
+    return P(*[(nm if nm is not None and _divides(d, _SIZES.get(nm, 1)) else None) for d, nm in zip(shape, names,
+                                                                                                   strict=True)])
+
+
+_SIZES: dict = {}  # mesh axis -> size, for _spec while hints are built
+
+
+def hints(rec: Reconstruction, params: dict, inputs: dict) -> dict:
+    """Path-regex -> PartitionSpec: Megatron's column/row-parallel weights on ``tensor``, every weight over
+    ``fsdp``, the microbatch over ``fsdp`` and its sequence over ``context``."""
+    _SIZES.clear()
+    _SIZES.update(fsdp=rec.fsdp, context=rec.cp, tensor=rec.tp)
+    layer_rules = {"wq": (None, "fsdp", "tensor"), "wk": (None, "fsdp", "tensor"), "wv": (None, "fsdp", "tensor"),
+                   "wo": (None, "tensor", "fsdp"), "wi": (None, "fsdp", "tensor"), "wg": (None, "fsdp", "tensor"),
+                   "wd": (None, "tensor", "fsdp"), "ln1": (None, None), "ln2": (None, None)}
+    out = {}
+    for name, names in layer_rules.items():
+        if name in params["layers"]:
+            out[rf"\['layers'\]\['{name}'\]$"] = _spec(params["layers"][name].shape, *names)
+    top = {"embed": ("tensor", "fsdp"), "pos": (None, "fsdp"), "head": ("fsdp", "tensor"), "final_ln": (None,)}
+    for name, names in top.items():
+        if name in params:
+            out[rf"\['{name}'\]$"] = _spec(params[name].shape, *names)
+    for name, x in inputs.items():
+        if name == "fp8":  # the fp8 copies of the matmul weights: laid out as the weights
+            for w, y in x.items():
+                out[rf"\['fp8'\]\['{w}'\]$"] = _spec(y.shape, *layer_rules[w])
+            continue
+        names = ("fsdp", "context") + (None,) * (len(x.shape) - 2)
+        out[rf"\['{name}'\]$"] = _spec(x.shape, *names)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlans:
+    forward: float
+    backward: float
+    forward_plan: object
+    backward_plan: object
+
+
+def _plan(fun, args, mesh, cluster, hint, time_limit: float):
+    import autoshard
+
+    step = autoshard.parallelize(fun, mesh=mesh, cluster=cluster, hints=hint, progress=None,
+                                 solver_time_limit=time_limit, remat=False, memory_budget=1e18)
+    return step.plan(*args)
+
+
+def plan_stage(rec: Reconstruction, cfg, stage, mesh, cluster, time_limit: float) -> StagePlans:
+    from benchmarks.models.llm import stage_inputs, stage_params, stage_programs
+
+    import jax.numpy as jnp
+
+    params = stage_params(cfg, stage, jnp.bfloat16)
+    inputs = stage_inputs(cfg, stage, rec.microbatch)
+    fwd, fb, _ = stage_programs(cfg, stage)
+    hint = hints(rec, params, inputs)
+    fwd_inputs = {k: v for k, v in inputs.items() if k != "cotangent"}
+    pf = _plan(fwd, (params, fwd_inputs), mesh, cluster, {k: v for k, v in hint.items() if "cotangent" not in k},
+               time_limit)
+    pb = _plan(fb, (params, inputs), mesh, cluster, hint, time_limit)
+    t_f = pf.cost.total_seconds
+    return StagePlans(t_f, max(pb.cost.total_seconds - t_f, 0.0), pf, pb)
+
+
+def _local_param_bytes(plan, mesh_sizes) -> float:
+    """Bytes of the plan's first argument (the parameters) held on one device, at 2 bytes an element (the
+    bf16 gradients the data replicas all-reduce)."""
+    total = 0.0
+    for path, (shape, _), spec in zip(plan.in_paths, plan.in_avals, plan.in_specs, strict=True):
+        if not path.startswith("[0]"):
+            continue
+        local = 1
+        for n, axes in zip(shape, spec.dims, strict=True):
+            local *= n // math.prod(mesh_sizes[a] for a in axes) if axes else n
+        total += local * 2
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    step_s: float
+    pipeline_s: float
+    dp_reduce_s: float
+    update_s: float
+    bubble: float
+    recompute: str
+    peak_bytes: float
+    plan_s: float
+    plan: str
+
+
+def predict(rec: Reconstruction, *, time_limit: float = 2.0) -> Prediction:
+    """Plan the row's stages with autoshard and compose its step (see the module docstring)."""
+    import jax
+    from jax.sharding import AbstractMesh, AxisType
+
+    from autoshard.cluster import from_hardware
+    from autoshard.perf import collective_seconds_on, hardware_preset, pipeline_seconds
+    from benchmarks.models.llm import Stage, stage_params, stage_programs
+
+    t0 = time.perf_counter()
+    hw = hardware_preset(rec.hardware)
+    cluster = from_hardware(hw)
+    shape = (rec.fsdp, rec.cp, rec.tp)
+    mesh = AbstractMesh(shape, AXES, axis_types=(AxisType.Auto,) * 3)
+    inner = math.prod(shape)
+    chunks = rec.pp * rec.virtual
+    per_chunk = math.ceil(rec.cfg.layers / chunks)
+    kinds = [("only", Stage(per_chunk, True, True))] if chunks == 1 else [
+        ("first", Stage(per_chunk, True, False)), ("middle", Stage(per_chunk, False, False)),
+        ("last", Stage(per_chunk, False, True))]
+    if chunks == 2:
+        kinds = [k for k in kinds if k[0] != "middle"]
+
+    def plans_for(cfg):
+        return {name: plan_stage(rec, cfg, stage, mesh, cluster, time_limit) for name, stage in kinds}
+
+    cfg = rec.cfg
+    plans = plans_for(cfg)
+    recompute = rec.recompute
+    peak = max(p.backward_plan.memory.peak_bytes for p in plans.values())
+    if rec.recompute == "auto":
+        recompute = "none"
+        if peak > hw.memory:
+            cfg = dataclasses.replace(cfg, remat="full")
+            plans = plans_for(cfg)
+            recompute = "full"
+            peak = max(p.backward_plan.memory.peak_bytes for p in plans.values())
+
+    # per device: its chunks' forward and backward
+    def device_times(s: int):
+        names = []
+        for c in range(rec.virtual):
+            g = c * rec.pp + s
+            names.append("only" if chunks == 1 else "first" if g == 0 else "last" if g == chunks - 1 else "middle")
+        return (sum(plans[k].forward for k in names), sum(plans[k].backward for k in names))
+
+    times = [device_times(s) for s in range(rec.pp)]
+    fwd, bwd = [f for f, _ in times], [b for _, b in times]
+    act = rec.microbatch * cfg.seq * cfg.hidden * 2 / inner  # one device's share of a boundary's activation
+    stage_devices = rec.dp * inner  # devices between one stage's and the next one's (layout (pp, dp, ...))
+    transfer = collective_seconds_on(hw, "collective-permute", act, group=2, span=2 * stage_devices)
+    pipe = pipeline_seconds(fwd, bwd, microbatches=rec.microbatches, schedule=rec.schedule, virtual=rec.virtual,
+                            transfer=transfer if rec.pp > 1 else 0.0)
+    sizes = dict(enumerate(shape))
+    biggest = max(plans.values(), key=lambda p: _local_param_bytes(p.backward_plan, sizes))
+    grad_bytes = _local_param_bytes(biggest.backward_plan, sizes) * rec.virtual
+    dp_reduce = collective_seconds_on(hw, "all-reduce", grad_bytes, group=rec.dp, span=rec.dp * inner)
+    # the update: planned on the device that holds the most parameters
+    stage = dict(kinds)["first" if chunks > 1 else "only"]
+    import jax.numpy as jnp
+
+    master = stage_params(cfg, stage)
+    _, _, update = stage_programs(cfg, stage)
+    opt = {"mu": master, "nu": master}
+    hint = hints(rec, master, {})
+    up = _plan(update, (master, stage_params(cfg, stage, jnp.bfloat16), opt), mesh, cluster, hint, time_limit)
+    update_s = up.cost.total_seconds * rec.virtual
+    step = pipe.step + dp_reduce + update_s
+    p0 = next(iter(plans.values())).backward_plan
+    desc = (f"mesh pp{rec.pp}xdp{rec.dp}x(fsdp{rec.fsdp},cp{rec.cp},tp{rec.tp}) v{rec.virtual} m{rec.microbatches} "
+            f"mb{rec.microbatch} {rec.schedule} remat={recompute} fp8={cfg.fp8} "
+            f"stage comm exposed {p0.cost.exposed_communication_seconds or 0:.3g}s of {p0.cost.total_seconds:.3g}s")
+    del jax
+    return Prediction(step, pipe.step, dp_reduce, update_s, pipe.bubble, recompute, peak,
+                      time.perf_counter() - t0, desc)
+
+
+def throughput(rec: Reconstruction, step_s: float) -> float:
+    """``step_s`` in the row's unit."""
+    if rec.unit == "s/step":
+        return step_s
+    if rec.unit == "tok/s/device":
+        return rec.batch * rec.cfg.seq / (step_s * rec.n)
+    return step_flops(rec) / (step_s * rec.n) / 1e12
+
+
+# ---- the table -------------------------------------------------------------------------------------------
+
+
+def read_rows(path: str) -> list[dict]:
+    with open(path, newline="") as f:
+        return [dict(r) for r in csv.DictReader(f)]
+
+
+def run(rows: list[dict], *, only: str | None = None, time_limit: float = 2.0) -> list[dict]:
+    out = []
+    for i, row in enumerate(rows):
+        if only and not re.search(only, f"{row['source']} {row['model']} {row['n_accel']}"):
+            continue
+        base = {"row": i, "source": row["source"], "model": row["model"], "accel": row["accel"],
+                "n_accel": _int(row["n_accel"]), "unit": None, "measured": None, "predicted": None,
+                "reconstructed": False, "reason": "", "plan_s": 0.0}
+        try:
+            rec = reconstruct(row)
+        except NotReconstructed as e:
+            out.append({**base, "reason": str(e)})
+            print(f"[{i}] {row['source']} {row['model']} x{row['n_accel']}: not reconstructed: {e}", flush=True)
+            continue
+        base.update(unit=rec.unit, measured=rec.measured, assumptions=list(rec.assumptions))
+        try:
+            pred = predict(rec, time_limit=time_limit)
+        except Exception as e:  # a failed plan is reported with its error, not dropped
+            out.append({**base, "reason": f"planning failed: {type(e).__name__}: {e}"})
+            print(f"[{i}] {row['source']} {row['model']} x{row['n_accel']}: planning failed: {e}", flush=True)
+            continue
+        value = throughput(rec, pred.step_s)
+        r = {**base, "reconstructed": True, "predicted": value, "ratio": value / rec.measured,
+             "step_s": pred.step_s, "pipeline_s": pred.pipeline_s, "dp_reduce_s": pred.dp_reduce_s,
+             "update_s": pred.update_s, "bubble": pred.bubble, "recompute": pred.recompute,
+             "peak_gb": pred.peak_bytes / 1e9, "plan_s": pred.plan_s, "plan": pred.plan}
+        out.append(r)
+        print(f"[{i}] {row['source']} {row['model']} x{row['n_accel']}: predicted {value:.4g} measured "
+              f"{rec.measured:.4g} {rec.unit} ({value / rec.measured:.3f}x) in {pred.plan_s:.1f}s; {pred.plan}",
+              flush=True)
+    return out
+
+
+def summary(rows: list[dict]) -> dict:
+    """Median and worst |predicted/measured - 1| per source and overall."""
+    done = [r for r in rows if r["reconstructed"]]
+
+    def stats(rs):
+        errs = [abs(r["ratio"] - 1) for r in rs]
+        return {"rows": len(rs), "median": statistics.median(errs) if errs else None,
+                "worst": max(errs) if errs else None}
+
+    by = {}
+    for src in sorted({r["source"] for r in done}):
+        by[src] = stats([r for r in done if r["source"] == src])
+    return {"overall": stats(done), "sources": by, "accelerators": sorted({r["accel"] for r in done}),
+            "not_reconstructed": len(rows) - len(done)}
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| # | source | model | accel | n | unit | measured | predicted | pred/meas | plan s | plan / reason |",
+             "|---:|---|---|---|---:|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if r["reconstructed"]:
+            lines.append(f"| {r['row']} | {r['source']} | {r['model']} | {r['accel']} | {r['n_accel']} | {r['unit']} | "
+                         f"{r['measured']:.4g} | {r['predicted']:.4g} | {r['ratio']:.3f} | {r['plan_s']:.1f} | "
+                         f"{r['plan']} |")
+        else:
+            lines.append(f"| {r['row']} | {r['source']} | {r['model']} | {r['accel']} | {r['n_accel']} | "
+                         f"{r['unit'] or ''} | {r['measured'] if r['measured'] is not None else ''} | | | | "
+                         f"not reconstructed: {r['reason']} |")
+    s = summary(rows)
+    lines.append("")
+    lines.append("| over | rows | median abs error | worst abs error |")
+    lines.append("|---|---:|---:|---:|")
+    for name, st in [("all", s["overall"]), *s["sources"].items()]:
+        if st["rows"]:
+            lines.append(f"| {name} | {st['rows']} | {st['median']:.1%} | {st['worst']:.1%} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--csv", default=DEFAULT_CSV)
+    ap.add_argument("--json", default=DEFAULT_JSON)
+    ap.add_argument("--md", default=None, help="also write the table to this markdown file")
+    ap.add_argument("--only", default=None, help="regex over 'source model n_accel'")
+    ap.add_argument("--solver-time", type=float, default=2.0)
+    args = ap.parse_args(argv)
+    rows = run(read_rows(args.csv), only=args.only, time_limit=args.solver_time)
+    text = table(rows)
+    print()
+    print(text)
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "summary": summary(rows)}, f, indent=1, default=str)
+        print(f"wrote {args.json}")
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -350,7 +350,7 @@ def from_hardware(hardware, *, name: str | None = None, nodes: int | None = None
 
 
 def _presets() -> dict[str, ClusterSpec]:
-    presets = {name: from_hardware(name) for name in ("a100-40", "a100-80", "h100", "h200", "b200", "v100",
+    presets = {name: from_hardware(name) for name in ("a100-40", "a100-80", "h100", "h200", "b200",
                                                       "tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e")}
     presets.update({
         # The names autoshard had before the performance model; the same hardware.

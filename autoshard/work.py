@@ -118,7 +118,10 @@ def attention_scores(program) -> frozenset:
         return frozenset()
     found = set()
     for v, aval in enumerate(avals) if isinstance(avals, (list, tuple)) else avals.items():
-        if aval is not None and _signature(_shape(aval)) in signatures:
+        if aval is None:
+            continue
+        shape = _shape(aval)  # a scan stacks a body's scores on a leading dimension (its residuals)
+        if _signature(shape) in signatures or (len(shape) > 1 and _signature(shape[1:]) in signatures):
             found.add(v)
     return frozenset(found)
 

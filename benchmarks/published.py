@@ -77,7 +77,7 @@ def _unknown(text) -> bool:
 
 
 _HARDWARE = (("a10040", "a100-40"), ("a100", "a100-80"), ("h200", "h200"), ("h100", "h100"), ("b200", "b200"),
-             ("v100", "v100"), ("tpuv5p", "tpu-v5p"), ("tpuv5e", "tpu-v5e"), ("tpuv5", "tpu-v5p"),
+             ("tpuv5p", "tpu-v5p"), ("tpuv5e", "tpu-v5e"), ("tpuv5", "tpu-v5p"),
              ("tpuv6e", "tpu-v6e"), ("tpuv4", "tpu-v4"))
 
 
@@ -123,6 +123,7 @@ class Reconstruction:
     microbatches: int
     batch: int
     recompute: str
+    zero1: str  # "yes", "no" or "auto": AdamW state split over the data replicas (ZeRO-1, distributed optimizer)
     unit: str
     measured: float
     convention: str
@@ -150,7 +151,8 @@ def reconstruct(row: dict) -> Reconstruction:
         raise NotReconstructed("multi-head latent attention is not in the benchmark's model")
     hardware = hardware_name(row["accel"])
     if hardware is None:
-        raise NotReconstructed(f"no hardware preset for accelerator {row['accel']!r}")
+        raise NotReconstructed(f"no hardware preset for accelerator {row['accel']!r} (autoshard.perf.HARDWARE "
+                               "has the chips whose sustained matmul rate has a source)")
     n = _int(row["n_accel"])
     layers, hidden, heads = _int(row["layers"]), _int(row["hidden"]), _int(row["heads"])
     kv = _int(row["kv_heads"], heads)
@@ -216,11 +218,19 @@ def reconstruct(row: dict) -> Reconstruction:
         raise NotReconstructed(f"{replicas} sequences per replica do not split into {microbatches} microbatches")
     microbatch = replicas // microbatches
 
+    zero1 = "yes" if re.match(r"zero-?[12]\b|dist", zero.lower()) else "auto" if _unknown(zero) else "no"
+    if zero1 == "auto":
+        assumptions.append("optimizer sharding ? -> none, or over the data replicas (ZeRO-1) when the step does "
+                           "not fit in memory otherwise")
     rc = row["recompute"].strip().lower()
+    # Without recomputation the big runs still fuse their elementwise work into kernels that keep only the
+    # matmuls' results (and FlashAttention recomputes its scores): in JAX terms, jax.checkpoint with
+    # checkpoint_dots_with_no_batch_dims, the "minimal" policy. Full recomputation keeps only layer inputs.
     recompute = {"full": "full", "remat": "full", "minimal": "minimal", "selective": "minimal",
-                 "none": "none"}.get(rc, "auto")
+                 "none": "minimal"}.get(rc, "auto")
     if recompute == "auto":
-        assumptions.append("recompute ? -> none, or full when the plan without it does not fit in memory")
+        assumptions.append("recompute ? -> none (the matmuls' results kept), or full when that does not fit in "
+                           "memory")
 
     metric = row["measured_metric"].split(";")[0].strip().lower()
     value = _num(row["measured_value"].split(";")[0])
@@ -233,9 +243,9 @@ def reconstruct(row: dict) -> Reconstruction:
     else:
         raise NotReconstructed(f"unknown metric {row['measured_metric']!r}")
     cfg = LMConfig(vocab=vocab, seq=seq, hidden=hidden, layers=layers, heads=heads, kv_heads=kv, ffn=ffn,
-                   fp8=fp8, remat="none" if recompute == "auto" else recompute, **arch)
+                   fp8=fp8, remat="minimal" if recompute == "auto" else recompute, **arch)
     return Reconstruction(cfg, hardware, n, dp, fsdp, cp, tp, pp, virtual, schedule, microbatch, microbatches,
-                          batch, recompute, unit, value, flop_convention(row["source"]), tuple(assumptions))
+                          batch, recompute, zero1, unit, value, flop_convention(row["source"]), tuple(assumptions))
 
 
 def step_flops(rec: Reconstruction) -> float:
@@ -301,6 +311,7 @@ class StagePlans:
     backward: float
     forward_plan: object
     backward_plan: object
+    residuals: float = 0.0
 
 
 def _plan(fun, args, mesh, cluster, hint, time_limit: float):
@@ -325,7 +336,8 @@ def plan_stage(rec: Reconstruction, cfg, stage, mesh, cluster, time_limit: float
                time_limit)
     pb = _plan(fb, (params, inputs), mesh, cluster, hint, time_limit)
     t_f = pf.cost.total_seconds
-    return StagePlans(t_f, max(pb.cost.total_seconds - t_f, 0.0), pf, pb)
+    devices = rec.fsdp * rec.cp * rec.tp
+    return StagePlans(t_f, max(pb.cost.total_seconds - t_f, 0.0), pf, pb, residual_bytes(fb, (params, inputs), devices))
 
 
 def _local_param_bytes(plan, mesh_sizes) -> float:
@@ -340,6 +352,58 @@ def _local_param_bytes(plan, mesh_sizes) -> float:
             local *= n // math.prod(mesh_sizes[a] for a in axes) if axes else n
         total += local * 2
     return total
+
+
+def residual_bytes(fun, args, devices: int) -> float:
+    """Bytes one device keeps from a microbatch's forward for its backward: the values of ``fun`` (a
+    forward-and-backward) that forward ops make and backward ops read, split over the ``devices`` of the
+    stage (every residual is split: batch, sequence, heads or features). Attention scores are not kept: the
+    fused kernel recomputes them in its backward (:func:`autoshard.work.attention_scores`)."""
+    from autoshard.capture import capture_graph
+    from autoshard.work import attention_scores
+
+    program = capture_graph(fun, args)
+    scores = attention_scores(program)
+    backward = set()
+    for op in program.graph.ops:
+        if "transpose" in str(getattr(op.source_info, "name_stack", "")):
+            backward.add(op.index)
+    total = 0.0
+    for op in program.graph.ops:
+        if op.index in backward:
+            continue
+        for v in op.outputs:
+            if v not in scores and any(u in backward for u, _ in program.uses.get(v, ())):
+                aval = program.avals[v]
+                total += math.prod(aval.shape) * aval.dtype.itemsize
+    return total / devices
+
+
+def pipeline_peak(rec: Reconstruction, plans: dict, zero1: bool = False) -> float:
+    """The predicted peak of the busiest device over a step (bytes).
+
+    Per model chunk it holds: the bf16 parameters and their gradients, the fp32 master weights and AdamW
+    moments (12 bytes a parameter); the residuals each microbatch in flight keeps for its backward
+    (:func:`residual_bytes`); and one chunk's transient peak. In flight on the first device: ``min(m, p)``
+    microbatches under 1F1B, ``(p - 1)·2 + (v - 1)·p + 1`` chunk-microbatches interleaved (Megatron-LM's
+    warm-up), all ``m`` under GPipe."""
+    p, v, m = rec.pp, rec.virtual, rec.microbatches
+    if rec.schedule == "gpipe":
+        in_flight = m * v
+    elif v > 1:
+        in_flight = min(m * v, (p - 1) * 2 + (v - 1) * p + 1)
+    else:
+        in_flight = min(m, p)
+    worst = 0.0
+    sizes = dict(enumerate((rec.fsdp, rec.cp, rec.tp)))
+    for sp in plans.values():
+        mem = sp.backward_plan.memory
+        params = _local_param_bytes(sp.backward_plan, sizes)  # bf16
+        optimizer = 6 * params / (rec.dp if zero1 else 1)  # fp32 master, mu, nu: 12 bytes a parameter
+        static = v * (2 * params + optimizer)  # and the bf16 weights and gradients
+        # the chunk program's own peak holds one microbatch's residuals and its transients
+        worst = max(worst, static + (in_flight - 1) * sp.residuals + max(mem.peak_bytes - 2 * params, 0.0))
+    return worst
 
 
 @dataclasses.dataclass(frozen=True)
@@ -384,14 +448,18 @@ def predict(rec: Reconstruction, *, time_limit: float = 2.0) -> Prediction:
     cfg = rec.cfg
     plans = plans_for(cfg)
     recompute = rec.recompute
-    peak = max(p.backward_plan.memory.peak_bytes for p in plans.values())
+    zero1 = rec.zero1 == "yes"
+    peak = pipeline_peak(rec, plans, zero1)
+    if rec.zero1 == "auto" and peak > hw.memory and rec.dp > 1:
+        zero1 = True
+        peak = pipeline_peak(rec, plans, zero1)
     if rec.recompute == "auto":
-        recompute = "none"
+        recompute = "minimal"
         if peak > hw.memory:
             cfg = dataclasses.replace(cfg, remat="full")
             plans = plans_for(cfg)
             recompute = "full"
-            peak = max(p.backward_plan.memory.peak_bytes for p in plans.values())
+            peak = pipeline_peak(rec, plans, zero1)
 
     # per device: its chunks' forward and backward
     def device_times(s: int):
@@ -411,7 +479,12 @@ def predict(rec: Reconstruction, *, time_limit: float = 2.0) -> Prediction:
     sizes = dict(enumerate(shape))
     biggest = max(plans.values(), key=lambda p: _local_param_bytes(p.backward_plan, sizes))
     grad_bytes = _local_param_bytes(biggest.backward_plan, sizes) * rec.virtual
-    dp_reduce = collective_seconds_on(hw, "all-reduce", grad_bytes, group=rec.dp, span=rec.dp * inner)
+    # the gradients' reduction over the data replicas, once per step: an all-reduce, or with ZeRO-1 a
+    # reduce-scatter and, after the update of each replica's share, an all-gather of the new bf16 weights
+    if zero1:
+        dp_reduce = 2 * collective_seconds_on(hw, "all-gather", grad_bytes, group=rec.dp, span=rec.dp * inner)
+    else:
+        dp_reduce = collective_seconds_on(hw, "all-reduce", grad_bytes, group=rec.dp, span=rec.dp * inner)
     # the update: planned on the device that holds the most parameters
     stage = dict(kinds)["first" if chunks > 1 else "only"]
     import jax.numpy as jnp
@@ -421,11 +494,11 @@ def predict(rec: Reconstruction, *, time_limit: float = 2.0) -> Prediction:
     opt = {"mu": master, "nu": master}
     hint = hints(rec, master, {})
     up = _plan(update, (master, stage_params(cfg, stage, jnp.bfloat16), opt), mesh, cluster, hint, time_limit)
-    update_s = up.cost.total_seconds * rec.virtual
+    update_s = up.cost.total_seconds * rec.virtual / (rec.dp if zero1 else 1)
     step = pipe.step + dp_reduce + update_s
     p0 = next(iter(plans.values())).backward_plan
     desc = (f"mesh pp{rec.pp}xdp{rec.dp}x(fsdp{rec.fsdp},cp{rec.cp},tp{rec.tp}) v{rec.virtual} m{rec.microbatches} "
-            f"mb{rec.microbatch} {rec.schedule} remat={recompute} fp8={cfg.fp8} "
+            f"mb{rec.microbatch} {rec.schedule} remat={recompute} zero1={zero1} fp8={cfg.fp8} "
             f"stage comm exposed {p0.cost.exposed_communication_seconds or 0:.3g}s of {p0.cost.total_seconds:.3g}s")
     del jax
     return Prediction(step, pipe.step, dp_reduce, update_s, pipe.bubble, recompute, peak,

@@ -6,7 +6,7 @@ against those, so fitting to them would make the check meaningless).
 
 Sources, cited by key in the comments below:
 
-- ``[nv-a100]``, ``[nv-h100]``, ``[nv-h200]``, ``[nv-b200]``, ``[nv-v100]``: NVIDIA's data sheets (dense, no
+- ``[nv-a100]``, ``[nv-h100]``, ``[nv-h200]``, ``[nv-b200]``: NVIDIA's data sheets (dense, no
   sparsity), as tabulated in jax-ml/scaling-book ``gpus.md`` ("Summary of GPU specs": SMs, HBM bandwidth,
   bf16/fp8 FLOPs/s) and its NVLink table (25 GB/s per link per direction; 12 links on A100, 18 on H100/B200
   at 25/50 GB/s).
@@ -37,6 +37,9 @@ Sources, cited by key in the comments below:
 - ``[mxu]``: scaling-book ``tpus.md``: the MXU is a 128x128 systolic array (256x256 on v6e), fed from
   VMEM with the HBM copies pipelined under the MXU work, so a large aligned matmul is compute bound;
   operands are padded to the MXU tile.
+- ``[tpu-gemm]``: yangwhale/gpu-tpu-pedia, ``tpu/v7_perf/README.md``: bf16 GEMMs timed from the profiler's device
+  trace (``device_duration_ps``) reach "90%+" of peak on TPU v6e and v7 (65-75% with host timing around
+  them); a TPU's clock is fixed, so that is also its sustained rate. Taken as 0.9 for every generation.
 - ``[ib]``: InfiniBand line rates: HDR 200 Gb/s (25 GB/s), NDR 400 Gb/s (50 GB/s), one NIC per GPU in
   DGX A100 / DGX H100 / DGX B200 nodes (scaling-book ``gpus.md``, "8 400Gbps CX7 NICs (one per GPU)";
   Selene: 8x200 Gb/s HDR per node, Narayanan et al. SC'21).
@@ -233,9 +236,9 @@ H100 = Accelerator(
     "gpu",
     # [nv-h100] SXM: 989 TFLOP/s bf16 dense, 1,979 fp8, 494 TF32, 67 fp32.
     peak_flops={"fp8": 1979e12, "bf16": 989e12, "tf32": 494e12, "fp32": 67e12},
-    # [mamf] H200 (the same GPU and 700 W limit) sustains 700.8 TFLOPS bf16; fp8 MAMF 1453.4 (H200) times
+    # [mamf] H200 (the same GPU and 700 W limit) sustains 700.8 TFLOPS bf16; H100 SXM fp8 MAMF 1402.6 times
     # the same sustained/burst ratio.
-    matmul_efficiency={"bf16": 700.8 / 989, "tf32": 700.8 / 989, "fp8": 1453.4 / 1979 * _H200_SUSTAINED},
+    matmul_efficiency={"bf16": 700.8 / 989, "tf32": 700.8 / 989, "fp8": 1402.6 / 1979 * _H200_SUSTAINED},
     # [fa3-bench] 566-614 TFLOPS forward (0.57-0.62): 0.59 forward, 0.5 backward, at the sustained clock.
     attention_efficiency=(0.59 * _H200_SUSTAINED, 0.5 * _H200_SUSTAINED),
     hbm_bytes=80 * _GiB,
@@ -245,7 +248,10 @@ H100 = Accelerator(
     matmul_tile=(128, 128),  # [cublas-tile]
     vector_flops=67e12,
 )
-H200 = dataclasses.replace(H100, name="h200", hbm_bytes=141e9, hbm_bandwidth=4.8e12)  # [nv-h200] HBM3e
+# [nv-h200] HBM3e; [mamf] H200 SXM fp8 MAMF 1453.4
+H200 = dataclasses.replace(H100, name="h200", hbm_bytes=141e9, hbm_bandwidth=4.8e12,
+                           matmul_efficiency={"bf16": 700.8 / 989, "tf32": 700.8 / 989,
+                                              "fp8": 1453.4 / 1979 * _H200_SUSTAINED})
 
 B200 = Accelerator(
     "b200",
@@ -264,29 +270,15 @@ B200 = Accelerator(
     vector_flops=80e12,
 )
 
-V100 = Accelerator(
-    "v100",
-    "gpu",
-    # [nv-v100] SXM2: 125 TFLOP/s fp16 tensor cores, 15.7 fp32.
-    peak_flops={"bf16": 125e12, "tf32": 15.7e12, "fp32": 15.7e12},
-    # No MAMF is published for the V100; the A100's sustained fraction is the nearest measured chip.
-    matmul_efficiency={"bf16": 271.2 / 312 * _A100_SUSTAINED, "tf32": 0.9},
-    attention_efficiency=(0.5, 0.4),
-    hbm_bytes=32 * _GiB,
-    hbm_bandwidth=0.9e12,  # [nv-v100]
-    hbm_efficiency=_HBM_STREAM,
-    compute_units=80,
-    matmul_tile=(128, 128),
-    vector_flops=15.7e12,
-)
+_TPU_MATMUL = 0.9  # [tpu-gemm]
 
 
 def _tpu(name: str, bf16: float, hbm: float, hbm_bw: float, mxu: int, units: int) -> Accelerator:
-    # [mxu] a large aligned matmul runs at the MXUs' rate (no boost clock on a TPU: the clock is fixed);
+    # [mxu] a large aligned matmul is compute bound on the MXUs; [tpu-gemm] they sustain 0.9 of peak; further
     # losses are the padding to the MXU tile (autoshard.perf.compute). Fused attention: no published TPU
     # kernel rate, so the [fa2] A100 fractions stand in.
     return Accelerator(name, "tpu", peak_flops={"bf16": bf16, "tf32": bf16, "fp8": 2 * bf16, "fp32": bf16 / 8},
-                       matmul_efficiency={"bf16": 1.0, "tf32": 1.0, "fp8": 1.0},
+                       matmul_efficiency={"bf16": _TPU_MATMUL, "tf32": _TPU_MATMUL, "fp8": _TPU_MATMUL},
                        attention_efficiency=(0.6, 0.5), hbm_bytes=hbm, hbm_bandwidth=hbm_bw,
                        hbm_efficiency=_HBM_STREAM, compute_units=units, matmul_tile=(mxu, mxu),
                        vector_flops=bf16 / 8)
@@ -324,8 +316,8 @@ def _gpu(name, acc, nvlink, ib, kinds) -> Hardware:
     return Hardware(name, acc, (_nvlink(nvlink), _ib(ib)), host_bandwidth=_PCIE[acc.name], device_kinds=kinds)
 
 
-# PCIe to the host: Gen4 x16 (A100, V100 Gen3) and Gen5 x16 (H100, B200), one direction.
-_PCIE = {"a100-80": 25e9, "a100-40": 25e9, "h100": 50e9, "h200": 50e9, "b200": 50e9, "v100": 12e9}
+# PCIe to the host: Gen4 x16 (A100) and Gen5 x16 (H100, B200), one direction.
+_PCIE = {"a100-80": 25e9, "a100-40": 25e9, "h100": 50e9, "h200": 50e9, "b200": 50e9}
 
 
 def _tpu_hw(name, acc, link, torus, host, slice_max, kinds) -> Hardware:
@@ -345,9 +337,6 @@ HARDWARE: dict[str, Hardware] = {
     "h200": _gpu("h200", H200, 450 * _GB, 50 * _GB, ("h200", "gh200")),
     # [nv-b200] NVLink 5: 18 links x 50 GB/s = 900 GB/s; [ib] 8x 400 Gb/s ConnectX-7 per node.
     "b200": _gpu("b200", B200, 900 * _GB, 50 * _GB, ("b200", "b300", "gb200")),
-    # [nv-v100] NVLink 2: 6 links x 25 GB/s = 150 GB/s; p3.16xlarge has 25 Gb/s of network per instance.
-    "v100": Hardware("v100", V100, (_nvlink(150 * _GB), _ib(25e9 / 8 / 8)), host_bandwidth=12e9,
-                     device_kinds=("v100",)),
     # [sb-tpu] ICI per link one way: v4 4.5e10, v5p 9e10 (3-D, cubes of 4); v5e 4.5e10, v6e 9e10 (2-D,
     # 16x16 pods). Hosts: 4 chips (v4, v5p), 8 chips (v5e, v6e). Largest slices: v4 4,096, v5p 8,960,
     # v5e and v6e 256 chips.

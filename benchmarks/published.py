@@ -193,6 +193,10 @@ def reconstruct(row: dict) -> Reconstruction:
         raise NotReconstructed(f"{n} devices do not factor into the stated tp={tp}, pp={pp}, cp={cp}, "
                                f"data={dp_col}, fsdp={fsdp_col}")
 
+    if fsdp > 1 and not any(d % (fsdp * (tp if i else 1)) == 0 or (i == 0 and d % fsdp == 0)
+                            for i, d in enumerate((hidden, ffn, heads * arch["head_dim"]))):
+        raise NotReconstructed(f"FSDP over {fsdp} devices divides no dimension of the weights (jax and autoshard "
+                               "shard dimensions evenly; ZeRO-3 pads flattened parameters)")
     sched_col = row["vp_or_schedule"].strip()
     virtual, schedule, stated_m = 1, "1f1b", None
     if sched_col.upper().startswith("VP"):
@@ -228,6 +232,9 @@ def reconstruct(row: dict) -> Reconstruction:
     # checkpoint_dots_with_no_batch_dims, the "minimal" policy. Full recomputation keeps only layer inputs.
     recompute = {"full": "full", "remat": "full", "minimal": "minimal", "selective": "minimal",
                  "none": "minimal"}.get(rc, "auto")
+    if recompute == "auto" and flop_convention(row["source"]) == "megatron-eq3":
+        recompute = "full"  # the source's FLOP count includes a recomputed forward pass (its notes)
+        assumptions.append("recompute ? -> full, as the source's FLOP convention counts it")
     if recompute == "auto":
         assumptions.append("recompute ? -> none (the matmuls' results kept), or full when that does not fit in "
                            "memory")
@@ -382,27 +389,34 @@ def residual_bytes(fun, args, devices: int) -> float:
 def pipeline_peak(rec: Reconstruction, plans: dict, zero1: bool = False) -> float:
     """The predicted peak of the busiest device over a step (bytes).
 
-    Per model chunk it holds: the bf16 parameters and their gradients, the fp32 master weights and AdamW
-    moments (12 bytes a parameter); the residuals each microbatch in flight keeps for its backward
-    (:func:`residual_bytes`); and one chunk's transient peak. In flight on the first device: ``min(m, p)``
-    microbatches under 1F1B, ``(p - 1)·2 + (v - 1)·p + 1`` chunk-microbatches interleaved (Megatron-LM's
-    warm-up), all ``m`` under GPipe."""
+    Device ``s`` holds, for each of its model chunks: the bf16 parameters and their gradients, the fp32
+    master weights and AdamW moments (12 bytes a parameter, split over the data replicas with ZeRO-1); the
+    residuals each microbatch in flight keeps for its backward (:func:`residual_bytes`); and, once, one chunk
+    program's own peak beyond its parameters and gradients (its transients). In flight on device ``s``:
+    ``min(m, p - s)`` microbatches under 1F1B, ``(p - s - 1)·2 + (v - 1)·p + 1`` chunk-microbatches
+    interleaved (Megatron-LM's warm-up), all of them under GPipe."""
     p, v, m = rec.pp, rec.virtual, rec.microbatches
-    if rec.schedule == "gpipe":
-        in_flight = m * v
-    elif v > 1:
-        in_flight = min(m * v, (p - 1) * 2 + (v - 1) * p + 1)
-    else:
-        in_flight = min(m, p)
-    worst = 0.0
     sizes = dict(enumerate((rec.fsdp, rec.cp, rec.tp)))
-    for sp in plans.values():
-        mem = sp.backward_plan.memory
-        params = _local_param_bytes(sp.backward_plan, sizes)  # bf16
-        optimizer = 6 * params / (rec.dp if zero1 else 1)  # fp32 master, mu, nu: 12 bytes a parameter
-        static = v * (2 * params + optimizer)  # and the bf16 weights and gradients
-        # the chunk program's own peak holds one microbatch's residuals and its transients
-        worst = max(worst, static + (in_flight - 1) * sp.residuals + max(mem.peak_bytes - 2 * params, 0.0))
+    chunks = p * v
+    worst = 0.0
+    for s in range(p):
+        names = ["only" if chunks == 1 else "first" if c * p + s == 0 else "last" if c * p + s == chunks - 1
+                 else "middle" for c in range(v)]
+        if rec.schedule == "gpipe":
+            in_flight = m * v
+        elif v > 1:
+            in_flight = min(m * v, (p - s - 1) * 2 + (v - 1) * p + 1)
+        else:
+            in_flight = min(m, p - s)
+        static = transient = resid = 0.0
+        for name in names:
+            sp = plans[name]
+            params = _local_param_bytes(sp.backward_plan, sizes)  # bf16
+            static += 2 * params + 6 * params / (rec.dp if zero1 else 1)
+            transient = max(transient, sp.backward_plan.memory.peak_bytes - 2 * params)
+            resid += sp.residuals / len(names)
+        # the transient peak holds one microbatch's residuals already
+        worst = max(worst, static + max(in_flight - 1, 0) * resid + max(transient, 0.0))
     return worst
 
 

@@ -271,12 +271,12 @@ class ClusterSpec:
         if len(axes) != len(sizes):
             raise ValueError(f"{len(axes)} axes {axes} but {len(sizes)} sizes {sizes}")
         if self.hardware is not None:
-            from autoshard.cost import hardware_collective_seconds
+            from autoshard.perf.comm import mesh_collective_seconds
 
             shape = self.mesh_shape if self.mesh_shape is not None else tuple(int(s) for s in sizes)
             axes = axes if self.mesh_shape is not None else tuple(range(len(sizes)))
-            return hardware_collective_seconds(self.hardware, kind, nbytes, shape, axes,
-                                               inner_span=self.inner_span(math.prod(shape)))
+            return mesh_collective_seconds(self.hardware, kind, nbytes, shape, axes,
+                                           inner_span=self.inner_span(math.prod(shape)))
         links = [self.link(a, s) for a, s in sorted(zip(axes, sizes, strict=True))]
         return collective_seconds(kind, nbytes, links)
 

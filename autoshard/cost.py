@@ -99,8 +99,10 @@ class CostModel:
             kind = CollectiveKind.ALL_REDUCE
         if self.hardware is None:
             return collective_seconds(kind, c.bytes, self.links(c.axes))
-        return hardware_collective_seconds(self.hardware, kind, c.bytes, self.mesh.shape, c.axes,
-                                           inner_span=self.inner_span, latency=self._memo.get("latency"))
+        from autoshard.perf.comm import mesh_collective_seconds
+
+        return mesh_collective_seconds(self.hardware, kind, c.bytes, self.mesh.shape, c.axes,
+                                       inner_span=self.inner_span, latency=self._memo.get("latency"))
 
     def stream(self, c: Collective) -> str:
         """The communication stream (network tier) a collective runs on, for the step's schedule."""
@@ -139,21 +141,6 @@ class CostModel:
 
     def reshard_time(self, shape, itemsize, src, dst) -> float:
         return self.reshard(shape, itemsize, src, dst)[0]
-
-
-def hardware_collective_seconds(hardware, kind, nbytes: float, shape, axes, *, inner_span=None,
-                                latency: float | None = None) -> float:
-    """Seconds of one collective over mesh ``axes`` of a mesh ``shape`` on ``hardware``: its device group's
-    slowest tier (:func:`autoshard.perf.comm.group_link`), the bytes :func:`autoshard.perf.comm.moved_bytes`
-    says each device sends; ``latency`` replaces the tier's (0: a collective XLA combines with others)."""
-    from autoshard.perf.comm import group_link, moved_bytes
-    from autoshard.perf.hardware import ring_span
-
-    group = math.prod(shape[a] for a in axes)
-    if group <= 1:
-        return 0.0
-    link = group_link(hardware, group, ring_span(shape, axes), inner_span=inner_span)
-    return (link.latency if latency is None else latency) + moved_bytes(kind, nbytes, group) / link.bandwidth
 
 
 _MEMOS: dict = {}

@@ -1,4 +1,4 @@
-"""Reading what XLA compiled: collectives, memory, flops and a step-time score.
+"""Reading what XLA compiled: collectives, memory and flops (the step-time score is :mod:`autoshard.hlo_schedule`).
 
 ``compiled.as_text()`` (for ``compiled = jax.jit(f, ...).lower(*args).compile()``)
 is the per-device HLO module after SPMD partitioning. :func:`collective_stats`
@@ -35,15 +35,21 @@ from typing import Any
 
 import numpy as np
 
-from autoshard.cluster import ClusterSpec, mesh_shape
 from autoshard.collectives import CollectiveKind
 
 __all__ = [
     "COLLECTIVE_KINDS",
     "CompiledCollective",
     "CollectiveStats",
+    "HloInstr",
+    "collective_record",
     "collective_stats",
-    "estimate_step_time",
+    "dot_shape",
+    "instruction_attr",
+    "instruction_callees",
+    "parse_module",
+    "shape_bytes",
+    "trip_count",
     "flops",
     "memory_stats",
 ]
@@ -624,6 +630,67 @@ def _record(instr, kind: str, computation: str, shapes: dict, *, num_devices, ti
 
 
 # ---------------------------------------------------------------------------------
+# The parsing API other readers of compiled HLO use (autoshard.hlo_score).
+
+HloInstr = _Instr
+
+
+def parse_module(text: str) -> tuple[dict[str, list[HloInstr]], str | None, dict[str, int]]:
+    """``(computations, entry name, header)`` of an HLO module's text: each computation's instructions in
+    the module's (scheduled) order; the header's ``num_partitions`` and ``replica_count``."""
+    return _parse_module(text)
+
+
+def instruction_callees(instr: HloInstr) -> list[tuple[str, str]]:
+    """``(role, computation)`` pairs an instruction calls (``body``, ``calls``, ``to_apply``, ...)."""
+    return _callees(instr)
+
+
+def instruction_attr(instr: HloInstr, key: str) -> str | None:
+    """The raw value of attribute ``key=`` of an instruction."""
+    return _attr(instr.attrs, key)
+
+
+def shape_bytes(shape: Any) -> float:
+    """Bytes of a parsed shape (tuples summed)."""
+    return _shape_bytes(shape)
+
+
+def trip_count(instr: HloInstr) -> int | None:
+    """A ``while``'s ``known_trip_count``, or None."""
+    tm = _TRIP.search(instr.attrs)
+    return int(tm.group(1)) if tm else None
+
+
+def collective_record(instr: HloInstr, computation: str, shapes: dict, num_devices) -> CompiledCollective | None:
+    """The :class:`CompiledCollective` of a collective instruction (one execution), or None for others."""
+    kind = _collective_kind(instr.opcode)
+    if kind is None:
+        return None
+    return _record(instr, kind, computation, shapes, num_devices=num_devices, times=(1, False))
+
+
+def dot_shape(instr: HloInstr, shapes: dict) -> tuple[float, tuple[int, int, int, int] | None]:
+    """``(flops, (batch, m, n, k))`` of a ``dot`` instruction (its local matmul), ``(0.0, None)`` when its
+    operands' shapes are not visible."""
+    if not instr.operands or len(instr.operands) < 2:
+        return 0.0, None
+    lhs, rhs = shapes.get(instr.operands[0]), shapes.get(instr.operands[1])
+    if lhs is None or rhs is None or isinstance(lhs, list) or isinstance(rhs, list) or isinstance(instr.shape, list):
+        return 0.0, None
+    lc = _ints((_attr(instr.attrs, "lhs_contracting_dims") or "").strip("{}"))
+    rc = _ints((_attr(instr.attrs, "rhs_contracting_dims") or "").strip("{}"))
+    lb = _ints((_attr(instr.attrs, "lhs_batch_dims") or "").strip("{}"))
+    rb = _ints((_attr(instr.attrs, "rhs_batch_dims") or "").strip("{}"))
+    ld, rd = lhs[1], rhs[1]
+    k = math.prod(ld[d] for d in lc if d < len(ld))
+    b = math.prod(ld[d] for d in lb if d < len(ld))
+    m = math.prod(ld[d] for d in range(len(ld)) if d not in lc and d not in lb)
+    n = math.prod(rd[d] for d in range(len(rd)) if d not in rc and d not in rb)
+    return 2.0 * b * m * n * k, (int(b), int(m), int(n), int(k))
+
+
+# ---------------------------------------------------------------------------------
 # Memory and flops.
 
 
@@ -696,7 +763,7 @@ def _host_entry_bytes(text: str) -> dict[str, float]:
 def flops(compiled: Any) -> float:
     """Per-device flops of one step as ``compiled.cost_analysis()`` counts them.
 
-    A ``while`` body is counted once there; :func:`estimate_step_time` corrects
+    A ``while`` body is counted once there; :func:`autoshard.hlo_schedule.estimate_step_time` corrects
     for the matmuls inside loops.
     """
     ca = compiled.cost_analysis()
@@ -705,105 +772,6 @@ def flops(compiled: Any) -> float:
     if isinstance(ca, dict):
         ca = [ca]
     return float(sum(float(d.get("flops", 0.0) or 0.0) for d in ca if d))
-
-
-# ---------------------------------------------------------------------------------
-# Step-time score.
-
-
-def _mesh_axes_of(groups: Sequence[Sequence[int]] | None, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Mesh axes along which the devices of a group differ."""
-    if not groups or len(groups[0]) <= 1:
-        return ()
-    n = math.prod(shape)
-    varying: set[int] = set()
-    for g in groups:
-        ids = [d for d in g if 0 <= d < n]
-        if len(ids) < 2:
-            continue
-        coords = np.array(np.unravel_index(ids, shape)).T
-        varying.update(int(a) for a in np.nonzero((coords != coords[0]).any(axis=0))[0])
-    return tuple(sorted(varying))
-
-
-def _collective_time(c: CompiledCollective, cluster: ClusterSpec, shape: tuple[int, ...]) -> tuple[float, float]:
-    """(alpha-beta seconds, bytes/bandwidth seconds) of one execution of ``c``."""
-    n = c.group_size or 1
-    if n <= 1:
-        return 0.0, 0.0
-    axes = _mesh_axes_of(c.groups, shape)
-    if not axes:  # groups unknown or outside the mesh: assume the slowest link
-        axes = (min(range(len(shape)), key=cluster.axis_bandwidth),)
-    slowest = min(cluster.axis_bandwidth(a) for a in axes)
-    simple = c.bytes / slowest
-    kind = CollectiveKind.parse(c.kind)
-    # The per-device B of autoshard.collectives: c.bytes is the per-device result, and a
-    # reduce-scatter's B is its input, n times that.
-    nbytes = c.bytes * n if kind is CollectiveKind.REDUCE_SCATTER else c.bytes
-    sizes = [shape[a] for a in axes]
-    if math.prod(sizes) == n:
-        return cluster.collective_cost(kind, nbytes, axes, sizes), simple
-    # The group is not a whole set of mesh axes (a sub-axis, or an irregular
-    # group): price it as one group of n devices on the slowest axis it spans.
-    slow_axis = min(axes, key=cluster.axis_bandwidth)
-    return cluster.collective_cost(kind, nbytes, (slow_axis,), (n,)), simple
-
-
-def estimate_step_time(compiled: Any, cluster: ClusterSpec, mesh: Any) -> dict[str, Any]:
-    """Scores a compiled program with a roofline-free alpha-beta model.
-
-    ``time_s = compute_s + communication_s`` where
-
-    * ``compute_s = F / cluster.flops``, ``F`` the per-device flops of
-      ``cost_analysis()`` plus the matmul flops of the extra iterations of every
-      ``while`` body (cost analysis counts a body once);
-    * ``communication_s = Σ_c m_c · T_c``, summing over the collectives ``c``
-      with multiplicity ``m_c``; ``T_c`` is the alpha-beta cost of
-      :meth:`ClusterSpec.collective_cost` on the mesh axes that ``c``'s replica
-      groups span (several axes are priced hierarchically). A group that is not
-      a whole set of mesh axes is priced as ``n`` devices on the slowest axis it
-      spans. ``B`` is the per-device result bytes, times ``n`` for
-      reduce-scatter (its input): :func:`autoshard.collectives.collective_seconds`,
-      the formula the planner optimises.
-
-    The simpler score ``simple_s = compute_s + Σ_c m_c · bytes_c / bw_c`` uses
-    the bandwidth ``bw_c`` of the slowest axis ``c`` spans and no latency.
-    Computation and communication are assumed not to overlap.
-
-    Args:
-      compiled: a ``jax.stages.Compiled``.
-      cluster: the hardware; per-axis numbers broadcast with ``for_mesh``.
-      mesh: the mesh the program was compiled for (or its shape).
-
-    Returns:
-      A dict with ``time_s``, ``compute_s``, ``communication_s``, ``simple_s``,
-      ``flops``, ``collective_bytes`` and ``per_kind`` (kind -> count, bytes,
-      seconds).
-    """
-    shape = mesh_shape(mesh)
-    cluster = cluster.for_mesh(shape)
-    stats = collective_stats(compiled)
-    total_flops = flops(compiled) + max(0.0, stats.dot_flops - stats.dot_flops_once)
-    compute_s = total_flops / cluster.flops
-    comm_s = simple_comm_s = 0.0
-    per_kind: dict[str, dict[str, float]] = {}
-    for c in stats.collectives:
-        t, simple = _collective_time(c, cluster, shape)
-        comm_s += t * c.multiplicity
-        simple_comm_s += simple * c.multiplicity
-        d = per_kind.setdefault(c.kind, {"count": 0, "bytes": 0.0, "seconds": 0.0})
-        d["count"] += c.multiplicity
-        d["bytes"] += c.bytes * c.multiplicity
-        d["seconds"] += t * c.multiplicity
-    return {
-        "time_s": compute_s + comm_s,
-        "compute_s": compute_s,
-        "communication_s": comm_s,
-        "simple_s": compute_s + simple_comm_s,
-        "flops": total_flops,
-        "collective_bytes": stats.bytes(),
-        "per_kind": per_kind,
-    }
 
 
 def permutes_in_branches(compiled_or_text: Any) -> list[str]:

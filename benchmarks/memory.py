@@ -5,7 +5,7 @@
 
 For each budget, from generous to tight, it plans a GPT train step with
 ``memory_budget=...``, compiles it, and records the predicted and compiled peak memory per
-device (``memory_analysis``), the estimated step time (``autoshard.hlo.estimate_step_time``
+device (``memory_analysis``), the estimated step time (``autoshard.hlo_schedule.estimate_step_time``
 under the same ClusterSpec), how the train state is sharded (read from the plan's
 ``in_specs``: replicated, ZeRO-1/2 = optimizer state split, ZeRO-3 = parameters split too) and
 how many forward segments are rematerialised. The first row has no budget beyond the
@@ -101,7 +101,8 @@ def main(argv=None) -> int:
     import jax
 
     import autoshard
-    from autoshard.hlo import estimate_step_time, memory_stats
+    from autoshard.hlo import memory_stats
+    from autoshard.hlo_schedule import estimate_step_time
     from benchmarks.baselines import compile_baseline
     from benchmarks.models import gpt
 

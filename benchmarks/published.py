@@ -330,9 +330,9 @@ def _plan(fun, args, mesh, cluster, hint, time_limit: float):
 
 
 def plan_stage(rec: Reconstruction, cfg, stage, mesh, cluster, time_limit: float) -> StagePlans:
-    from benchmarks.models.llm import stage_inputs, stage_params, stage_programs
-
     import jax.numpy as jnp
+
+    from benchmarks.models.llm import stage_inputs, stage_params, stage_programs
 
     params = stage_params(cfg, stage, jnp.bfloat16)
     inputs = stage_inputs(cfg, stage, rec.microbatch)

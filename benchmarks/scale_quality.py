@@ -5,7 +5,7 @@
 
 Nothing runs: every program is compiled from ``ShapeDtypeStruct``s on simulated CPU devices, one process
 per job (``XLA_FLAGS`` sets the device count before jax starts), and scored with the formula every
-method of ``benchmarks/README.md`` gets, ``autoshard.hlo.estimate_step_time(compiled, cluster,
+method of ``benchmarks/README.md`` gets, ``autoshard.hlo_schedule.estimate_step_time(compiled, cluster,
 mesh)["time_s"]`` (compute from the compiled flops, alpha-beta time of every compiled collective). A
 plan whose compiled per-device peak (``autoshard.hlo.memory_stats``) exceeds the preset's 80 GiB is a
 failure (OOM). Presets: ``h100-nvlink`` (one NVLink domain), ``h100-2node-ib`` and ``h100-4node-ib`` (mesh
@@ -164,7 +164,8 @@ def _mesh(shape):
 def _scored(compiled, shape, presets) -> dict:
     """Peak memory and the step-time formula under each preset of ``presets``."""
     import autoshard
-    from autoshard.hlo import estimate_step_time, memory_stats
+    from autoshard.hlo import memory_stats
+    from autoshard.hlo_schedule import estimate_step_time
 
     mem = memory_stats(compiled)
     scores = {}
@@ -396,7 +397,8 @@ def autoshard_pipeline_job(row: Row, preset: str, k: int, num_stages="auto") -> 
     """``PipelineOptions(num_stages="auto")`` on the whole ``(max(2, nodes), N / that)`` mesh with k microbatches: compile
     every task (``compiled_tasks``) and score it on its stage's sub-mesh; step time by the pipeline formula."""
     import autoshard
-    from autoshard.hlo import estimate_step_time, memory_stats
+    from autoshard.hlo import memory_stats
+    from autoshard.hlo_schedule import estimate_step_time
     from benchmarks.models import get_model
 
     spec = get_model("gpt", row.config, row.batch)

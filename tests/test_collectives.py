@@ -8,7 +8,8 @@ from jax.sharding import AxisType, NamedSharding
 from autoshard.cluster import cluster_preset
 from autoshard.collectives import ALL_TO_ALL_PENALTY, Collective, CollectiveKind, Link, collective_seconds
 from autoshard.cost import CostModel
-from autoshard.hlo import collective_stats, estimate_step_time
+from autoshard.hlo import collective_stats
+from autoshard.hlo_schedule import estimate_step_time
 from autoshard.spec import MeshInfo, ShardingSpec
 
 CLUSTER = cluster_preset("h100-2node-ib")  # a slow axis 0 and a fast axis 1

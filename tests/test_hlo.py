@@ -10,10 +10,10 @@ from autoshard.cluster import ClusterSpec, cluster_preset, make_mesh
 from autoshard.hlo import (
     CollectiveStats,
     collective_stats,
-    estimate_step_time,
     flops,
     memory_stats,
 )
+from autoshard.hlo_schedule import estimate_step_time
 
 
 @pytest.fixture(scope="module")

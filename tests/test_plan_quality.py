@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import autoshard
-from autoshard.hlo import collective_stats, estimate_step_time
+from autoshard.hlo import collective_stats
+from autoshard.hlo_schedule import estimate_step_time
 from benchmarks.baselines import compile_baseline
 from benchmarks.models import get_model, gpt
 

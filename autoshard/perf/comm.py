@@ -39,7 +39,7 @@ import math
 from autoshard.collectives import ALL_TO_ALL_PENALTY, CollectiveKind
 from autoshard.perf.hardware import Hardware
 
-__all__ = ["GroupLink", "collective_seconds_on", "group_link", "moved_bytes"]
+__all__ = ["GroupLink", "collective_seconds_on", "group_link", "mesh_collective_seconds", "moved_bytes"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -101,3 +101,17 @@ def collective_seconds_on(hw: Hardware, kind: CollectiveKind | str, nbytes: floa
 def tier_names(hw: Hardware) -> tuple[str, ...]:
     """The tiers' names, innermost first (the communication streams of a schedule)."""
     return tuple(t.name for t in hw.tiers)
+
+
+def mesh_collective_seconds(hw: Hardware, kind, nbytes: float, shape, axes, *, inner_span: int | None = None,
+                            latency: float | None = None) -> float:
+    """Seconds of one collective over mesh ``axes`` of a mesh ``shape`` (devices row-major over it): its device
+    group's slowest tier (:func:`group_link`), :func:`moved_bytes` per device; ``latency`` replaces the tier's
+    (0: a collective XLA combines with others)."""
+    from autoshard.perf.hardware import ring_span
+
+    group = math.prod(shape[a] for a in axes)
+    if group <= 1:
+        return 0.0
+    link = group_link(hw, group, ring_span(shape, axes), inner_span=inner_span)
+    return (link.latency if latency is None else latency) + moved_bytes(kind, nbytes, group) / link.bandwidth

@@ -273,7 +273,7 @@ B200 = Accelerator(
 _TPU_MATMUL = 0.9  # [tpu-gemm]
 
 
-def _tpu(name: str, bf16: float, hbm: float, hbm_bw: float, mxu: int, units: int) -> Accelerator:
+def _tpu(name: str, bf16: float, *, hbm: float, hbm_bw: float, mxu: int, units: int) -> Accelerator:
     # [mxu] a large aligned matmul is compute bound on the MXUs; [tpu-gemm] they sustain 0.9 of peak; further
     # losses are the padding to the MXU tile (autoshard.perf.compute). Fused attention: no published TPU
     # kernel rate, so the [fa2] A100 fractions stand in.
@@ -286,10 +286,10 @@ def _tpu(name: str, bf16: float, hbm: float, hbm_bw: float, mxu: int, units: int
 
 # [sb-tpu] bf16 FLOPs/s, HBM capacity and bandwidth; MXUs per chip: 4 per TensorCore on v4/v5 (two cores on
 # v4 and v5p), 2x 256-wide on v6e.
-TPU_V4 = _tpu("tpu-v4", 2.75e14, 32 * _GiB, 1.2e12, 128, 8)
-TPU_V5E = _tpu("tpu-v5e", 1.97e14, 16 * _GiB, 8.1e11, 128, 4)
-TPU_V5P = _tpu("tpu-v5p", 4.59e14, 95 * _GiB, 2.8e12, 128, 8)
-TPU_V6E = _tpu("tpu-v6e", 9.2e14, 32 * _GiB, 1.6e12, 256, 2)
+TPU_V4 = _tpu("tpu-v4", 2.75e14, hbm=32 * _GiB, hbm_bw=1.2e12, mxu=128, units=8)
+TPU_V5E = _tpu("tpu-v5e", 1.97e14, hbm=16 * _GiB, hbm_bw=8.1e11, mxu=128, units=4)
+TPU_V5P = _tpu("tpu-v5p", 4.59e14, hbm=95 * _GiB, hbm_bw=2.8e12, mxu=128, units=8)
+TPU_V6E = _tpu("tpu-v6e", 9.2e14, hbm=32 * _GiB, hbm_bw=1.6e12, mxu=256, units=2)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -320,7 +320,7 @@ def _gpu(name, acc, nvlink, ib, kinds) -> Hardware:
 _PCIE = {"a100-80": 25e9, "a100-40": 25e9, "h100": 50e9, "h200": 50e9, "b200": 50e9}
 
 
-def _tpu_hw(name, acc, link, torus, host, slice_max, kinds) -> Hardware:
+def _tpu_hw(name, acc, *, link, torus, host, slice_max, kinds) -> Hardware:
     # [sb-tpu] ICI one-way bandwidth per link; wraparound rings use both directions. DCN about 2.5e10
     # bytes/s per host, shared by the host's chips; PCIe 1.5e10 per chip.
     ici = LinkTier("ici", slice_max, link, 1.0, 5e-6, torus=torus)
@@ -340,10 +340,11 @@ HARDWARE: dict[str, Hardware] = {
     # [sb-tpu] ICI per link one way: v4 4.5e10, v5p 9e10 (3-D, cubes of 4); v5e 4.5e10, v6e 9e10 (2-D,
     # 16x16 pods). Hosts: 4 chips (v4, v5p), 8 chips (v5e, v6e). Largest slices: v4 4,096, v5p 8,960,
     # v5e and v6e 256 chips.
-    "tpu-v4": _tpu_hw("tpu-v4", TPU_V4, 4.5e10, 4, 4, 4096, ("tpu v4",)),
-    "tpu-v5e": _tpu_hw("tpu-v5e", TPU_V5E, 4.5e10, 16, 8, 256, ("tpu v5 lite", "tpu v5e")),
-    "tpu-v5p": _tpu_hw("tpu-v5p", TPU_V5P, 9e10, 4, 4, 8960, ("tpu v5p", "tpu v5")),
-    "tpu-v6e": _tpu_hw("tpu-v6e", TPU_V6E, 9e10, 16, 8, 256, ("tpu v6", "trillium")),
+    "tpu-v4": _tpu_hw("tpu-v4", TPU_V4, link=4.5e10, torus=4, host=4, slice_max=4096, kinds=("tpu v4",)),
+    "tpu-v5e": _tpu_hw("tpu-v5e", TPU_V5E, link=4.5e10, torus=16, host=8, slice_max=256,
+                       kinds=("tpu v5 lite", "tpu v5e")),
+    "tpu-v5p": _tpu_hw("tpu-v5p", TPU_V5P, link=9e10, torus=4, host=4, slice_max=8960, kinds=("tpu v5p", "tpu v5")),
+    "tpu-v6e": _tpu_hw("tpu-v6e", TPU_V6E, link=9e10, torus=16, host=8, slice_max=256, kinds=("tpu v6", "trillium")),
 }
 
 

@@ -20,7 +20,8 @@ from typing import Any
 import jax
 
 import autoshard
-from autoshard.hlo import collective_stats, estimate_step_time, memory_stats
+from autoshard.hlo import collective_stats, memory_stats
+from autoshard.hlo_schedule import estimate_step_time
 from benchmarks import baselines
 from benchmarks.models import get_model
 from benchmarks.suite.cases import (
@@ -69,7 +70,7 @@ def read_compiled(compiled) -> dict[str, Any]:
 
 
 def score(compiled, cluster: autoshard.ClusterSpec, shape: tuple[int, int]) -> dict[str, Any]:
-    """The one step-time formula every method gets: :func:`autoshard.hlo.estimate_step_time`."""
+    """The one step-time formula every method gets: :func:`autoshard.hlo_schedule.estimate_step_time`."""
     est = estimate_step_time(compiled, cluster, shape)
     return {
         "step_time_s": est["time_s"],

@@ -8,6 +8,8 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     packages=find_packages(include=["autoshard", "autoshard.*", "benchmarks", "benchmarks.*"]),
+    # the performance model's calibration files, measured on a chip (autoshard/perf/calibration/README.md)
+    package_data={"autoshard.perf": ["calibration/*.json", "calibration/*.md"]},
     python_requires=">=3.10",
     # Tested with jax 0.10.2 (CPU) here; 0.11.x is what GPU images ship, so the range includes it.
     install_requires=[

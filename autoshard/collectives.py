@@ -2,7 +2,7 @@
 
 The planner (:class:`autoshard.cost.CostModel`), the cluster description
 (:meth:`autoshard.ClusterSpec.collective_cost`) and the score of a compiled program
-(:func:`autoshard.hlo.estimate_step_time`) all price a collective with
+(:func:`autoshard.hlo_schedule.estimate_step_time`) all price a collective with
 :func:`collective_seconds`, so the planner optimises the model the benchmarks judge with.
 
 The formulas follow Alpa (Zheng et al., OSDI'22, §4.1). On one mesh axis of ``n`` devices with

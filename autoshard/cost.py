@@ -2,7 +2,7 @@
 
 Costs are seconds on one device. A collective is priced by
 :func:`autoshard.collectives.collective_seconds` (Alpa, OSDI'22, §4.1), the same formula
-:func:`autoshard.hlo.estimate_step_time` scores compiled programs with; see
+:func:`autoshard.hlo_schedule.estimate_step_time` scores compiled programs with; see
 :mod:`autoshard.collectives` for the formulas and what ``B`` is for each kind.
 """
 

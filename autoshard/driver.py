@@ -610,7 +610,8 @@ def _decoded_plan(request: PlanRequest, on: MeshTarget, solved: _Solved, *, stat
     from autoshard.planner import simulate_step
 
     t = simulate_step(sgraph, dec.node_strategy, program, solved.cost)
-    stats["perf"] = {"streams": t.busy, "by_kind": t.by_kind}
+    stats["perf"] = {"streams": t.busy, "by_kind": t.by_kind,
+                     "forward_share": t.forward_seconds / t.compute_seconds if t.compute_seconds else 1 / 3}
     pcost = PlanCost(t.compute_seconds, t.communication_seconds, comm_bytes, memory.peak_bytes, float(sol.cost),
                      step_seconds=t.step_seconds, exposed_communication_seconds=t.exposed_seconds, flops=t.flops,
                      hbm_bytes=t.hbm_bytes)

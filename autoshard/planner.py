@@ -43,6 +43,15 @@ class AutoshardWarning(UserWarning):
     """A planning decision the user should know about (e.g. an unsupported primitive)."""
 
 
+OVERLAP_CREDIT = 0.5
+"""Where the backend runs collectives asynchronously (``CostModel.overlap``), the pairwise objective counts
+this share of a hideable collective's time as hidden: the reshards of step inputs (a parameter's all-gather
+can run while earlier layers compute) and the collectives of ops with no contraction downstream (a weight
+gradient's reduction can run while the rest of the backward computes). How much actually hides depends on
+the whole step, which no pairwise cost can see: the decoded plan's list schedule
+(:func:`simulate_step`) gives the predicted step, and meshes and remat candidates are ranked by it."""
+
+
 @dataclasses.dataclass(slots=True, eq=False)
 class _Node:
     kind: str  # "input" | "op" | "scan_const" | "scan_carry" | "scan_x" | "scan_y"
@@ -273,7 +282,12 @@ class _GraphBuilder:
 
     def priced(self, op: Op, ctx: RuleContext, traffic, strategies: list[Strategy]) -> list[Strategy]:
         """With a hardware model, each strategy's compute is its :class:`~autoshard.perf.Work`'s roofline
-        (:mod:`autoshard.work`); the rule's own compute (flops at one rate) stands otherwise."""
+        (:mod:`autoshard.work`); the rule's own compute (flops at one rate) stands otherwise. Where collectives
+        overlap compute, the communication of an op with no contraction downstream (a weight gradient's
+        reduction) counts :data:`OVERLAP_CREDIT` less in the objective."""
+        if self.cost.overlap and op.index in self.terminal:
+            strategies = [dataclasses.replace(s, comm=s.comm * (1 - OVERLAP_CREDIT)) if s.comm else s
+                          for s in strategies]
         if traffic is None:
             return strategies
         from autoshard.work import strategy_work
@@ -701,6 +715,8 @@ def build_problem(merged: MergedGraph, program: CapturedProgram, cost: CostModel
         aval = program.avals[e.value]
         shape, itemsize = _aval_shape(aval), _itemsize(aval)
         scale = e.scale * graph.nodes[e.dst].weight
+        if cost.overlap and graph.nodes[e.src].kind == "input":
+            scale *= 1 - OVERLAP_CREDIT  # a step input's reshard can run before its first reader needs it
         if ru == rv:
             node_costs[ru] += scale * table.reshard_pairs(cost, shape, itemsize, rows, cols)
             continue
@@ -895,6 +911,8 @@ class StepTime:
       busy: stream -> seconds.
       by_kind: the compute per :class:`~autoshard.perf.Work` kind (matmul, attention, vector):
         ``{"seconds", "flops", "bytes", "ops"}``, what a report shows of why a plan is slow.
+      forward_seconds: the compute of the forward pass's ops (those jax.grad did not make by transposing):
+        the pipeline schedule splits a stage's time into forward and backward by it.
     """
 
     step_seconds: float
@@ -905,6 +923,7 @@ class StepTime:
     hbm_bytes: float
     busy: dict
     by_kind: dict = dataclasses.field(default_factory=dict)
+    forward_seconds: float = 0.0
 
 
 def simulate_step(graph: StrategyGraph, node_strategy, program: CapturedProgram, cost: CostModel) -> StepTime:
@@ -928,8 +947,12 @@ def simulate_step(graph: StrategyGraph, node_strategy, program: CapturedProgram,
         else:
             into.setdefault(e.dst, []).append(e)
     resharded: dict[tuple, tuple[int, ...]] = {}
-    flops = hbm = 0.0
+    flops = hbm = forward = 0.0
     by_kind: dict[str, dict] = {}
+    from autoshard.work import backward_ops
+
+    backward = backward_ops(program.graph)
+    terminal, quiet = _terminal_ops(program), cost.without_latency()
 
     def reshard(e: _Edge, dst_spec) -> tuple[int, ...]:
         src_spec = node_strategy[e.src].out_specs[e.src_pos]
@@ -955,6 +978,8 @@ def simulate_step(graph: StrategyGraph, node_strategy, program: CapturedProgram,
         if s.compute > 0:
             tasks.append(Task(node.label, COMPUTE, s.compute * node.trips, final))
             final = (len(tasks) - 1,)
+            if node.op is not None and node.op.index not in backward:
+                forward += s.compute * node.trips
         if s.work is not None:
             flops += s.work.flops * node.trips
             hbm += s.work.bytes * node.trips
@@ -963,9 +988,15 @@ def simulate_step(graph: StrategyGraph, node_strategy, program: CapturedProgram,
             k["flops"] += s.work.flops * node.trips
             k["bytes"] += s.work.bytes * node.trips
             k["ops"] += 1
-        if s.comm > 0 and s.collectives:
-            tasks.append(Task(f"{node.label} {s.collectives[0].kind}", cost.stream(s.collectives[0]),
-                              s.comm * node.trips, final))
+        if s.collectives:  # its own collectives, at their price (the objective may have discounted them)
+            model = quiet if node.op is not None and node.op.index in terminal else cost
+            seconds = sum(model.collective_time(c) for c in s.collectives) * node.trips
+            if seconds > 0:
+                tasks.append(Task(f"{node.label} {s.collectives[0].kind}", cost.stream(s.collectives[0]), seconds,
+                                  final))
+                final = (len(tasks) - 1,)
+        elif s.comm > 0:  # an input fed from (or kept in) host memory: its transfer
+            tasks.append(Task(f"{node.label} host transfer", "host", s.comm * node.trips, final))
             final = (len(tasks) - 1,)
         for v in node.outputs:
             ready[v] = final
@@ -975,7 +1006,7 @@ def simulate_step(graph: StrategyGraph, node_strategy, program: CapturedProgram,
     sched = simulate(tasks, overlap=cost.overlap)
     compute = sched.busy.get(COMPUTE, 0.0)
     comm = sum(v for k, v in sched.busy.items() if k != COMPUTE)
-    return StepTime(sched.makespan, compute, comm, sched.exposed, flops, hbm, dict(sched.busy), by_kind)
+    return StepTime(sched.makespan, compute, comm, sched.exposed, flops, hbm, dict(sched.busy), by_kind, forward)
 
 
 def warn_unsupported(names) -> None:

@@ -455,7 +455,8 @@ class _RematSearch:
             if best_k is not None and bound >= plans[(best_k, limit)].cost.objective:
                 break
             p = self.attempt(k, limit)
-            if p is not None and (best_k is None or p.cost.objective < plans[(best_k, limit)].cost.objective):
+            # candidates are ranked by their decoded plans' simulated steps (PlanCost.total_seconds)
+            if p is not None and (best_k is None or p.cost.total_seconds < plans[(best_k, limit)].cost.total_seconds):
                 best_k = k
         return best_k
 

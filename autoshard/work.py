@@ -32,7 +32,7 @@ from autoshard.perf.compute import Work, operand_class
 from autoshard.spec import MeshInfo, ShardingSpec
 from autoshard.strategies import op_flops, op_info
 
-__all__ = ["TRAFFIC_NONE", "OpTraffic", "attention_scores", "program_traffic", "strategy_work"]
+__all__ = ["TRAFFIC_NONE", "OpTraffic", "attention_scores", "backward_ops", "program_traffic", "strategy_work"]
 
 _CUDNN_ATTENTION = ("dot_product_attention_fwd_wrapper", "dot_product_attention_bwd_wrapper",
                     "dot_product_attention_fp8_fwd_wrapper", "dot_product_attention_fp8_bwd_wrapper")
@@ -72,7 +72,7 @@ def _all_ops(graph):
             yield from _all_ops(op.body)
 
 
-def _backward_ops(graph, inherited: bool = False) -> set[int]:
+def backward_ops(graph, inherited: bool = False) -> set[int]:
     """Indices of the ops of jax.grad's backward pass: those whose name stack has ``transpose``, and every op
     in the body of such a scan (a body's own name stacks start afresh)."""
     out = set()
@@ -81,7 +81,7 @@ def _backward_ops(graph, inherited: bool = False) -> set[int]:
         if back:
             out.add(op.index)
         if op.body is not None:
-            out |= _backward_ops(op.body, back)
+            out |= backward_ops(op.body, back)
     return out
 
 
@@ -154,7 +154,7 @@ def program_traffic(program, profile, *, fused_attention: bool) -> dict[int, OpT
 
     mat = materialised_values(program, profile)
     scores = attention_scores(program) if fused_attention else frozenset()
-    backward = _backward_ops(program.graph) if scores else set()
+    backward = backward_ops(program.graph) if scores else set()
     out = {}
     for op in _all_ops(program.graph):
         touches = any(isinstance(x, int) and x in scores for x in op.inputs) or any(v in scores for v in op.outputs)

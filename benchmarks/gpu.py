@@ -2,6 +2,7 @@
 
     python -m benchmarks.gpu [--config 1.3B] [--batch 8] [--steps 10] [--out benchmarks/results/gpu.json]
     python -m benchmarks.gpu --smoke        # a tiny GPT with XLA attention: checks the script on any backend
+    python -m benchmarks.gpu --calibrate    # the performance model's kernels timed (benchmarks/gpu_calibrate.py)
 
 On the one device it measures:
 
@@ -134,7 +135,18 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results/gpu.json")
     ap.add_argument("--parts", default="throughput,memory,remat,offload",
                     help="comma-separated parts to run (the levers need memory)")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="time the performance model's kernels instead (benchmarks/gpu_calibrate.py)")
+    ap.add_argument("--repeats", type=int, default=5, help="with --calibrate: timed runs per kernel (best kept)")
     args = ap.parse_args(argv)
+    if args.calibrate:
+        from benchmarks.gpu_calibrate import calibrate
+
+        if args.smoke:
+            os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        if args.out == "benchmarks/results/gpu.json":
+            args.out = "benchmarks/results/gpu_calibration.json"
+        return calibrate(args)
     if args.smoke:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         args.config, args.batch, args.steps = "tiny", 8, 2

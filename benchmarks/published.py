@@ -532,8 +532,16 @@ def throughput(rec: Reconstruction, step_s: float) -> float:
 
 
 def read_rows(path: str) -> list[dict]:
+    """The rows of a CSV file in ``published_runs.csv``'s format."""
     with open(path, newline="") as f:
         return [dict(r) for r in csv.DictReader(f)]
+
+
+def read_rows_text(text: str) -> list[dict]:
+    """The rows of CSV text in ``published_runs.csv``'s format."""
+    import io
+
+    return [dict(r) for r in csv.DictReader(io.StringIO(text))]
 
 
 def run(rows: list[dict], *, only: str | None = None, time_limit: float = 2.0) -> list[dict]:
@@ -550,7 +558,9 @@ def run(rows: list[dict], *, only: str | None = None, time_limit: float = 2.0) -
             out.append({**base, "reason": str(e)})
             print(f"[{i}] {row['source']} {row['model']} x{row['n_accel']}: not reconstructed: {e}", flush=True)
             continue
-        base.update(unit=rec.unit, measured=rec.measured, assumptions=list(rec.assumptions))
+        base.update(unit=rec.unit, measured=rec.measured, assumptions=list(rec.assumptions),
+                    config={"n": rec.n, "dp": rec.dp, "fsdp": rec.fsdp, "cp": rec.cp, "tp": rec.tp, "pp": rec.pp,
+                            "virtual": rec.virtual, "microbatch_per_rank": rec.microbatch // max(rec.fsdp, 1)})
         try:
             pred = predict(rec, time_limit=time_limit)
         except Exception as e:  # a failed plan is reported with its error, not dropped
@@ -585,6 +595,40 @@ def summary(rows: list[dict]) -> dict:
             "not_reconstructed": len(rows) - len(done)}
 
 
+def _comparable(a: dict, b: dict) -> bool:
+    """Two configurations the source compares: the same model on the same machine (device count), or the
+    same configuration scaled over more data replicas (slices, data ranks)."""
+    if a["n_accel"] == b["n_accel"]:
+        return True
+    ka, kb = a.get("config", {}), b.get("config", {})
+    return {k: v for k, v in ka.items() if k not in ("dp", "n")} == {k: v for k, v in kb.items() if k not in ("dp", "n")}
+
+
+def rankings(rows: list[dict]) -> list[dict]:
+    """Per comparison group (one source, one model, one accelerator), whether the predictions order its
+    comparable configurations (:func:`_comparable`) as measured: every such pair's predicted order against its
+    measured one (the unit's own direction: seconds per step rank the other way)."""
+    done = [r for r in rows if r["reconstructed"]]
+    groups: dict = {}
+    for r in done:
+        groups.setdefault((r["source"], r["model"], r["accel"]), []).append(r)
+    out = []
+    for (source, model, accel), rs in groups.items():
+        pairs = []
+        for i, a in enumerate(rs):
+            for b in rs[i + 1:]:
+                if not _comparable(a, b) or a["measured"] == b["measured"]:
+                    continue
+                sign = -1 if a["unit"] == "s/step" else 1
+                measured = sign * (a["measured"] - b["measured"]) > 0
+                predicted = sign * (a["predicted"] - b["predicted"]) > 0
+                pairs.append({"rows": [a["row"], b["row"]], "as_measured": measured == predicted})
+        if pairs:
+            out.append({"source": source, "model": model, "accel": accel, "pairs": pairs,
+                        "ranked_as_measured": all(p["as_measured"] for p in pairs)})
+    return out
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| # | source | model | accel | n | unit | measured | predicted | pred/meas | plan s | plan / reason |",
              "|---:|---|---|---|---:|---|---:|---:|---:|---:|---|"]
@@ -598,6 +642,15 @@ def table(rows: list[dict]) -> str:
                          f"{r['unit'] or ''} | {r['measured'] if r['measured'] is not None else ''} | | | | "
                          f"not reconstructed: {r['reason']} |")
     s = summary(rows)
+    ranks = rankings(rows)
+    if ranks:
+        lines.append("")
+        lines.append("| comparison group | pairs | ranked as measured | pairs ordered otherwise |")
+        lines.append("|---|---:|---|---|")
+        for g in ranks:
+            wrong = ", ".join(f"{a} vs {b}" for a, b in (p["rows"] for p in g["pairs"] if not p["as_measured"]))
+            lines.append(f"| {g['source']} {g['model']} ({g['accel']}) | {len(g['pairs'])} | "
+                         f"{'yes' if g['ranked_as_measured'] else 'no'} | {wrong} |")
     lines.append("")
     lines.append("| over | rows | median abs error | worst abs error |")
     lines.append("|---|---:|---:|---:|")
@@ -622,7 +675,7 @@ def main(argv=None) -> int:
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "summary": summary(rows)}, f, indent=1, default=str)
+            json.dump({"rows": rows, "summary": summary(rows), "rankings": rankings(rows)}, f, indent=1, default=str)
         print(f"wrote {args.json}")
     if args.md:
         with open(args.md, "w") as f:

@@ -3,7 +3,7 @@
     python -m benchmarks.run --suite {gpt,moe,wresnet,all} --devices N [--quick] [--out results.json]
 
 Every (model, method, preset) is compiled from ``jax.ShapeDtypeStruct``s on N simulated CPU
-devices and scored by :func:`autoshard.hlo.estimate_step_time`; the tiny configs (``--quick``)
+devices and scored by :func:`autoshard.hlo_schedule.estimate_step_time`; the tiny configs (``--quick``)
 also run and are checked against a single-device ``jax.jit``. Prints markdown tables, writes JSON
 with every field and, if matplotlib is installed, a PNG of the step times. See benchmarks/README.md.
 """
@@ -118,7 +118,7 @@ def _result(suite, quick, devices, t0, case_times, rows, executions) -> dict:
             "presets": {
                 p.name: __import__("autoshard").cluster_preset(p.name).to_dict() for p in cases.PRESETS
             },
-            "step_time_formula": "autoshard.hlo.estimate_step_time(compiled, cluster, mesh)['time_s']",
+            "step_time_formula": "autoshard.hlo_schedule.estimate_step_time(compiled, cluster, mesh)['time_s']",
         },
         "rows": list(rows),
         "comparisons": report.comparisons(rows),

@@ -18,6 +18,16 @@ MESHES = {
 }
 
 
+def alpha_beta_h100():
+    """An H100-like cluster without a hardware model: compute at one rate (70% of the bf16 peak), NVLink as one
+    alpha-beta link, no overlap. For tests of the memory machinery that need the planner to prefer replicated
+    state when nothing binds, which the performance model's overlap and roofline no longer guarantee."""
+    import autoshard
+
+    return autoshard.ClusterSpec(flops=989e12 * 0.7, bandwidth=450e9, latency=5e-6, memory=80 * 2**30,
+                                 host_bandwidth=50e9, name="h100-alpha-beta")
+
+
 def mesh(name: str):
     shape, names = MESHES[name]
     return autoshard.make_mesh(shape, names)

@@ -46,7 +46,9 @@ def test_quick_suite_rows_have_every_field(quick):
         assert r["status"] == "ok", (r["model"], r["method"], r["preset"], r.get("error"))
         assert ROW_FIELDS <= set(r), sorted(ROW_FIELDS - set(r))
         assert r["step_time_s"] > 0 and r["flops_per_device"] > 0 and r["peak_bytes"] > 0
-        assert r["step_time_s"] == pytest.approx(r["compute_s"] + r["communication_s"])
+        # the step overlaps communication with compute: never longer than their sum, never shorter than either
+        assert r["step_time_s"] <= r["compute_s"] + r["communication_s"] + 1e-12
+        assert r["step_time_s"] >= max(r["compute_s"], r["communication_s"]) - 1e-12
         for kind, v in r["collectives"].items():
             assert kind in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
             assert v["count"] >= 1 and v["bytes"] >= 0

@@ -9,6 +9,7 @@ import pytest
 import autoshard
 from autoshard.hlo import memory_stats
 from benchmarks.models import get_model
+from tests.helpers import alpha_beta_h100
 
 # The tiny MLP with donation needs XLA's all-reduce combiner modelled (every gradient partial
 # and sum live at once); the conv net needs the max-pool expansion's buffers made at the start.
@@ -45,7 +46,7 @@ def test_memory_budget_forces_a_sharded_plan_that_fits_and_matches_reference():
 
     spec = get_model("mlp", "h1024", 32)
     mesh = autoshard.make_mesh((8,), ("data",))
-    cluster = autoshard.cluster_preset("h100-nvlink")
+    cluster = alpha_beta_h100()
     state, b = spec.abstract_state(), spec.abstract_batch()
     free = autoshard.parallelize(spec.train_step, mesh=mesh, cluster=cluster, donate_argnums=(0,))
     free_peak = memory_stats(free.lower(state, b).compile())["peak"]
@@ -128,7 +129,7 @@ def _free_and_budgeted(budget_of, family="gpt", config="tiny", batch=64, shape=(
     state, b = spec.abstract_state(), spec.abstract_batch()
 
     def plan(budget):
-        return autoshard.parallelize(spec.train_step, mesh=mesh, cluster=autoshard.cluster_preset("h100-nvlink"),
+        return autoshard.parallelize(spec.train_step, mesh=mesh, cluster=alpha_beta_h100(),
                                      donate_argnums=(0,), memory_budget=budget, progress=None,
                                      **kwargs).plan(state, b)
 

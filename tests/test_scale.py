@@ -47,7 +47,7 @@ def test_a_thousand_devices_plan_from_shapes_alone():
         plans[shape] = step.plan(spec.abstract_state(), spec.abstract_batch())
     one, many = plans[(1, 1)], plans[(64, 16)]
     assert many.mesh_info.shape == (64, 16)
-    assert many.cost.compute_seconds <= one.cost.compute_seconds / 256
+    assert many.cost.flops <= one.cost.flops / 64  # the work is spread (some, like the update of replicated state, is not)
     assert many.memory.peak_bytes < one.memory.peak_bytes / 4
     assert "<div" in many._repr_html_()
 

@@ -54,7 +54,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import types
 from collections.abc import Mapping
 
@@ -94,6 +96,8 @@ class Accelerator:
       compute_units: SMs (GPU) or MXUs (TPU) that matmul tiles are spread over.
       matmul_tile: ``(rows, cols)`` of the output tile one compute unit works on at a time.
       vector_flops: flop/s of the elementwise units (CUDA cores, VPU), for elementwise work.
+      source: where the efficiencies come from: the sources of this module, or the committed calibration
+        file measured on the chip (``autoshard/perf/calibration/<preset>.json``, :func:`calibrated`).
     """
 
     name: str
@@ -107,6 +111,7 @@ class Accelerator:
     compute_units: int
     matmul_tile: tuple[int, int]
     vector_flops: float
+    source: str = "data sheets and published measurements (autoshard.perf.hardware)"
 
     def __post_init__(self):
         object.__setattr__(self, "peak_flops", _frozen({k: float(v) for k, v in self.peak_flops.items()}))
@@ -348,16 +353,46 @@ HARDWARE: dict[str, Hardware] = {
 }
 
 
+CALIBRATION_DIR = os.path.join(os.path.dirname(__file__), "calibration")
+"""Committed calibration files: ``<preset>.json`` holds efficiencies measured on that chip by
+``python -m benchmarks.gpu --calibrate`` (its ``"table"``), with where and when it was measured."""
+
+
+def calibrated(hw: Hardware, path: str | None = None) -> Hardware:
+    """``hw`` with the efficiencies of its calibration file (``CALIBRATION_DIR/<name>.json``, or ``path``)
+    in place of the sourced ones; ``hw`` unchanged when there is none. The file is JSON:
+    ``{"device": ..., "measured": ..., "table": {"matmul_efficiency": {"bf16": ...}, "hbm_efficiency": ...,
+    "attention_efficiency": [fwd, bwd]}}``; ``Accelerator.source`` then names it."""
+    path = path or os.path.join(CALIBRATION_DIR, f"{hw.name}.json")
+    if not os.path.exists(path):
+        return hw
+    with open(path) as f:
+        data = json.load(f)
+    table = data.get("table", data)
+    acc = hw.accelerator
+    changes = {"source": f"calibrated: {os.path.basename(path)} ({data.get('device', '?')}, "
+                         f"{data.get('measured', '?')})"}
+    if "matmul_efficiency" in table:
+        changes["matmul_efficiency"] = {**acc.matmul_efficiency, **table["matmul_efficiency"]}
+    if "hbm_efficiency" in table:
+        changes["hbm_efficiency"] = float(table["hbm_efficiency"])
+    if "attention_efficiency" in table:
+        changes["attention_efficiency"] = tuple(float(x) for x in table["attention_efficiency"])
+    return dataclasses.replace(hw, accelerator=dataclasses.replace(acc, **changes))
+
+
 def hardware_preset(name: str) -> Hardware:
-    """The named :class:`Hardware` (see ``HARDWARE``).
+    """The named :class:`Hardware` (see ``HARDWARE``), with its committed calibration file when there is one
+    (:func:`calibrated`).
 
     Raises:
       ValueError: no such preset; the message lists them.
     """
     try:
-        return HARDWARE[name]
+        hw = HARDWARE[name]
     except KeyError:
         raise ValueError(f"unknown hardware {name!r}; choose one of {sorted(HARDWARE)}") from None
+    return calibrated(hw)
 
 
 def hardware_for_device_kind(device_kind: str) -> Hardware | None:

@@ -83,10 +83,15 @@ class SimulatedTimeline:
         return 0.0 if not self.makespan else 1.0 - busy / (len(stages) * self.makespan)
 
 
-def simulate(orders, fwd_time, bwd_time, deps: Callable[[Event], list[Event]]) -> SimulatedTimeline:
-    """List-schedule each stage's order: an event starts when its stage is free and its inputs exist."""
-    end: dict = {}
-    free = [0.0] * len(orders)
+def simulate(orders, fwd_time, bwd_time, deps: Callable[[Event], list[Event]], transfer=None) -> SimulatedTimeline:
+    """List-schedule each stage's order (:func:`autoshard.perf.simulate`): an event starts when its stage is
+    free and its inputs exist. ``transfer[s]``: seconds to move one microbatch's activation from stage ``s`` to
+    ``s + 1`` (and its cotangent back), on a link stream of its own per boundary and direction; None: free."""
+    from autoshard.perf.schedule import Task
+    from autoshard.perf.schedule import simulate as list_schedule
+
+    tasks: list = []
+    index: dict = {}
     heads = [0] * len(orders)
     events = []
     while any(h < len(o) for h, o in zip(heads, orders, strict=True)):
@@ -97,18 +102,37 @@ def simulate(orders, fwd_time, bwd_time, deps: Callable[[Event], list[Event]]) -
             ph, m = order[heads[s]]
             ev = (ph, s, m)
             ds = deps(ev)
-            if not all(d in end for d in ds):
+            if not all(d in index for d in ds):
                 continue
-            start = max([free[s], *(end[d] for d in ds)])
-            dur = fwd_time[s] if ph == "F" else bwd_time[s]
-            end[ev] = start + dur
-            free[s] = end[ev]
-            events.append((ph, s, m, start, end[ev]))
+            need = []
+            for d in ds:
+                t_x = _crossing(transfer, d, ev)
+                if t_x:  # the activation (cotangent) crosses the boundary between d's stage and ev's
+                    key = ("X", d, s)
+                    if key not in index:
+                        index[key] = len(tasks)
+                        tasks.append(Task(f"X{d}", f"link{min(d[1], s)}{'f' if d[1] < s else 'b'}", t_x,
+                                          (index[d],)))
+                    need.append(index[key])
+                else:
+                    need.append(index[d])
+            index[ev] = len(tasks)
+            tasks.append(Task(f"{ph}{s}.{m}", f"stage{s}", fwd_time[s] if ph == "F" else bwd_time[s], tuple(need)))
+            events.append(ev)
             heads[s] += 1
             progressed = True
         if not progressed:
             raise InputError("internal: the simulated schedule deadlocks")
-    return SimulatedTimeline(tuple(events), max(free) if free else 0.0)
+    sched = list_schedule(tasks)
+    out = tuple((ph, s, m, sched.start[index[(ph, s, m)]], sched.finish[index[(ph, s, m)]]) for ph, s, m in events)
+    return SimulatedTimeline(out, max((e[4] for e in out), default=0.0))
+
+
+def _crossing(transfer, dep: Event, ev: Event) -> float:
+    """Seconds to move ``dep``'s result to ``ev``'s stage (0 on the same stage or without transfers)."""
+    if transfer is None or dep[1] == ev[1]:
+        return 0.0
+    return float(transfer[min(dep[1], ev[1])])
 
 
 def chain_deps(num_stages: int):

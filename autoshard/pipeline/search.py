@@ -225,11 +225,17 @@ def _fingerprint(program: CapturedProgram) -> str:
 
 
 def cluster_for(cluster, option: SubmeshOption, grid_shape):
-    """The sub-mesh's per-axis links: within a row (host), the row's; across rows, the slower axis."""
+    """The sub-mesh's per-axis links: within a row (host), the row's; across rows, the slower axis. With a
+    hardware model the sub-mesh's devices are spread over its rows (``ClusterSpec.nodes``) and its tiers
+    price the links."""
+    rows, per_row = option.physical
+    if getattr(cluster, "hardware", None) is not None:
+        # A stage's inputs are its parameters (resident) and other stages' activations (device to device):
+        # none is fed from the host each microbatch, which the planner would otherwise charge for.
+        return dataclasses.replace(cluster, nodes=rows if rows > 1 else None, mesh_shape=None, host_bandwidth=1e30)
     c = cluster.for_mesh(grid_shape if len(grid_shape) == 2 else (1, grid_shape[0]))
     bw, lat = c.bandwidth, c.latency
     inner, slow = (bw[-1], lat[-1]), (bw[0], lat[0])
-    rows, per_row = option.physical
     a, b = option.logical
     # Devices are laid out row-major: the minor axis leaves a row once it is longer than one; the major
     # axis crosses rows whenever the sub-mesh has several.
@@ -324,7 +330,8 @@ class _CostTable:
             params = sum(_nbytes(self.analysis.avals[v]) for v in prog.graph.invars
                          if v in set(self.analysis.full.graph.invars) and v not in self.analysis.dependent)
             d = option.logical[0]
-            allreduce = 0.0 if d == 1 else 2 * (d - 1) / d * params / min(sub_cluster.bandwidth)
+            shaped = sub_cluster.for_mesh(option.logical)
+            allreduce = shaped.collective_cost("all-reduce", params, (0,), (d,)) if d > 1 else 0.0
             return _LayerCost(flops / (n * sub_cluster.flops) + allreduce, params * 4 / n + act, act)
         mesh = mesh_like(self.search.mesh, option.logical, AXES)
         t0 = time.perf_counter()
@@ -652,7 +659,12 @@ def plan_stages(analysis: StepAnalysis, mesh, cluster, options: PipelineOptions,
         if where != "<unknown>":
             first.setdefault(stage_of_layer[layer_of[p_]], where)
     orders = stage_orders(S, k, options.schedule)
-    sim = simulate(orders, [t / 3 for t in times], [2 * t / 3 for t in times], chain_deps(S))
+    # each stage's microbatch time split by its own plan's forward and backward compute, and the activations
+    # crossing each stage boundary at the link between the two stages' devices
+    shares = [sp.plan.stats.get("perf", {}).get("forward_share", 1 / 3) for sp in stage_plans]
+    sim = simulate(orders, [t * f for t, f in zip(times, shares, strict=True)],
+                   [t * (1 - f) for t, f in zip(times, shares, strict=True)], chain_deps(S),
+                   transfer=_transfers(stage_plans, search.cluster, search.mesh))
     pplan = PipelinePlan(
         stages=tuple(stage_plans), schedule=options.schedule, num_microbatches=k, layer_flops=layer_flops,
         step_time_s=_step_s(stage_plans, k), simulated_step_s=sim.makespan,
@@ -685,6 +697,33 @@ def _near_ties(table: _CostTable, grid, num_layers: int, chosen: _Stages, unifor
             continue
         if got.latency <= chosen.latency * (1 + _TIE):
             out.append(got)
+    return out
+
+
+def _transfers(stage_plans, cluster, mesh) -> list[float]:
+    """Seconds to move one microbatch's activation across each stage boundary: the next stage's boundary
+    arguments, one device's share of them, at the link between the two stages' devices (the slowest tier
+    spanning both; the slower mesh axis without a hardware model)."""
+    from autoshard.perf.comm import collective_seconds_on
+
+    out = []
+    for a, b in itertools.pairwise(stage_plans):
+        plan = b.plan
+        info = MeshInfo(tuple(plan.mesh.axis_sizes), tuple(plan.mesh.axis_names))
+        nbytes = 0.0
+        for path, (shape, dtype), spec in zip(plan.in_paths, plan.in_avals, plan.in_specs, strict=True):
+            if is_boundary(path):
+                local = math.prod(n // info.axes_size(ax) for n, ax in zip(shape, spec.dims, strict=True))
+                nbytes += local * np.dtype(dtype).itemsize
+        devices = (*a.devices, *b.devices)
+        span = max(devices) - min(devices) + 1
+        if getattr(cluster, "hardware", None) is not None:
+            out.append(collective_seconds_on(cluster.hardware, "collective-permute", nbytes, group=2, span=span,
+                                             inner_span=cluster.inner_span(int(np.prod(mesh_shape(mesh))))))
+        else:
+            lat, bw = cluster.latency, cluster.bandwidth
+            out.append(max(lat if isinstance(lat, tuple) else (lat,)) + nbytes / min(bw if isinstance(bw, tuple)
+                                                                                     else (bw,)))
     return out
 
 

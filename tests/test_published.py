@@ -1,0 +1,76 @@
+"""benchmarks.published: reading rows, reconstructing them, and predicting one end to end (small)."""
+
+import json
+
+import pytest
+
+from benchmarks import published as P
+
+HEADER = ("source,model,params_B,layers,hidden,heads,kv_heads,ffn,vocab,seq,global_batch_seqs,accel,n_accel,tp,pp,"
+          "vp_or_schedule,dp,fsdp_or_zero,cp,ep,microbatch,recompute,precision,measured_metric,measured_value,notes")
+ROWS = [
+    # Megatron-style 3-D (tp, pp, data), recompute counted by the FLOP convention
+    "MEG21-T1,GPT,1.7,24,2304,24,24,[9216],51200,2048,512,A100-80GB,32,1,1,?,[32],none,-,-,?,full,16b-mixed,"
+    "TFLOP/s/GPU (%peak; agg PF/s),137 (44%; 4.4),x",
+    # MaxText-style: FSDP and tensor over ICI, the data column counting DCN slices
+    "MTX-v5p,MaxText-scale32,[32.2],32,10240,32,32,32768,32768,2048,[1024],TPUv5p,128,4,1,-,2 (DCN),FSDP16,-,-,"
+    "8/dev,minimal,bf16,TFLOP/s/chip,319 (69.43%),2x v5p-128",
+    # a Llama with GQA, fp8, context parallelism and an interleaved pipeline
+    "NEMO2407,Llama3-70B,70,80,8192,64,8,28672,128256,8192,128,H100-80GB,64,4,4,VP5,[2],?,2,-,1,?,FP8,"
+    "tok/s/GPU; TFLOP/s,1533; 738,",
+    "AUTOM,DeepSeek-V3 (MoE),671,[61],[7168],[128 MLA],-,[2048x256e top8],[129280],4096,512,H100-80GB,256,1,4,VP8,"
+    "[64],FSDP64,1,64,1 (LBS8; GA1),?,BF16,s/step; TFLOP/s; tok/s,8.18; 250; 1002,",
+    "ALPA,GPT,2.649,32,2560,32,32,[10240],51200,1024,32,V100 (p3.16xl),8,2 (op),2,4 microbatches (GPipe),2,none,"
+    "-,-,[8],remat,fp16,s/iter; TFLOP/s (with ckpt),2.425; 28.53 (37.60),",
+]
+
+
+@pytest.fixture
+def rows(tmp_path):
+    path = tmp_path / "runs.csv"
+    path.write_text("\n".join([HEADER, *ROWS]) + "\n")
+    return P.read_rows(str(path))
+
+
+def test_rows_are_reconstructed_from_their_fields(rows):
+    meg = P.reconstruct(rows[0])
+    assert (meg.tp, meg.pp, meg.dp, meg.fsdp, meg.microbatches, meg.microbatch) == (1, 1, 32, 1, 16, 1)
+    assert meg.recompute == "full" and meg.convention == "megatron-eq3" and meg.unit == "TFLOP/s/device"
+    mtx = P.reconstruct(rows[1])
+    assert (mtx.dp, mtx.fsdp, mtx.tp, mtx.microbatches, mtx.microbatch) == (2, 16, 4, 1, 512)
+    assert mtx.cfg.head_dim == 256 and mtx.cfg.mlp == "relu" and mtx.convention == "maxtext"
+    nemo = P.reconstruct(rows[2])
+    assert (nemo.tp, nemo.pp, nemo.cp, nemo.dp, nemo.virtual) == (4, 4, 2, 2, 5)
+    assert nemo.cfg.fp8 and nemo.cfg.kv_heads == 8 and nemo.cfg.mlp == "swiglu" and nemo.unit == "tok/s/device"
+    assert nemo.recompute == "auto" and any("recompute ?" in a for a in nemo.assumptions)
+
+
+def test_rows_outside_the_model_say_why(rows):
+    with pytest.raises(P.NotReconstructed, match="mixture-of-experts"):
+        P.reconstruct(rows[3])
+    with pytest.raises(P.NotReconstructed, match="no hardware preset"):
+        P.reconstruct(rows[4])
+
+
+def test_the_flop_conventions():
+    """Megatron-LM's Eq. 3 counts the recomputed forward: 4/3 of the model's 3 passes (large h, small s/h)."""
+    rec = P.reconstruct(P.read_rows_text("\n".join([HEADER, ROWS[0]]))[0])
+    eq3 = P.step_flops(rec)
+    model = P.step_flops(P.dataclasses.replace(rec, convention="model"))
+    assert 1.2 < eq3 / model < 1.4
+
+
+def test_a_small_row_is_predicted_end_to_end(tmp_path):
+    row = ("TEST,GPT,0.1,2,256,4,4,1024,1024,128,64,H100-80GB,16,2,2,?,[4],none,-,-,2,full,bf16,"
+           "tok/s/GPU,1000,")
+    path = tmp_path / "small.csv"
+    path.write_text(HEADER + "\n" + row + "\n")
+    out = tmp_path / "out.json"
+    assert P.main(["--csv", str(path), "--json", str(out), "--solver-time", "1"]) == 0
+    got = json.loads(out.read_text())["rows"]
+    assert len(got) == 1
+    r = got[0]
+    for key in ("source", "model", "accel", "n_accel", "reconstructed", "reason", "unit", "measured", "predicted",
+                "plan_s"):
+        assert key in r
+    assert r["reconstructed"] and r["unit"] == "tok/s/device" and r["predicted"] > 0

@@ -662,9 +662,10 @@ def plan_stages(analysis: StepAnalysis, mesh, cluster, options: PipelineOptions,
     # each stage's microbatch time split by its own plan's forward and backward compute, and the activations
     # crossing each stage boundary at the link between the two stages' devices
     shares = [sp.plan.stats.get("perf", {}).get("forward_share", 1 / 3) for sp in stage_plans]
-    sim = simulate(orders, [t * f for t, f in zip(times, shares, strict=True)],
-                   [t * (1 - f) for t, f in zip(times, shares, strict=True)], chain_deps(S),
-                   transfer=_transfers(stage_plans, search.cluster, search.mesh))
+    fwd = [t * f for t, f in zip(times, shares, strict=True)]
+    bwd = [t * (1 - f) for t, f in zip(times, shares, strict=True)]
+    transfers = _transfers(stage_plans, search.cluster, search.mesh)
+    sim = simulate(orders, fwd, bwd, chain_deps(S), transfer=transfers)
     pplan = PipelinePlan(
         stages=tuple(stage_plans), schedule=options.schedule, num_microbatches=k, layer_flops=layer_flops,
         step_time_s=_step_s(stage_plans, k), simulated_step_s=sim.makespan,
@@ -672,7 +673,10 @@ def plan_stages(analysis: StepAnalysis, mesh, cluster, options: PipelineOptions,
         stats={"search_s": search_s, "total_s": time.perf_counter() - t0, "layer_plans": table.plans_made,
                "layer_plans_s": table.plan_seconds,
                "num_layers": L, "costed_layers": len(group), "manual_cut": manual, "recompute": recompute,
-               "distinct_layers": len(set(table.fingerprints.values())), "rechecked": rechecked},
+               "distinct_layers": len(set(table.fingerprints.values())), "rechecked": rechecked,
+               # what the simulated timeline ran: each stage's microbatch forward and backward, each boundary's
+               # transfer (pipeline.schedule.simulate(orders, forward, backward, chain_deps(S), transfer=...))
+               "timeline_inputs": {"forward_s": fwd, "backward_s": bwd, "transfer_s": transfers}},
         cut_sources=tuple(first.get(s, "<none>") for s in range(S)))
     return part, meshes, plans, pplan
 

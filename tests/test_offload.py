@@ -13,17 +13,23 @@ from autoshard.capture import capture_graph
 from autoshard.compile import compile_plan
 from autoshard.hlo import memory_stats
 from benchmarks.models import get_model
-from tests.helpers import assert_trees_close, run_steps
+from tests.helpers import alpha_beta_h100, assert_trees_close, run_steps
 
 # MLP h1024 (25 MB of parameters, 75 MB of state with Adam) on 8 devices: fully sharded, the
 # device needs about 13 MB; with the optimizer state in host memory, about 10 MB (predicted).
 BUDGET = 11e6
 
 
+def _cluster(name):
+    """The memory levers' tests plan on an alpha-beta H100 (tests.helpers.alpha_beta_h100): what they check
+    is the levers' mechanics under a budget, with the plans the old yardstick made."""
+    return alpha_beta_h100() if name == "h100-nvlink" else autoshard.cluster_preset(name)
+
+
 def _step(budget, cluster="h100-nvlink"):
     spec = get_model("mlp", "h1024", 32)
     mesh = autoshard.make_mesh((8,), ("data",))
-    step = autoshard.parallelize(spec.train_step, mesh=mesh, cluster=autoshard.cluster_preset(cluster),
+    step = autoshard.parallelize(spec.train_step, mesh=mesh, cluster=_cluster(cluster),
                                  memory_budget=budget, donate_argnums=(0,))
     return spec, step
 
@@ -58,7 +64,7 @@ def test_budget_only_host_memory_meets_offloads_optimizer_state_and_matches_refe
     assert plan.memory.peak_bytes <= BUDGET and plan.memory.host_bytes > 0
     assert "offloaded to host memory" in plan.summary(rich=False)
     # Priced at the host link: every offloaded shard moves in and out once per step.
-    host_bandwidth = autoshard.cluster_preset("h100-nvlink").host_bandwidth
+    host_bandwidth = _cluster("h100-nvlink").host_bandwidth
     assert plan.stats["host_transfer_seconds"] == pytest.approx(2 * plan.memory.host_bytes / host_bandwidth)
     shardings = jax.tree.leaves(plan.in_shardings)
     assert {shardings[i].memory_kind for i in plan.host_inputs} == {"pinned_host"}
@@ -114,7 +120,7 @@ def test_offload_with_bf16_precision_matches_the_cast_reference():
 
     spec = get_model("mlp", "h1024", 32, optimizer="sgd")
     step = autoshard.parallelize(spec.train_step, mesh=autoshard.make_mesh((8,), ("data",)),
-                                 cluster=autoshard.cluster_preset("h100-nvlink"), memory_budget=BUDGET,
+                                 cluster=_cluster("h100-nvlink"), memory_budget=BUDGET,
                                  donate_argnums=(0,), precision="bf16")
     state, b = spec.abstract_state(), spec.abstract_batch()
     plan = step.plan(state, b)
@@ -248,7 +254,7 @@ def test_an_offload_plan_over_budget_once_compiled_is_never_returned():
 
 def _step_for(spec, budget):
     return autoshard.parallelize(spec.train_step, mesh=autoshard.make_mesh((8,), ("data",)), progress=None,
-                                 cluster=autoshard.cluster_preset("h100-nvlink"), memory_budget=budget,
+                                 cluster=_cluster("h100-nvlink"), memory_budget=budget,
                                  donate_argnums=(0,), accumulate=False)
 
 
@@ -283,7 +289,7 @@ def test_calibrated_row_scale_is_the_models_peak_over_xlas():
     spec = mlp.build(mlp.MLPConfig(num_layers=2, input_dim=256, hidden_dim=256, output_dim=256), 64)
     mesh = autoshard.make_mesh((8,), ("data",))
     program = capture_graph(spec.train_step, (spec.abstract_state(), spec.abstract_batch()))
-    request = driver.PlanRequest(program, mesh=mesh, cluster=autoshard.cluster_preset("h100-nvlink"), memory_budget=1e9)
+    request = driver.PlanRequest(program, mesh=mesh, cluster=_cluster("h100-nvlink"), memory_budget=1e9)
     on = driver.MeshTarget.create(request, mesh)
     scale = driver.calibrated_row_scale(request, on)
     free = driver.attempt_sharding(request, dataclasses.replace(on, budget=None), None).plan

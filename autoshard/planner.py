@@ -926,6 +926,37 @@ class StepTime:
     forward_seconds: float = 0.0
 
 
+def _combine(combined: dict, collectives, cost: CostModel, quiet: CostModel, task: int) -> None:
+    """Record terminal collectives that XLA's combiners merge into one per kind and device group: the group
+    pays one latency (charged once, after its last member), not one per collective."""
+    for c in collectives:
+        stream, latency, tasks = combined.get((c.kind, tuple(c.axes)), (cost.stream(c), 0.0, []))
+        tasks.append(task)
+        latency = max(latency, cost.collective_time(c) - quiet.collective_time(c))
+        combined[(c.kind, tuple(c.axes))] = (stream, latency, tasks)
+
+
+def _forward_and_later_edges(graph: StrategyGraph) -> tuple[dict[int, list[_Edge]], dict[int, list[_Edge]]]:
+    """Edges by the node that reads them, and back edges (loop carries, state ties) by their source."""
+    into: dict[int, list[_Edge]] = {}
+    later: dict[int, list[_Edge]] = {}
+    for e in graph.edges:
+        if e.dst_pos < 0 or e.src >= e.dst:
+            later.setdefault(e.src, []).append(e)
+        else:
+            into.setdefault(e.dst, []).append(e)
+    return into, later
+
+
+def _tally_kind(by_kind: dict[str, dict], s: Strategy, trips: int) -> None:
+    """Add one op's roofline seconds, flops and bytes to its kind's totals (``StepTime.by_kind``)."""
+    k = by_kind.setdefault(s.work.kind, {"seconds": 0.0, "flops": 0.0, "bytes": 0.0, "ops": 0})
+    k["seconds"] += s.compute * trips
+    k["flops"] += s.work.flops * trips
+    k["bytes"] += s.work.bytes * trips
+    k["ops"] += 1
+
+
 def simulate_step(graph: StrategyGraph, node_strategy, program: CapturedProgram, cost: CostModel) -> StepTime:
     """List-schedule one run of every op of a decoded plan (:func:`autoshard.perf.simulate`).
 
@@ -939,14 +970,9 @@ def simulate_step(graph: StrategyGraph, node_strategy, program: CapturedProgram,
 
     tasks: list[Task] = []
     ready: dict[int, tuple[int, ...]] = {}  # value id -> tasks that must finish before it can be read
-    into: dict[int, list[_Edge]] = {}
-    later: dict[int, list[_Edge]] = {}  # back edges (loop carries) and state ties, after their source
-    for e in graph.edges:
-        if e.dst_pos < 0 or e.src >= e.dst:
-            later.setdefault(e.src, []).append(e)
-        else:
-            into.setdefault(e.dst, []).append(e)
+    into, later = _forward_and_later_edges(graph)
     resharded: dict[tuple, tuple[int, ...]] = {}
+    combined: dict[tuple, tuple] = {}  # terminal collectives XLA merges: (kind, axes) -> (stream, latency, tasks)
     flops = hbm = forward = 0.0
     by_kind: dict[str, dict] = {}
     from autoshard.work import backward_ops
@@ -983,18 +1009,17 @@ def simulate_step(graph: StrategyGraph, node_strategy, program: CapturedProgram,
         if s.work is not None:
             flops += s.work.flops * node.trips
             hbm += s.work.bytes * node.trips
-            k = by_kind.setdefault(s.work.kind, {"seconds": 0.0, "flops": 0.0, "bytes": 0.0, "ops": 0})
-            k["seconds"] += s.compute * node.trips
-            k["flops"] += s.work.flops * node.trips
-            k["bytes"] += s.work.bytes * node.trips
-            k["ops"] += 1
+            _tally_kind(by_kind, s, node.trips)
         if s.collectives:  # its own collectives, at their price (the objective may have discounted them)
-            model = quiet if node.op is not None and node.op.index in terminal else cost
+            is_terminal = node.op is not None and node.op.index in terminal
+            model = quiet if is_terminal else cost
             seconds = sum(model.collective_time(c) for c in s.collectives) * node.trips
             if seconds > 0:
                 tasks.append(Task(f"{node.label} {s.collectives[0].kind}", cost.stream(s.collectives[0]), seconds,
                                   final))
                 final = (len(tasks) - 1,)
+                if is_terminal:
+                    _combine(combined, s.collectives, cost, quiet, final[0])
         elif s.comm > 0:  # an input fed from (or kept in) host memory: its transfer
             tasks.append(Task(f"{node.label} host transfer", "host", s.comm * node.trips, final))
             final = (len(tasks) - 1,)
@@ -1003,6 +1028,8 @@ def simulate_step(graph: StrategyGraph, node_strategy, program: CapturedProgram,
         for e in later.get(i, ()):
             dst = node_strategy[e.dst]
             reshard(e, dst.out_specs[0] if e.dst_pos < 0 else dst.in_specs[e.dst_pos])
+    for (kind, _), (stream, latency, deps) in combined.items():  # each combined collective's one latency
+        tasks.append(Task(f"combined {kind} latency", stream, latency, tuple(deps)))
     sched = simulate(tasks, overlap=cost.overlap)
     compute = sched.busy.get(COMPUTE, 0.0)
     comm = sum(v for k, v in sched.busy.items() if k != COMPUTE)

@@ -104,7 +104,9 @@ def test_verify_compiles_the_planned_step_once_and_reports_it_apart():
     report = plan.stats["verify"]
     assert report["compile_s"] > 0 and report["predicted_peak_bytes"] == plan.cost.peak_memory_bytes
     assert 0.5 < report["memory_ratio"] < 2.0, report
-    assert report["communication_ratio"] == pytest.approx(1.0, abs=0.1), report
+    # Bytes in Alpa's convention: XLA may split a reduction over (data, model) into one over each axis, which
+    # counts the buffer twice, so the compiled bytes sit at or a little above the plan's.
+    assert 0.9 <= report["communication_ratio"] < 1.5, report
     assert report["compiled_bytes"] and set(report["compiled_bytes"]) <= {
         "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"}
 

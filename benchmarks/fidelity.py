@@ -17,7 +17,9 @@ set before jax starts). Nothing runs; everything is compiled from ``ShapeDtypeSt
 Per row: the predicted per-device peak (``plan.cost.peak_memory_bytes``; a stage's ``memory_bytes``) against XLA's
 (``autoshard.hlo.memory_stats``: argument + output + temp - alias), and the predicted communication
 bytes per device against the compiled collectives' (``plan.verify(compiled)``, per kind). Ratios
-are compiled / predicted; the target (issue 16) is within 10% on both.
+are compiled / predicted; the target (issue 16) is within 10% on both. A ``single`` row also puts the plan's
+simulated step (``plan.cost.step_seconds``) against the HLO score of its own compiled program
+(``autoshard.hlo_schedule.estimate_step_time`` on the same preset; issue 44's target: within 10%).
 """
 
 from __future__ import annotations
@@ -90,7 +92,18 @@ def single_row(row: Row) -> dict:
     t1 = time.perf_counter()
     compiled = step.lower(state, batch).compile()
     out = {"plan_s": t1 - t0, "compile_s": time.perf_counter() - t1, "what": "whole step"}
+    out.update(_step_times(plan, compiled, mesh, row.cluster))
     return _ratios(out, plan.cost.peak_memory_bytes, compiled, plan)
+
+
+def _step_times(plan, compiled, mesh, cluster: str) -> dict:
+    """The plan's simulated step against the HLO score of its own compiled program (both on ``cluster``)."""
+    import autoshard
+    from autoshard.hlo_schedule import estimate_step_time
+
+    score = estimate_step_time(compiled, autoshard.cluster_preset(cluster), mesh)
+    return {"predicted_step_s": plan.cost.step_seconds, "compiled_step_s": score["time_s"],
+            "step_ratio": score["time_s"] / plan.cost.step_seconds if plan.cost.step_seconds else None}
 
 
 def stage_row(row: Row) -> dict:
@@ -149,9 +162,15 @@ def run_one(name: str) -> dict:
         return {**base, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
 
 
+def _step_cells(r: dict) -> str:
+    if r.get("step_ratio") is None:
+        return f" {'-':>8} {'-':>8} {'-':>5}"
+    return f" {r['predicted_step_s'] * 1e3:>8.1f} {r['compiled_step_s'] * 1e3:>8.1f} {r['step_ratio']:>5.2f}"
+
+
 def table(rows: list[dict]) -> str:
     head = (f"{'row':<10} {'devices':>7} {'what':<44} {'pred GiB':>8} {'XLA GiB':>8} {'mem':>5} "
-            f"{'pred comm':>10} {'XLA comm':>10} {'comm':>5}")
+            f"{'pred comm':>10} {'XLA comm':>10} {'comm':>5} {'pred ms':>8} {'HLO ms':>8} {'step':>5}")
     lines = [head]
     for r in rows:
         if r.get("error"):
@@ -160,7 +179,7 @@ def table(rows: list[dict]) -> str:
         lines.append(f"{r['row']:<10} {r['devices']:>7} {r['what'][:44]:<44} {r['predicted_peak_bytes'] / 2**30:>8.2f} "
                      f"{r['compiled_peak_bytes'] / 2**30:>8.2f} {r['memory_ratio']:>5.2f} "
                      f"{r['predicted_comm_bytes'] / 2**20:>8.1f}Mi {r['compiled_comm_bytes'] / 2**20:>8.1f}Mi "
-                     f"{r['comm_ratio']:>5.2f}")
+                     f"{r['comm_ratio']:>5.2f}" + _step_cells(r))
     return "\n".join(lines)
 
 

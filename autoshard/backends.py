@@ -166,6 +166,14 @@ def profile_for_mesh(mesh) -> BackendProfile:
     return GPU if is_abstract(mesh) else profile_for(mesh.devices.flat[0].platform)
 
 
-def resolve_profile(profile: BackendProfile | None, mesh) -> BackendProfile:
-    """``profile`` when the user gave one, else the mesh's platform's."""
-    return profile if profile is not None else profile_for_mesh(mesh)
+def resolve_profile(profile: BackendProfile | None, mesh, cluster=None) -> BackendProfile:
+    """``profile`` when the user gave one, else the mesh's platform's. An ``AbstractMesh`` planned for a
+    ``cluster`` with hardware (:class:`~autoshard.ClusterSpec`) gets its chip's platform (a TPU preset: TPU)."""
+    if profile is not None:
+        return profile
+    from autoshard.cluster import is_abstract
+
+    hw = getattr(cluster, "hardware", None)
+    if hw is not None and is_abstract(mesh):
+        return profile_for(hw.accelerator.platform)
+    return profile_for_mesh(mesh)

@@ -155,6 +155,14 @@ class ClusterSpec:
                 return len(v)
         return None
 
+    @classmethod
+    def from_hardware(cls, hardware, *, name: str | None = None, nodes: int | None = None,
+                      memory: float | None = None) -> ClusterSpec:
+        """The cluster of :class:`~autoshard.perf.Hardware` ``hardware`` (or a preset's name, ``"h200"``) over
+        ``nodes`` nodes or slices (None: as many as the mesh's devices fill); ``memory`` overrides the
+        chip's bytes per device. See :func:`from_hardware`."""
+        return from_hardware(hardware, name=name, nodes=nodes, memory=memory)
+
     def for_mesh(self, mesh_or_shape: Any) -> ClusterSpec:
         """Returns this spec with one bandwidth and latency per mesh axis.
 

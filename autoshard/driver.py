@@ -424,7 +424,7 @@ def attempt_sharding(request: PlanRequest, on: MeshTarget, limit, *, program=Non
     program = request.program if program is None else program
     budget = limit if limit is not None else on.budget
     row = None if budget is None else budget * on.row_scale
-    profile = resolve_profile(request.profile, on.mesh)
+    profile = resolve_profile(request.profile, on.mesh, on.cluster)
     cost = CostModel.create(on.info, on.cluster, profile=profile)
     run = _Passes(dict(request.timings), on)
     sgraph = run("strategies", enumerate_strategies, program, cost, pinned=on.pinned, donated=request.donated,
@@ -592,7 +592,7 @@ def _decoded_memory(request: PlanRequest, on: MeshTarget, solved: _Solved):
     # a gradient kept unreduced over a pipeline's microbatches holds its partial sums' size (Plan.deferred)
     memory = estimate_memory(program, dec.value_specs, on.info, donated=request.donated, out_specs=out_specs,
                              ties=request.ties, offloaded=solved.offloaded, operand_specs=dec.operand_specs,
-                             reduced=reduced, profile=resolve_profile(request.profile, on.mesh),
+                             reduced=reduced, profile=resolve_profile(request.profile, on.mesh, on.cluster),
                              held_specs=dec.deferred)
     return dec, out_specs, memory
 

@@ -65,6 +65,9 @@ class _Node:
     op: Op | None = None
     weak: bool = False  # a layout source we'd rather not follow (inputs, broadcasts, iota)
     label: str = ""
+    # an input fed from the host: its transfer is priced in the objective (a sharded batch feeds faster), but an
+    # input pipeline prefetches it beside the step, so the simulated step leaves it out
+    fed: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -237,7 +240,9 @@ class _GraphBuilder:
                 itemsize = _itemsize(avals[v])
                 strategies = [dataclasses.replace(s, comm=2 * _value_bytes_shape(shape, itemsize, s.out_specs[0], mesh)
                                                   / host_bandwidth) for s in strategies]
-            input_nodes.append(self.add_node(_Node("input", strategies, (v,), weak=True, label=program.in_paths[i])))
+            fed = i not in carried and bool(host_bandwidth)
+            input_nodes.append(self.add_node(_Node("input", strategies, (v,), weak=True, label=program.in_paths[i],
+                                                   fed=fed)))
         for v in program.consts:
             self.add_node(_Node("input", self.spec_strategies(_aval_shape(avals[v])), (v,), weak=True, label="<const>"))
         return input_nodes
@@ -1020,7 +1025,7 @@ def simulate_step(graph: StrategyGraph, node_strategy, program: CapturedProgram,
                 final = (len(tasks) - 1,)
                 if is_terminal:
                     _combine(combined, s.collectives, cost, quiet, final[0])
-        elif s.comm > 0:  # an input fed from (or kept in) host memory: its transfer
+        elif s.comm > 0 and not node.fed:  # an input kept in host memory (offloaded): its transfer
             tasks.append(Task(f"{node.label} host transfer", "host", s.comm * node.trips, final))
             final = (len(tasks) - 1,)
         for v in node.outputs:

@@ -3,6 +3,7 @@
     python -m benchmarks.gpu [--config 1.3B] [--batch 8] [--steps 10] [--out benchmarks/results/gpu.json]
     python -m benchmarks.gpu --smoke        # a tiny GPT with XLA attention: checks the script on any backend
     python -m benchmarks.gpu --calibrate    # the performance model's kernels timed (benchmarks/gpu_calibrate.py)
+    python -m benchmarks.gpu --predict benchmarks/results/gpu.json   # no GPU: the model's step for that run
 
 On the one device it measures:
 
@@ -21,6 +22,12 @@ On the one device it measures:
 
 Each part records its error instead of stopping the script, and the JSON (default
 ``benchmarks/results/gpu.json``) holds every number printed.
+
+``--predict FILE`` needs no GPU: it plans the measured run of ``FILE`` (its device, config and batch) on one
+simulated device under the preset of that device and the GPU backend profile, and puts the performance
+model's step (``plan.cost.step_seconds``) against the measured ``autoshard`` step (issue 44's target: within
+10%). The GPT is traced with XLA attention (cuDNN's needs a GPU); the model prices its score matrices as
+the fused kernel's, as it does on a GPU, so the time is that of the measured program (its memory is not).
 """
 
 from __future__ import annotations
@@ -138,7 +145,12 @@ def main(argv=None) -> int:
     ap.add_argument("--calibrate", action="store_true",
                     help="time the performance model's kernels instead (benchmarks/gpu_calibrate.py)")
     ap.add_argument("--repeats", type=int, default=5, help="with --calibrate: timed runs per kernel (best kept)")
+    ap.add_argument("--predict", default=None, metavar="FILE",
+                    help="no GPU: the performance model's step for the run measured in FILE")
     args = ap.parse_args(argv)
+    if args.predict:
+        return predict(args.predict, "benchmarks/results/gpu_predicted.json" if args.out == ap.get_default("out")
+                       else args.out)
     if args.calibrate:
         from benchmarks.gpu_calibrate import calibrate
 
@@ -190,6 +202,45 @@ def main(argv=None) -> int:
     if "predicted_over_compiled" in results.get("memory", {}):
         print(f"peak memory predicted/compiled: {results['memory']['predicted_over_compiled']:.3f}")
     print(f"wrote {args.out}")
+    return 0
+
+
+def predict(measured_path: str, out: str) -> int:
+    """Plan the run measured in ``measured_path`` on one simulated device; print and write predicted/measured."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax.numpy as jnp
+
+    import autoshard
+    from autoshard.perf import hardware_for_device_kind
+    from benchmarks.models import get_model
+
+    with open(measured_path) as f:
+        measured = json.load(f)
+    hw = hardware_for_device_kind(measured["device"])
+    if hw is None:
+        raise SystemExit(f"--predict: no hardware preset for device {measured['device']!r} "
+                         "(autoshard.perf.HARDWARE lists the presets)")
+    spec = get_model("gpt", measured["config"], measured["batch"], dtype=jnp.bfloat16, attention_impl="xla")
+    step = autoshard.parallelize(spec.train_step, mesh=autoshard.make_mesh((1,), ("data",)),
+                                 cluster=autoshard.ClusterSpec.from_hardware(hw), profile=autoshard.backends.GPU,
+                                 donate_argnums=(0,), progress=None)
+    plan = step.plan(spec.abstract_state(), spec.abstract_batch())
+    got = measured.get("throughput", {}).get("autoshard", {}).get("step_s")
+    perf = plan.stats.get("perf", {})
+    result = {"measured_file": measured_path, "device": measured["device"], "preset": hw.name,
+              "config": measured["config"], "batch": measured["batch"], "measured_step_s": got,
+              "predicted_step_s": plan.cost.step_seconds,
+              "ratio": plan.cost.step_seconds / got if got else None,
+              "by_kind": perf.get("by_kind", {})}
+    print(f"GPT-{measured['config']} batch {measured['batch']} on {measured['device']} ({hw.name}): predicted "
+          f"{plan.cost.step_seconds * 1e3:.1f} ms, measured {got * 1e3:.1f} ms" if got else "no measured step",
+          f"(predicted/measured {result['ratio']:.3f}; target within 10%)" if got else "")
+    for kind, k in sorted(result["by_kind"].items(), key=lambda kv: -kv[1]["seconds"]):
+        print(f"  {kind:<14} {k['seconds'] * 1e3:8.1f} ms  {k['flops'] / 1e12:8.2f} TFLOP  {k['bytes'] / 1e9:8.2f} GB")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out}")
     return 0
 
 

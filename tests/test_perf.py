@@ -259,3 +259,15 @@ def test_attention_scores_are_found_and_kept_on_chip():
                                           "w2": jax.ShapeDtypeStruct((256, 64), jnp.float32)},
                                          jax.ShapeDtypeStruct((512, 64), jnp.float32)))
     assert attention_scores(mlp) == frozenset()
+
+
+def test_an_abstract_mesh_is_planned_for_its_clusters_platform():
+    from jax.sharding import AbstractMesh
+
+    from autoshard.backends import CPU, GPU, TPU, resolve_profile
+
+    mesh = AbstractMesh((2, 4), ("data", "model"))
+    assert resolve_profile(None, mesh, autoshard.cluster_preset("tpu-v5p")) is TPU
+    assert resolve_profile(None, mesh, autoshard.cluster_preset("h200")) is GPU
+    assert resolve_profile(None, mesh, autoshard.cluster_preset("cpu-sim")) is GPU  # no hardware: as before
+    assert resolve_profile(CPU, mesh, autoshard.cluster_preset("tpu-v5p")) is CPU  # the user's profile wins

@@ -679,8 +679,27 @@ def main(argv=None) -> int:
         print(f"wrote {args.json}")
     if args.md:
         with open(args.md, "w") as f:
-            f.write(text + "\n")
+            f.write(_md_header(args) + text + "\n")
     return 0
+
+
+def _md_header(args) -> str:
+    """Where the table came from: the command, the commit and the date (the analysis is in benchmarks/README.md)."""
+    import datetime
+    import subprocess
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    command = "python -m benchmarks.published" + (f" --csv {args.csv}" if args.csv != DEFAULT_CSV else "") + \
+        (f" --only '{args.only}'" if args.only else "") + f" --md {args.md}"
+    return (f"# Published runs, predicted\n\nWritten by `{command}` at commit {commit} on "
+            f"{datetime.date.today().isoformat()}. Each row: a measured run of `{os.path.relpath(args.csv)}` rebuilt as a JAX program, "
+            "planned on an AbstractMesh of its device count and predicted by autoshard's performance model "
+            "(`autoshard.perf`), in the source's unit (`pred/meas` above 1: the model is too fast). What the "
+            "errors come from, and how each constant was chosen: benchmarks/README.md, \"Published runs\".\n\n")
 
 
 if __name__ == "__main__":

@@ -38,15 +38,10 @@ _TP = (1, 2, 4, 8)
 
 
 def _best(fn, args, repeats: int) -> float:
-    import jax
+    """The best of ``repeats`` timed runs after a warm-up (:func:`autoshard.cluster._best_time`)."""
+    from autoshard.cluster import _best_time
 
-    jax.block_until_ready(fn(*args))
-    best = math.inf
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t)
-    return best
+    return _best_time(fn, args, repeats)
 
 
 def _matmul_shapes(smoke: bool) -> list[tuple[int, int, int]]:

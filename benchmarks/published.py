@@ -668,6 +668,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None, help="regex over 'source model n_accel'")
     ap.add_argument("--solver-time", type=float, default=2.0)
     args = ap.parse_args(argv)
+    if not os.path.isfile(args.csv):
+        ap.error(f"--csv {args.csv}: no such file (the published runs are ../shared/published_runs.csv beside "
+                 "this checkout; pass --csv FILE for another file in the same format)")
     rows = run(read_rows(args.csv), only=args.only, time_limit=args.solver_time)
     text = table(rows)
     print()

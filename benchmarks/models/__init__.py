@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.models import convnet, gpt, mlp, moe, wresnet
+from benchmarks.models import convnet, gpt, llama, mlp, moe, wresnet
 from benchmarks.models.common import Batch as Batch
 from benchmarks.models.common import ModelSpec as ModelSpec
 from benchmarks.models.common import State as State
@@ -24,6 +24,8 @@ _BUILDERS = {
     "mlp": (mlp.build, mlp.CONFIGS, {}),
     "gpt": (gpt.build, gpt.CONFIGS, {}),
     "gpt_scan": (gpt.build, gpt.CONFIGS, {"scan_layers": True}),
+    "llama": (llama.build, llama.CONFIGS, {}),
+    "llama_scan": (llama.build, llama.CONFIGS, {"scan_layers": True}),
     "convnet": (convnet.build, convnet.CONFIGS, {}),
     "moe": (moe.build, moe.CONFIGS, {}),
     "moe_layer": (moe.build_moe_layer, moe.LAYER_CONFIGS, {}),
@@ -39,8 +41,9 @@ CONFIGS: dict[str, tuple[str, ...]] = {
 def get_model(family: str, config: str, batch_size: int, **kwargs: Any) -> ModelSpec:
     """Build a model by family and config name, e.g. ``get_model("gpt", "350M", 8)``.
 
-    ``kwargs`` go to the family's builder: ``optimizer``, ``learning_rate``, ``dtype`` for all;
-    ``attention_impl`` for gpt/moe; ``scan_layers`` for gpt.
+    ``kwargs`` go to the family's builder: ``optimizer``, ``learning_rate``, ``dtype`` for all (llama
+    defaults to bf16 compute over fp32 params, the others to fp32); ``attention_impl`` for gpt/moe/llama;
+    ``scan_layers`` for gpt/llama; ``remat`` for llama.
     """
     if family not in _BUILDERS:
         raise ValueError(f"unknown model family {family!r}; expected one of {sorted(_BUILDERS)}")

@@ -112,16 +112,22 @@ def attention_scores(program) -> frozenset:
         if k > _MAX_HEAD_DIM or not free_l or not free_r or math.prod(free_l) <= k or math.prod(free_r) <= k:
             continue
         out = op.outputs[0]
-        if _reduced_then_contracted(out, readers, avals):
-            signatures.add(_signature(_shape(avals[out])))
+        sig = _signature(_shape(avals[out]))
+        # one attention of a signature is enough: every layer's scores share it, and the search is not cheap
+        if sig not in signatures and _reduced_then_contracted(out, readers, avals):
+            signatures.add(sig)
     if not signatures:
         return frozenset()
     found = set()
+    sizes = {math.prod(sig) for sig in signatures}  # a cheap test first: most values are not this big
     for v, aval in enumerate(avals) if isinstance(avals, (list, tuple)) else avals.items():
-        if aval is None:
+        shape = getattr(aval, "shape", None)
+        if not shape or len(shape) < 2:
             continue
-        shape = _shape(aval)  # a scan stacks a body's scores on a leading dimension (its residuals)
-        if _signature(shape) in signatures or (len(shape) > 1 and _signature(shape[1:]) in signatures):
+        n = math.prod(shape)  # a scan stacks a body's scores on a leading dimension (its residuals)
+        if n in sizes and _signature(_shape(aval)) in signatures:
+            found.add(v)
+        elif shape[0] and n // shape[0] in sizes and _signature(_shape(aval)[1:]) in signatures:
             found.add(v)
     return frozenset(found)
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import resource
 import subprocess
@@ -51,9 +52,16 @@ class Row:
     config: str
     batch: int
     microbatches: int
-    mesh: tuple[int, int]
+    mesh: tuple[int, ...]
     cluster: str = "h100-nvlink"
     pipeline: bool = True  # num_stages="auto"; False: one program, the memory levers alone
+    family: str = "gpt"  # benchmarks.models family
+    axes: tuple[str, ...] = ("data", "model")  # the mesh's axis names, as the row's users name them
+    seq: int | None = None  # the sequence length, when not the config's
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.mesh)
 
 
 ROWS = (
@@ -62,10 +70,23 @@ ROWS = (
     Row("39B-64-flat", "39B", 64, 1, (8, 8), pipeline=False),
     # GPT-3's batch (1536 x 2048 tokens) in microbatches of 2 sequences (Megatron-LM runs 175B at 1; this step
     # traces differently at batch 1, so 2 is the smallest that captures)
+    # issue 45: Llama-3-8B as EasyLM writes it (bf16 compute, fp32 AdamW), batch 8 x 4,096, on EasyLM's mesh names
+    Row("llama3-8B-8", "llama3-8b", 8, 1, (1, 8, 1), pipeline=False, family="llama", axes=("dp", "fsdp", "mp"),
+        seq=4096),
     Row("175B-1024", "175B", 1536, 768, (128, 8)),
 )
-TARGETS_S = {"39B-64": 60.0, "39B-64-flat": 60.0, "175B-1024": 300.0}
+TARGETS_S = {"39B-64": 60.0, "39B-64-flat": 60.0, "llama3-8B-8": 30.0, "175B-1024": 300.0}
 RSS_FLOOR_GB, RSS_RATIO = 8.0, 1.3  # issue 45: planner RSS <= max(8 GB, 1.3 x jax.jit's trace-and-lower RSS)
+
+
+def row_model(row: Row):
+    """The row's :class:`~benchmarks.models.ModelSpec` (its config, with the row's sequence length if it has one)."""
+    from benchmarks.models import get_model, gpt, llama
+
+    if row.seq is None:
+        return get_model(row.family, row.config, row.batch)
+    module = {"gpt": gpt, "llama": llama}[row.family]
+    return module.build(dataclasses.replace(module.CONFIGS[row.config], seq_len=row.seq), row.batch)
 
 
 def plan_row(row: Row) -> dict:
@@ -74,14 +95,12 @@ def plan_row(row: Row) -> dict:
 
     import autoshard
     from autoshard.errors import InfeasibleError, MeshError
-    from benchmarks.models import get_model
-
-    spec = get_model("gpt", row.config, row.batch)
+    spec = row_model(row)
     state, batch = spec.abstract_state(), spec.abstract_batch()
     cluster = autoshard.cluster_preset(row.cluster)
     options = dict(num_microbatches=row.microbatches, pipeline=autoshard.PipelineOptions(num_stages="auto")) \
         if row.pipeline else {}
-    step = autoshard.parallelize(spec.train_step, mesh=AbstractMesh(row.mesh, ("data", "model")), cluster=cluster,
+    step = autoshard.parallelize(spec.train_step, mesh=AbstractMesh(row.mesh, row.axes), cluster=cluster,
                                  progress=None, **options)
     t0 = time.perf_counter()
     try:
@@ -91,7 +110,7 @@ def plan_row(row: Row) -> dict:
         plan, error = None, str(e).split("\n")[0]
     total = time.perf_counter() - t0
     out = {"row": row.name, "config": row.config, "batch": row.batch, "microbatches": row.microbatches,
-           "mesh": list(row.mesh), "devices": row.mesh[0] * row.mesh[1], "cluster": row.cluster,
+           "mesh": list(row.mesh), "devices": row.devices, "cluster": row.cluster,
            "plan_s": total, "target_s": TARGETS_S.get(row.name), "memory_limit": cluster.memory, "error": error}
     if plan is None:
         return out
@@ -123,9 +142,7 @@ def trace_and_lower(row: Row) -> dict:
     ``ShapeDtypeStruct``s, nothing sharded; its wall time."""
     import jax
 
-    from benchmarks.models import get_model
-
-    spec = get_model("gpt", row.config, row.batch)
+    spec = row_model(row)
     state, batch = spec.abstract_state(), spec.abstract_batch()
     t0 = time.perf_counter()
     jax.jit(spec.train_step).trace(state, batch).lower()
@@ -160,7 +177,7 @@ def _child(kind: str, row: Row) -> None:
 def measure_row(row: Row) -> dict:
     """The row planned, then its step traced and lowered by ``jax.jit``, each in its own process; with the
     planner's RSS over jax.jit's and whether it meets issue 45's bound."""
-    out = {"row": row.name, "config": row.config, "devices": row.mesh[0] * row.mesh[1],
+    out = {"row": row.name, "config": row.config, "devices": row.devices,
            "target_s": TARGETS_S.get(row.name), **in_process("plan", row)}
     out.update(in_process("jit", row))
     if "plan_rss_gb" in out and "jit_rss_gb" in out:
@@ -171,7 +188,8 @@ def measure_row(row: Row) -> dict:
 
 
 def _num(r: dict, key: str, fmt: str) -> str:
-    return "-" if r.get(key) is None else format(r[key], fmt)
+    """``r[key]`` formatted, or a dash as wide when the row has none."""
+    return format(r[key], fmt) if r.get(key) is not None else "-".rjust(int(fmt.split(".")[0].rstrip("d")))
 
 
 def table(rows: list[dict]) -> str:

@@ -365,7 +365,9 @@ def remat_lever(request: PlanRequest, on: MeshTarget, limit, previous: Attempt) 
             program, request.ties, budget=budget, flops_per_second=on.cluster.flops * on.num_devices,
             check=(lambda p, prog, groups: p.memory.peak_bytes) if predicted_only(request, on) else (
                 lambda p, prog, groups: compiled_peak(prog, p, groups, request.donated)),
-            base=previous)
+            base=previous, checked_by="the planner's memory estimate (nothing is compiled for an AbstractMesh or a "
+                                      "pipeline stage's programs)" if predicted_only(request, on) else
+                                      "XLA's memory_analysis")
     except InfeasibleError as e:
         return dataclasses.replace(previous, plan=None, error=e)
     if choice is not None:

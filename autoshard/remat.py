@@ -370,7 +370,8 @@ def apply_remat(program: CapturedProgram, choice: RematChoice | None, ties=None)
 
 
 def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float, flops_per_second: float,
-                 max_units: int = DEFAULT_MAX_UNITS, check=None, check_rounds: int = 2, base=None):
+                 max_units: int = DEFAULT_MAX_UNITS, check=None, check_rounds: int = 2, base=None,
+                 checked_by: str = "XLA's memory_analysis"):
     """Pass 3: the remat set and sharding plan of least predicted step time within the budget.
 
     ``plan_fn(program, budget) -> Attempt`` (:class:`autoshard.driver.Attempt`) plans a program
@@ -402,7 +403,8 @@ def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float,
     ``check(plan, program, groups) -> bytes``, when given, compiles the chosen candidate and
     returns XLA's peak per device. When that exceeds ``budget`` (XLA's schedule keeps more
     alive than the predicted order), the search runs again against a budget shrunk by the
-    ratio, at most ``check_rounds`` times.
+    ratio, at most ``check_rounds`` times. ``checked_by`` says what ``check`` measures, for the error (the
+    predicted peak where there is nothing to compile: an AbstractMesh).
 
     Returns:
       ``(plan, choice)``; ``choice`` is None when remat was not considered.
@@ -416,7 +418,7 @@ def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float,
         if first is None:
             raise search.errors[(0, budget)]
         return first, None
-    chosen, compiled = search.run(flops_per_second, check, check_rounds if check is not None else 0)
+    chosen, compiled = search.run(flops_per_second, check, check_rounds if check is not None else 0, checked_by)
     return search.result(chosen, compiled, first, max_units)
 
 
@@ -460,7 +462,7 @@ class _RematSearch:
                 best_k = k
         return best_k
 
-    def run(self, flops_per_second: float, check, rounds: int):
+    def run(self, flops_per_second: float, check, rounds: int, checked_by: str = "XLA's memory_analysis"):
         """Search, and while the compiled peak (``check``) is over the budget, search again under a
         budget shrunk by the ratio and 3% more, at most ``rounds`` times (:func:`autoshard.compile.fit_compiled`).
         Returns ``(chosen key, compiled peak or None)``."""
@@ -494,7 +496,7 @@ class _RematSearch:
             # does not fit (the caller may still try host offload or gradient accumulation).
             return InfeasibleError(
                 f"no plan fits {budget:.4g} bytes per device: the best rematerialised plan ({last['chosen'][0]} of "
-                f"{n} forward segments) compiles to a peak of {lowest:.4g} bytes (XLA's memory_analysis). Fix: raise "
+                f"{n} forward segments) peaks at {lowest:.4g} bytes by {checked_by}. Fix: raise "
                 f"memory_budget to at least {lowest:.4g}, or use more devices.", smallest_memory=lowest, checked=True)
 
         # XLA kept more alive than predicted (its schedule is not ours): each round plans against less.

@@ -199,7 +199,7 @@ def test_remat_replans_under_a_shrunk_budget_and_refuses_when_xla_stays_over():
         plan = SimpleNamespace(cost=SimpleNamespace(objective=seconds, total_seconds=seconds, peak_memory_bytes=150.0))
         return Attempt(plan=plan, budget_bound=True, unconstrained_objective=0.5)
 
-    with pytest.raises(autoshard.InfeasibleError, match="compiles to a peak of 200 bytes"):
+    with pytest.raises(autoshard.InfeasibleError, match="peaks at 200 bytes by XLA's memory_analysis"):
         choose_remat(plan_fn, program, ties, budget=100.0, flops_per_second=1e30,
                      check=lambda plan, prog, groups: 200.0)
     shrink = 100.0 / 200.0 * 0.97

@@ -1,8 +1,8 @@
-"""Planning at scale: GPTs on 64 to 1,024 devices that this machine does not have (issue 16).
+"""Planning at scale: GPTs and Llamas on 8 to 1,024 devices that this machine does not have (issues 16, 45).
 
     python -m benchmarks.scale [--out benchmarks/results/scale.json] [--rows 39B-64,175B-1024]
 
-Each row plans a GPT train step (AdamW, fp32) from ``ShapeDtypeStruct``s on a
+Each pipelined row plans a GPT train step (AdamW, fp32) from ``ShapeDtypeStruct``s on a
 ``jax.sharding.AbstractMesh`` with ``num_stages="auto"``: the pipeline degree, each stage's
 sub-mesh and its logical (data, model) shape are all searched, and every stage gets an intra-op
 plan. Nothing is compiled. The table gives the wall time of each part of planning:

@@ -133,3 +133,23 @@ def test_megatron_rules_for_moe_and_wresnet(family, path, expected):
     st_sh, _ = baselines.megatron(state, batch, mesh, rules=baselines.MEGATRON_RULES_BY_FAMILY[family])
     specs = {jax.tree_util.keystr(p): s.spec for p, s in jax.tree_util.tree_flatten_with_path(st_sh)[0]}
     assert specs[path] == expected
+
+
+def test_scale_rows_report_planner_and_jit_memory_against_the_bound(monkeypatch):
+    """benchmarks.scale: a row's planner RSS is judged against max(8 GB, 1.3 x jax.jit's), and the table
+    shows flat rows (no layer plans) and failed ones without breaking its columns."""
+    from benchmarks import scale
+
+    answers = {"plan": {"plan_s": 3.0, "capture_s": 1.0, "stages": 1, "stage_meshes": [[1, 8, 1]], "step_ms": 5.0,
+                        "peak_bytes": 2**30, "fits": True, "remat": "2/8", "plan_rss_gb": 9.0},
+               "jit": {"jit_lower_s": 1.0, "jit_rss_gb": 6.0}}
+    monkeypatch.setattr(scale, "in_process", lambda kind, row: dict(answers[kind]))
+    row = scale.Row("x", "tiny", 8, 1, (1, 8, 1), pipeline=False, family="llama", axes=("dp", "fsdp", "mp"))
+    out = scale.measure_row(row)
+    assert out["devices"] == 8 and out["rss_bound_gb"] == pytest.approx(8.0) and not out["rss_within"]
+    assert out["rss_ratio"] == pytest.approx(1.5)
+    failed = {"row": "y", "devices": 64, "target_s": 60.0, "plan_error": "exit status -9: Killed"}
+    lines = scale.table([out, failed]).splitlines()
+    assert "1 x 1x8x1 remat 2/8" in lines[1] and lines[1].split()[-1] == "no"
+    assert "no plan" in lines[2] and "Killed" in lines[2]
+    assert scale._peak_rss_gb() > 0

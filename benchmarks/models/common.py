@@ -157,3 +157,25 @@ def softmax_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     """Mean cross entropy over all leading axes, computed in float32."""
     logits = logits.astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def language_model_spec(
+    name: str,
+    make_module: Callable[[nnx.Rngs], nnx.Module],
+    config: Any,
+    batch_size: int,
+    optimizer: optax.GradientTransformation,
+    flops_per_step: float | None = None,
+) -> ModelSpec:
+    """A `ModelSpec` for a causal language model: ``make_module(rngs)(tokens)`` gives logits, trained by
+    cross-entropy on the next token. ``config`` gives ``vocab_size`` and ``seq_len``; a batch is
+    ``{"tokens": int32[B, S], "targets": int32[B, S]}`` cut from random sequences of ``S + 1`` tokens."""
+
+    def module_loss(model, batch):
+        return softmax_cross_entropy(model(batch["tokens"]), batch["targets"]), {}
+
+    def make_batch(key: jax.Array) -> Batch:
+        seq = jax.random.randint(key, (batch_size, config.seq_len + 1), 0, config.vocab_size, jnp.int32)
+        return {"tokens": seq[:, :-1], "targets": seq[:, 1:]}
+
+    return build_spec(name, make_module, module_loss, make_batch, batch_size, optimizer, flops_per_step)

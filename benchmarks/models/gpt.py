@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from benchmarks.models.common import ModelSpec, build_spec, make_optimizer, softmax_cross_entropy
+from benchmarks.models.common import ModelSpec, language_model_spec, make_optimizer
 
 ATTENTION_IMPLS = ("xla", "cudnn")
 
@@ -193,20 +193,12 @@ def build(
     if isinstance(config, str):
         config = CONFIGS[config]
 
-    def module_loss(model: GPT, batch):
-        return softmax_cross_entropy(model(batch["tokens"]), batch["targets"]), {}
-
-    def make_batch(key: jax.Array):
-        seq = jax.random.randint(key, (batch_size, config.seq_len + 1), 0, config.vocab_size, jnp.int32)
-        return {"tokens": seq[:, :-1], "targets": seq[:, 1:]}
-
-    return build_spec(
+    return language_model_spec(
         f"gpt{'_scan' if scan_layers else ''}-{name}",
         lambda rngs: GPT(
             config, scan_layers=scan_layers, attention_impl=attention_impl, dtype=dtype, rngs=rngs
         ),
-        module_loss,
-        make_batch,
+        config,
         batch_size,
         make_optimizer(optimizer, learning_rate),
         train_flops(config, batch_size),

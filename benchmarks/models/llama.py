@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from benchmarks.models.common import ModelSpec, build_spec, make_optimizer, softmax_cross_entropy
+from benchmarks.models.common import ModelSpec, language_model_spec, make_optimizer
 from benchmarks.models.gpt import ATTENTION_IMPLS, scan_blocks, stacked_blocks
 
 __all__ = ["CONFIGS", "Llama", "LlamaConfig", "build", "stack_layer_params", "train_flops"]
@@ -298,15 +298,8 @@ def build(
     if isinstance(config, str):
         config = CONFIGS[config]
 
-    def module_loss(model: Llama, batch):
-        return softmax_cross_entropy(model(batch["tokens"]), batch["targets"]), {}
-
-    def make_batch(key: jax.Array):
-        seq = jax.random.randint(key, (batch_size, config.seq_len + 1), 0, config.vocab_size, jnp.int32)
-        return {"tokens": seq[:, :-1], "targets": seq[:, 1:]}
-
     hyperparameters = _ADAMW_HYPERPARAMETERS if optimizer == "adamw" else {}
-    return build_spec(
+    return language_model_spec(
         f"llama{'_scan' if scan_layers else ''}-{name}",
         lambda rngs: Llama(
             config,
@@ -316,8 +309,7 @@ def build(
             attention_impl=attention_impl,
             rngs=rngs,
         ),
-        module_loss,
-        make_batch,
+        config,
         batch_size,
         make_optimizer(optimizer, learning_rate, **hyperparameters),
         train_flops(config, batch_size),

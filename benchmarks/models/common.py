@@ -50,7 +50,7 @@ class ModelSpec:
     Example:
         >>> spec = get_model("mlp", "tiny", batch_size=8)                # doctest: +SKIP
         >>> state = spec.init_state(jax.random.key(0))                   # doctest: +SKIP
-        >>> state, metrics = jax.jit(spec.train_step)(state, spec.make_batch(jax.random.key(1)))
+        >>> state, metrics = jax.jit(spec.train_step)(state, spec.make_batch(jax.random.key(1)))  # doctest: +SKIP
     """
 
     name: str

@@ -8,6 +8,15 @@ import os
 import subprocess
 
 
+def commit() -> str:
+    """The checkout's short commit hash, or ``"unknown"`` outside a git checkout (or without git)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def finish(rows: list[dict], table, out: str | None) -> None:
     """Print ``table(rows)``; write ``out`` (if given) with the rows, jax's version, the commit, the CPU count
     and the load average (other work on the machine slows a timing row). Each row records the commit it was
@@ -16,8 +25,8 @@ def finish(rows: list[dict], table, out: str | None) -> None:
 
     print()
     print(table(rows))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    rows = [{**r, "commit": commit} for r in rows]
+    measured_at = commit()
+    rows = [{**r, "commit": measured_at} for r in rows]
     if out and os.path.exists(out):
         with open(out) as f:
             earlier = json.load(f)
@@ -27,7 +36,7 @@ def finish(rows: list[dict], table, out: str | None) -> None:
     if out:
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         with open(out, "w") as f:
-            json.dump({"jax": jax.__version__, "commit": commit, "cpus": os.cpu_count(),
+            json.dump({"jax": jax.__version__, "commit": measured_at, "cpus": os.cpu_count(),
                        "load_average": os.getloadavg(), "rows": rows}, f, indent=1)
         print(f"wrote {out}")
 

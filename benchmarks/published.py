@@ -689,16 +689,11 @@ def main(argv=None) -> int:
 def _md_header(args) -> str:
     """Where the table came from: the command, the commit and the date (the analysis is in benchmarks/README.md)."""
     import datetime
-    import subprocess
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+    from benchmarks.output import commit
     command = "python -m benchmarks.published" + (f" --csv {args.csv}" if args.csv != DEFAULT_CSV else "") + \
         (f" --only '{args.only}'" if args.only else "") + f" --md {args.md}"
-    return (f"# Published runs, predicted\n\nWritten by `{command}` at commit {commit} on "
+    return (f"# Published runs, predicted\n\nWritten by `{command}` at commit {commit()} on "
             f"{datetime.date.today().isoformat()}. Each row: a measured run of `{os.path.relpath(args.csv)}` rebuilt as a JAX program, "
             "planned on an AbstractMesh of its device count and predicted by autoshard's performance model "
             "(`autoshard.perf`), in the source's unit (`pred/meas` above 1: the model is too fast). What the "

@@ -68,14 +68,14 @@ ROWS = (
     Row("39B-64", "39B", 64, 8, (8, 8)),
     # issue 45's one-click case: the same model and mesh with no pipeline options
     Row("39B-64-flat", "39B", 64, 1, (8, 8), pipeline=False),
-    # GPT-3's batch (1536 x 2048 tokens) in microbatches of 2 sequences (Megatron-LM runs 175B at 1; this step
-    # traces differently at batch 1, so 2 is the smallest that captures)
     # issue 45: Llama-3-8B as EasyLM writes it (bf16 compute, fp32 AdamW), batch 8 x 4,096, on EasyLM's mesh names
     Row("llama3-8B-8", "llama3-8b", 8, 1, (1, 8, 1), pipeline=False, family="llama", axes=("dp", "fsdp", "mp"),
         seq=4096),
     # issue 45: Llama-3.1-70B as EasyLM writes it, MaxText's 256-GPU shape: batch 512 x 8,192 on (2, 16, 8)
     Row("llama3-70B-256", "llama3-70b", 512, 1, (2, 16, 8), pipeline=False, family="llama",
         axes=("data", "fsdp", "tensor")),
+    # GPT-3's batch (1536 x 2048 tokens) in microbatches of 2 sequences (Megatron-LM runs 175B at 1; this step
+    # traces differently at batch 1, so 2 is the smallest that captures)
     Row("175B-1024", "175B", 1536, 768, (128, 8)),
 )
 TARGETS_S = {"39B-64": 60.0, "39B-64-flat": 60.0, "llama3-8B-8": 30.0, "llama3-70B-256": 60.0, "175B-1024": 300.0}

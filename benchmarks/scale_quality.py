@@ -600,11 +600,12 @@ def main(argv=None) -> int:
 def _write(path: str, jobs: dict) -> None:
     import jax
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    from benchmarks.output import commit
+
     rows = [r for r in ROWS if any(j.startswith(r.name + ":") for j in jobs)]
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"jax": jax.__version__, "commit": commit, "cpus": os.cpu_count(), "summary": summarize(jobs, rows),
+        json.dump({"jax": jax.__version__, "commit": commit(), "cpus": os.cpu_count(), "summary": summarize(jobs, rows),
                    "jobs": list(jobs.values())}, f, indent=1)
 
 

@@ -162,11 +162,12 @@ class GPT(nnx.Module):
         return self.wte.attend(self.ln_f(h))  # tied output head: h @ wte.T
 
 
-def stack_block_params(params: dict) -> dict:
-    """Unrolled GPT params -> the ``scan_layers=True`` layout (same values, blocks stacked)."""
-    blocks = params["blocks"]
+def stack_block_params(params: dict, key: str = "blocks") -> dict:
+    """Unrolled params -> the ``scan_layers=True`` layout (same values, the blocks under ``params[key]`` stacked
+    on a leading axis, as `stacked_blocks` holds them)."""
+    blocks = params[key]
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(blocks[i] for i in range(len(blocks))))
-    return {**params, "blocks": stacked}
+    return {**params, key: stacked}
 
 
 def train_flops(config: GPTConfig, batch_size: int) -> float:

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from benchmarks.models.common import ModelSpec, language_model_spec, make_optimizer
-from benchmarks.models.gpt import ATTENTION_IMPLS, scan_blocks, stacked_blocks
+from benchmarks.models.gpt import ATTENTION_IMPLS, scan_blocks, stack_block_params, stacked_blocks
 
 __all__ = ["CONFIGS", "Llama", "LlamaConfig", "build", "stack_layer_params", "train_flops"]
 
@@ -258,9 +258,7 @@ class Llama(nnx.Module):
 
 def stack_layer_params(params: dict) -> dict:
     """Unrolled Llama params -> the ``scan_layers=True`` layout (same values, layers stacked)."""
-    layers = params["layers"]
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(layers[i] for i in range(len(layers))))
-    return {**params, "layers": stacked}
+    return stack_block_params(params, "layers")
 
 
 def train_flops(config: LlamaConfig, batch_size: int) -> float:

@@ -164,3 +164,29 @@ def test_planner_solve_stops_before_its_limit():
                                  solver_time_limit=120, progress=None)
     plan = step.plan(spec.abstract_state(), spec.abstract_batch())
     assert plan.stats["solver"]["stop"] in ("optimal", "gap")
+
+
+@pytest.mark.parametrize("unit", [1e-9, 1e-4, 1e14])
+def test_costs_of_any_magnitude_are_proven_optimal(unit):
+    """Costs in seconds (a planner's, 1e-14 to 1e-3) sit below HiGHS's absolute tolerances; the solver
+    scales them by a power of two first, so the answer is the brute-force optimum, proven, and its cost,
+    bound and gap are in the problem's own units."""
+    from autoshard.solver.solve import cost_scale
+
+    rng = np.random.default_rng(7)
+    n, s = 8, 4
+    edges = [(i, i + d) for d in (1, 2, 3) for i in range(n - d)]  # dense enough that a core is left
+    # log-uniform over four decades, as a planner's compute and resharding costs are
+    node = [unit * 10.0 ** rng.uniform(-4, 0, s) for _ in range(n)]
+    edge = [unit * 10.0 ** rng.uniform(-4, 0, (s, s)) for _ in edges]
+    p = ShardingProblem(node_costs=node, edges=np.array(edges), edge_costs=edge)
+    sol = solve(p, time_limit=60, workers=1)
+    every = np.array(list(itertools.product(range(s), repeat=n)))
+    costs = sum(c[every[:, i]] for i, c in enumerate(node))
+    costs = costs + sum(m[every[:, u], every[:, v]] for (u, v), m in zip(edges, edge))
+    assert sol.stats["core_nodes"] > 0  # the MILP ran, not the reductions alone
+    assert sol.optimal and sol.stats["stop"] in ("optimal", "gap")
+    assert sol.cost == pytest.approx(costs.min(), rel=1e-9)
+    assert sol.stats["bound"] <= sol.cost * (1 + 1e-9) and sol.stats["gap"] <= 1e-6
+    if unit != 1e14:
+        assert sol.stats["cost_scale"] == cost_scale(p) > 1.0

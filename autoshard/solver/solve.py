@@ -217,6 +217,11 @@ def solve(
       >>> sol.choice.tolist(), sol.cost
       ([1, 1], 2.0)
     """
+    scale = cost_scale(problem)
+    if scale != 1.0:
+        sol = solve(scaled_costs(problem, scale), time_limit=time_limit, seed=seed, workers=workers,
+                    verbose=verbose)
+        return _unscaled(sol, problem, scale)
     start = time.perf_counter()
     # keep back time to expand the choice and recompute its cost (~1 s per 100k nodes+edges)
     deadline = start + max(float(time_limit) - 1e-5 * (problem.num_nodes + problem.num_edges), 0.0)
@@ -248,6 +253,53 @@ def solve(
     seconds = _clock_stats(stats, start, time_limit, feasible and np.isfinite(cost))
     return ShardingSolution(choice=choice, cost=cost, peak_memory=peak, feasible=feasible,
                             optimal=bool(optimal and feasible), seconds=seconds, stats=stats)
+
+
+# Costs are brought to the magnitude of the contest problems the searches were tuned on (largest finite
+# cell near 2**_COST_BITS) when their largest cell lies outside 2**_COST_RANGE: the planner's costs are
+# seconds, 1e-14 to 1e-3 on a small GPT priced for an H100, below HiGHS's absolute tolerances (1e-7 on
+# reduced costs), where a MILP's bound stalls near 0 (4-layer GPT on (2, 4): 2.2 s to prove at seconds,
+# 0.44 s at 2**10 times them). Powers of two scale exactly, so every comparison is unchanged.
+_COST_BITS = 32
+_COST_RANGE = (20, 52)
+# solve()'s stats that are costs (scaled back); the others are counts, seconds, ratios or labels
+_COST_STATS = ("bound", "milp_bound", "free_bound")
+
+
+def cost_scale(problem: ShardingProblem) -> float:
+    """The power of two that brings ``problem``'s largest finite cost near ``2**_COST_BITS``, or 1 when it is
+    within ``2**_COST_RANGE`` (or no cost is finite and positive)."""
+    top = 0.0
+    for arrays in (problem.node_costs, problem.edge_costs):
+        for a in arrays:
+            if a.size:
+                finite = np.abs(a[np.isfinite(a)])
+                if finite.size:
+                    top = max(top, float(finite.max()))
+    if top <= 0.0:
+        return 1.0
+    bits = np.log2(top)
+    if _COST_RANGE[0] <= bits <= _COST_RANGE[1]:
+        return 1.0
+    return float(2.0 ** (_COST_BITS - int(np.floor(bits))))
+
+
+def scaled_costs(problem: ShardingProblem, scale: float) -> ShardingProblem:
+    """``problem`` with every node and edge cost times ``scale`` (memory untouched)."""
+    return dataclasses.replace(problem, node_costs=tuple(c * scale for c in problem.node_costs),
+                               edge_costs=tuple(c * scale for c in problem.edge_costs))
+
+
+def _unscaled(sol: ShardingSolution, problem: ShardingProblem, scale: float) -> ShardingSolution:
+    """A solution of the problem scaled by ``scale``, as a solution of ``problem`` itself."""
+    stats = dict(sol.stats, cost_scale=scale)
+    for key in _COST_STATS:
+        if key in stats and stats[key] is not None:
+            stats[key] = float(stats[key]) / scale
+    if "worker_costs" in stats:
+        stats["worker_costs"] = [float(c) / scale for c in stats["worker_costs"]]
+    cost = problem.cost(sol.choice) if np.isfinite(sol.cost) else sol.cost
+    return dataclasses.replace(sol, cost=cost, stats=stats)
 
 
 def _clock_stats(stats: dict, start: float, time_limit: float, feasible: bool) -> float:

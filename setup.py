@@ -26,6 +26,7 @@ setup(
         "test": [
             "flax>=0.11",
             "optax>=0.2.4",
+            "equinox>=0.11",  # tests/test_equinox.py: eqx.Module steps under parallelize
             "pytest>=8",
             "pytest-xdist>=3.5",  # the default suite runs on every core (pyproject addopts)
             "hypothesis>=6.100",

@@ -363,7 +363,7 @@ def parallelize(fun=None, *, options=None, mesh=None, cluster=None, memory_budge
                 donate_argnums=(), static_argnames=(), donate_argnames=(), plan=None, hints=None,
                 solver_time_limit=10.0, tie_layers="auto", num_microbatches=1, pipeline=None, progress="auto",
                 batch_argnums=None, step_timeout=None, precision=None, remat="auto", accumulate=True,
-                state_roles=None, profile=None, verify=False):
+                state_roles=None, profile=None, verify=False, filter=None):
     """Plan and run a single-device step function sharded over a device mesh.
 
     Works bare (``@parallelize``) and with arguments (``@parallelize(mesh=...)``). The keyword
@@ -373,7 +373,13 @@ def parallelize(fun=None, *, options=None, mesh=None, cluster=None, memory_budge
     Args:
       fun: the step, e.g. ``train_step(state, batch) -> (state, metrics)``. flax nnx objects
         (``nnx.Module``, ``nnx.Optimizer``, ``nnx.Rngs``) may be passed as arguments with ``nnx.jit``'s
-        semantics: they are updated in place after the call.
+        semantics: they are updated in place after the call. Equinox modules (``eqx.Module``, an
+        ``eqx.nn.State``) and optax optimizers may be passed with ``eqx.filter_jit``'s semantics
+        (``filter``, below): on by default when an argument holds an ``eqx.Module``.
+      filter: True: trace only the array leaves of the arguments and keep every other leaf (Python ints,
+        functions, strings) static, as ``eqx.filter_jit`` does; the step may return them too. None (the
+        default): True when a dynamic argument holds an ``eqx.Module``. False: trace every leaf, as
+        ``jax.jit`` does. See :class:`autoshard.Options`.
       options: an :class:`autoshard.Options`, instead of (or under) the keyword options.
 
     Returns:
@@ -394,7 +400,7 @@ def parallelize(fun=None, *, options=None, mesh=None, cluster=None, memory_budge
                  plan=plan, hints=hints, solver_time_limit=solver_time_limit, tie_layers=tie_layers,
                  num_microbatches=num_microbatches, pipeline=pipeline, progress=progress,
                  batch_argnums=batch_argnums, step_timeout=step_timeout, precision=precision, remat=remat,
-                 accumulate=accumulate, state_roles=state_roles, profile=profile, verify=verify)
+                 accumulate=accumulate, state_roles=state_roles, profile=profile, verify=verify, filter=filter)
     if options is not None:  # the keywords given beside options= replace its fields
         defaults = inspect.signature(parallelize).parameters
         options = _options(options, {k: v for k, v in given.items() if v is not defaults[k].default})

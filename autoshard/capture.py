@@ -387,15 +387,20 @@ def index_ops(ops) -> tuple[dict, dict]:
 
 
 def capture_graph(fun, args, *, in_paths=None) -> CapturedProgram:
-    """Trace ``fun(*args)`` (arrays or ``ShapeDtypeStruct``s) into a :class:`CapturedProgram`."""
-    flat_args, in_tree = jax.tree_util.tree_flatten(args)
+    """Trace ``fun(*args)`` (arrays or ``ShapeDtypeStruct``s) into a :class:`CapturedProgram`.
+
+    ``fun`` is traced on the argument pytrees themselves, so jax's tracing errors name ``fun`` (or the
+    function it wraps, ``__wrapped__``) and each argument by its signature and pytree path, as under
+    ``jax.jit``. An exception raised while tracing gets a note naming the step, its source line, the
+    line that raised, and, for an error about a traced value, the leaves traced from Python scalars."""
+    in_tree = jax.tree_util.tree_structure(args)
     if in_paths is None:
         in_paths = tuple(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0])
-
-    def flat_fun(*flat):
-        return fun(*jax.tree_util.tree_unflatten(in_tree, flat))
-
-    closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*flat_args)
+    try:
+        closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
+    except Exception as e:
+        e.add_note(tracing_note(fun, args, e))
+        raise
     out_leaves_paths = jax.tree_util.tree_flatten_with_path(out_shape)[0]
     out_tree = jax.tree_util.tree_structure(out_shape)
     b = _Builder()
@@ -409,6 +414,48 @@ def capture_graph(fun, args, *, in_paths=None) -> CapturedProgram:
         out_paths=tuple(jax.tree_util.keystr(p) for p, _ in out_leaves_paths),
         consts=b.consts,
     )
+
+
+def function_location(fun) -> str:
+    """``name at file:line`` of the user's function behind ``fun`` (through ``functools.partial`` and
+    ``__wrapped__``), as jax names a traced function; its ``repr`` where it has no code."""
+    import functools
+    import inspect
+
+    while isinstance(fun, functools.partial):
+        fun = fun.func
+    fun = inspect.unwrap(fun)
+    code = getattr(fun, "__code__", None)
+    name = getattr(fun, "__qualname__", getattr(fun, "__name__", None)) or repr(fun)
+    return name if code is None else f"{name} at {code.co_filename}:{code.co_firstlineno}"
+
+
+def argument_names(fun, args) -> tuple[str, ...]:
+    """A name per leaf of ``args`` as the error messages of a trace give them: the parameter of ``fun``
+    that receives the argument, then the pytree path (``model.blocks[0].patch_size``); ``args[i]...``
+    where ``fun``'s signature does not take ``args``."""
+    import inspect
+
+    try:
+        bound = inspect.signature(fun).bind(*args).arguments.items()
+    except (TypeError, ValueError):
+        bound = [("args", tuple(args))]
+    return tuple(name + jax.tree_util.keystr(path)
+                 for name, value in bound for path, _ in jax.tree_util.tree_flatten_with_path(value)[0])
+
+
+def tracing_note(fun, args, exc: BaseException) -> str:
+    """The note :func:`capture_graph` adds to an exception raised while tracing ``fun(*args)``."""
+    note = f"autoshard was tracing {function_location(fun)}; the error was raised at {exception_location(exc)}."
+    about_tracer = isinstance(exc, jax.errors.JAXTypeError) or "Tracer" in str(exc)
+    scalars = [name for name, leaf in zip(argument_names(fun, args), jax.tree_util.tree_leaves(args), strict=True)
+               if getattr(leaf, "weak_type", False) and not getattr(leaf, "shape", ())]
+    if about_tracer and scalars:
+        note += (f"\nThese leaves were Python scalars, traced as jax.jit traces them: {', '.join(scalars)}.\n"
+                 "Fix: parallelize(..., filter=True) keeps every leaf that is not an array static (its value is "
+                 "part of the cache key), as eqx.filter_jit does; or mark the argument static with "
+                 "static_argnums=/static_argnames=.")
+    return note
 
 
 _LIBRARY_MARKERS = ("/jax/", "/jaxlib/", "/flax/", "/optax/", "/autoshard/", "/site-packages/", "<frozen")

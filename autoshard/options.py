@@ -147,6 +147,14 @@ class Options:
         device, communication bytes (``Plan.verify``) and the seconds the compile took, kept apart from
         the planning time. Planning never needs this compile (it checks memory on one representative
         program at most); it costs what compiling a large program costs. Needs concrete devices.
+      filter: ``eqx.filter_jit``'s rule for the dynamic arguments. True: their array leaves (jax and
+        numpy arrays, ``ShapeDtypeStruct``s) are traced and planned; every other leaf (a Python int,
+        float or bool, a function, None, a string) is static: part of the cache key (by value where it is
+        hashable, else by identity) and passed to the step as it is. The step's non-array outputs come
+        back as it made them (an updated ``eqx.Module`` keeps its int fields and functions). False: every
+        leaf is traced, as under ``jax.jit`` (a Python int becomes a traced scalar, a function is an
+        error). None (the default): True for a call whose dynamic arguments hold an ``eqx.Module``, else
+        False.
 
     Example:
       >>> import autoshard
@@ -178,6 +186,7 @@ class Options:
     state_roles: Mapping = dataclasses.field(default_factory=dict)
     profile: Any = None
     verify: bool = False
+    filter: bool | None = None
 
     def __post_init__(self):
         problems: list[str] = []
@@ -251,6 +260,9 @@ def _check_choices(o: Options, problems: list) -> None:
         problems.append(f"remat={o.remat!r}: expected True, False or 'auto'. Fix: remat='auto'.")
     if not isinstance(o.accumulate, bool):
         problems.append(f"accumulate={o.accumulate!r}: expected True or False. Fix: accumulate=True.")
+    if o.filter is not None and not isinstance(o.filter, bool):
+        problems.append(f"filter={o.filter!r}: expected True, False or None. Fix: filter=True to trace only the "
+                        "array leaves (as eqx.filter_jit), or None to decide by whether an eqx.Module is passed.")
     if not isinstance(o.verify, bool):
         problems.append(f"verify={o.verify!r}: expected True or False. Fix: verify=True to compile the planned "
                         "step once and compare it with the prediction.")

@@ -13,13 +13,20 @@ kwargs)`` turns one call into a :class:`BoundCall`:
   submodule is one set of leaves), as ``nnx.jit`` does. The traced function merges them back, runs the
   step, and returns the objects' new state after the step's own outputs; :meth:`BoundCall.finish`
   writes it into the caller's objects (``nnx.update``): parameters, optimizer state, ``optimizer.step``,
-  BatchNorm statistics and ``Rngs`` counters change in place, as under ``nnx.jit``.
+  BatchNorm statistics and ``Rngs`` counters change in place, as under ``nnx.jit``;
+- with ``filter`` on (``parallelize(filter=True)``, or by default when a dynamic argument holds an
+  ``eqx.Module``), ``eqx.filter_jit``'s rule: the array leaves of the dynamic arguments are traced, and
+  every other leaf (a Python int, float or bool, a function, None, a string) is static, part of the cache
+  key, and passed to the step as it is (:class:`LeafPartition`). What the step returns is split the same
+  way: its non-array leaves come back as the step made them when it was traced.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
+import keyword
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -76,15 +83,17 @@ class StepSignature:
     donate_argnums: frozenset
     donate_argnames: frozenset
     positional_names: tuple = ()  # names of the positional parameters, where the signature is known
+    filter: bool | None = None    # eqx.filter_jit's rule: True, False, or None (on when an eqx.Module is passed)
 
     @classmethod
     def from_options(cls, fun, options) -> StepSignature:
         """The signature of ``fun`` under an :class:`autoshard.Options`' argnums and argnames."""
         return cls.create(fun, options.static_argnums, options.static_argnames, options.donate_argnums,
-                          options.donate_argnames)
+                          options.donate_argnames, filter=options.filter)
 
     @classmethod
-    def create(cls, fun, static_argnums=(), static_argnames=(), donate_argnums=(), donate_argnames=()):
+    def create(cls, fun, static_argnums=(), static_argnames=(), donate_argnums=(), donate_argnames=(), *,
+               filter=None):
         params = _parameters(fun)
         snums, snames = _resolve(_as_tuple(static_argnums, int), _as_tuple(static_argnames, str), params, "static")
         dnums, dnames = _resolve(_as_tuple(donate_argnums, int), _as_tuple(donate_argnames, str), params, "donate")
@@ -94,7 +103,7 @@ class StepSignature:
         if both:
             raise InputError(f"{', '.join(both)} {'is' if len(both) == 1 else 'are'} both static and donated. "
                              "Fix: donate only array arguments.")
-        return cls(fun, snums, snames, dnums, dnames, positional)
+        return cls(fun, snums, snames, dnums, dnames, positional, filter)
 
     def _positions(self, nums, n: int, kwargs, what: str) -> frozenset:
         out = set()
@@ -134,13 +143,19 @@ class StepSignature:
                              "a list), or make the argument dynamic.") from None
         donated = tuple(lab in (donate_nums if isinstance(lab, int) else self.donate_argnames) for lab in labels)
         graph = _NodeGraph.split(tuple(dyn)) if has_graph_nodes(dyn) else None
-        return BoundCall(self, tuple(dyn) if graph is None else graph.pure, tuple(labels), static, donated, graph)
+        pure, inputs = tuple(dyn) if graph is None else graph.pure, None
+        if self.filter or (self.filter is None and has_equinox_modules(dyn)):
+            pure, inputs = LeafPartition.split(pure)
+        return BoundCall(self, pure, tuple(labels), static, donated, graph, inputs)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class BoundCall:
     """One call, bound: the dynamic arguments ``dyn`` (each labelled with its position or keyword), the
-    static ones, which dynamic arguments are donated, and the nnx objects to update after the call."""
+    static ones, which dynamic arguments are donated, and the nnx objects to update after the call.
+
+    Under ``filter``, ``dyn`` holds only the array leaves (None where another leaf was), ``inputs`` the
+    rest, and ``outputs`` records the non-array leaves the step returned when it was traced."""
 
     signature: StepSignature
     dyn: tuple
@@ -148,6 +163,8 @@ class BoundCall:
     static: tuple
     donated: tuple
     graph: _NodeGraph | None = None
+    inputs: LeafPartition | None = None
+    outputs: OutputRecord = dataclasses.field(default_factory=lambda: OutputRecord())
 
     @property
     def positional_labels(self) -> tuple:
@@ -177,7 +194,7 @@ class BoundCall:
         """:meth:`key` from flat leaves that have ``shape`` and ``dtype`` (arrays or abstract ones)."""
         shapes = tuple((tuple(x.shape), x.dtype) for x in leaves)
         graph = None if self.graph is None else self.graph.static_key
-        return (tree, shapes, self.static, self.labels, graph)
+        return (tree, shapes, self.static, self.labels, graph, self.inputs)
 
     def in_paths(self, abstract) -> tuple[str, ...]:
         """A readable pytree path per flat leaf: ``[0]['params']...`` for positional arguments,
@@ -199,9 +216,14 @@ class BoundCall:
         return out
 
     def pure_function(self) -> Callable:
-        """The step as a function of ``*dyn``. With nnx objects, it returns ``(out, *new_dyn)``."""
+        """The step as a function of ``*dyn``. With nnx objects, it returns ``(out, *new_dyn)``; under
+        ``filter``, only its array leaves (the rest is recorded in ``outputs``).
+
+        It carries the step's name and source (``__wrapped__``) and a signature naming each dynamic argument
+        as the step does, so that jax's tracing errors name the user's function and argument paths
+        (``model.patch_embedding.patch_size``), as under ``jax.jit``."""
         fun, labels, static = self.signature.fun, self.labels, self.static
-        graph = self.graph
+        graph, inputs, outputs = self.graph, self.inputs, self.outputs
 
         def call(dyn):
             args, kwargs = {}, {}
@@ -212,9 +234,31 @@ class BoundCall:
                 raise AssertionError(f"argument positions {sorted(args)} are not contiguous")
             return fun(*(args[i] for i in range(n)), **kwargs)
 
-        if graph is None:
-            return lambda *dyn: call(dyn)
-        return graph.wrap(call, getattr(fun, "__name__", "the step"))
+        step = (lambda *dyn: call(dyn)) if graph is None else graph.wrap(call, getattr(fun, "__name__", "the step"))
+        if inputs is None:
+            pure = step
+        else:
+            def pure(*dyn):
+                out, outputs.partition = LeafPartition.split(step(*inputs.merge(dyn)))
+                return out
+
+        target = fun
+        while isinstance(target, functools.partial):
+            target = target.func
+        functools.update_wrapper(pure, target, updated=())
+        pure.__signature__ = self._traced_signature()
+        return pure
+
+    def _traced_signature(self) -> inspect.Signature:
+        """Positional parameters named as the step names its dynamic arguments (``*args`` where it cannot)."""
+        names = []
+        for lab in self.labels:
+            known = isinstance(lab, str) or lab < len(self.signature.positional_names)
+            names.append((lab if isinstance(lab, str) else self.signature.positional_names[lab]) if known else None)
+        if (None in names or len(set(names)) < len(names)
+                or not all(n.isidentifier() and not keyword.iskeyword(n) for n in names)):
+            return inspect.Signature([inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL)])
+        return inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_ONLY) for n in names])
 
     def state_arguments(self, abstract, out_shape) -> frozenset:
         """Positions of the dynamic arguments the step returns updated (the state; the rest is the batch):
@@ -230,7 +274,10 @@ class BoundCall:
         return frozenset(out)
 
     def finish(self, outputs):
-        """The step's outputs as the user sees them; nnx objects get their new state written back."""
+        """The step's outputs as the user sees them: non-array leaves put back (under ``filter``), and nnx
+        objects' new state written back."""
+        if self.inputs is not None:
+            outputs = self.outputs.merge(outputs)
         if self.graph is None:
             return outputs
         out, *new_dyn = outputs
@@ -248,6 +295,7 @@ class StepCache:
         self.signature = signature
         self._build = build
         self._entries: dict = {}
+        self._outputs: dict = {}  # key -> the OutputRecord of the call that built the entry (under filter)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -257,15 +305,123 @@ class StepCache:
         call = self.signature.bind(args, kwargs)
         leaves, tree = jax.tree_util.tree_flatten(call.dyn)
         if all(isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) for x in leaves):
-            entry = self._entries.get(call.key_of(leaves, tree))
+            key = call.key_of(leaves, tree)
+            entry = self._entries.get(key)
             if entry is not None:
-                return entry, call
+                return entry, self._recorded(key, call)
         abstract = call.abstract()
         key = call.key(abstract)
         entry = self._entries.get(key)
         if entry is None:
             entry = self._entries[key] = self._build(call, abstract)
-        return entry, call
+            self._outputs[key] = call.outputs
+            return entry, call
+        return entry, self._recorded(key, call)
+
+    def _recorded(self, key, call: BoundCall) -> BoundCall:
+        """``call``, told what the step's traced outputs held besides arrays (under ``filter``)."""
+        if call.inputs is not None:
+            call.outputs.partition = self._outputs[key].partition
+        return call
+
+
+# ---- eqx.filter_jit's rule -------------------------------------------------------------------------
+
+
+def is_array_leaf(x) -> bool:
+    """A leaf that ``filter`` traces: ``eqx.is_array``'s rule (jax and numpy arrays and scalars), and
+    ``ShapeDtypeStruct``s, which stand for arrays when planning."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+
+
+def has_equinox_modules(tree) -> bool:
+    """Whether ``tree`` holds an ``eqx.Module`` (equinox is not imported for this: without it, none can exist)."""
+    eqx = sys.modules.get("equinox")
+    if eqx is None:
+        return False
+    is_module = functools.partial(_is_instance, cls=eqx.Module)
+    return any(is_module(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_module))
+
+
+def _is_instance(x, cls) -> bool:
+    return isinstance(x, cls)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class StaticLeaf:
+    """A leaf that ``filter`` keeps out of the trace, as a cache key: equal by type and value where it is
+    hashable (``3``, ``"gelu"``, a function), else by identity (as equinox compares them)."""
+
+    value: Any
+
+    def _hashable(self) -> bool:
+        try:
+            hash(self.value)
+        except TypeError:
+            return False
+        return True
+
+    def __hash__(self) -> int:
+        return hash((type(self.value), self.value)) if self._hashable() else id(self.value)
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, StaticLeaf):
+            return NotImplemented
+        a, b = self.value, other.value
+        if a is b:
+            return True
+        if type(a) is not type(b) or not (self._hashable() and other._hashable()):
+            return False
+        try:
+            return bool(a == b)
+        except Exception:  # an __eq__ that returns something without a truth value
+            return False
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPartition:
+    """A pytree split by ``eqx.filter_jit``'s rule: its structure, and each leaf that is not an array with
+    its position. :meth:`split` returns the tree with those leaves replaced by None (the arrays, which are
+    traced) and the partition; :meth:`merge` puts them back. Equal partitions make equal cache keys."""
+
+    tree: Any              # the whole tree's treedef
+    static: tuple          # (leaf position, StaticLeaf) per leaf that is not an array
+
+    @classmethod
+    def split(cls, tree) -> tuple[Any, LeafPartition]:
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        static = tuple((i, StaticLeaf(x)) for i, x in enumerate(leaves) if not is_array_leaf(x))
+        if not static:
+            return tree, cls(treedef, ())
+        placed = set(i for i, _ in static)
+        arrays = [None if i in placed else x for i, x in enumerate(leaves)]
+        return jax.tree_util.tree_unflatten(treedef, arrays), cls(treedef, static)
+
+    def merge(self, arrays):
+        """The whole tree from the split-off ``arrays`` (the tree :meth:`split` returned, or its values)."""
+        if not self.static:
+            return arrays
+        flat = iter(jax.tree_util.tree_leaves(arrays))
+        static = dict(self.static)
+        leaves = [static[i].value if i in static else next(flat) for i in range(self.tree.num_leaves)]
+        if next(flat, None) is not None:  # pragma: no cover - the arrays come from split
+            raise AssertionError("more array leaves than the partition has places for")
+        return jax.tree_util.tree_unflatten(self.tree, leaves)
+
+
+class OutputRecord:
+    """What a filtered step returned besides arrays: the :class:`LeafPartition` of its outputs, recorded when
+    it is traced, with which :meth:`merge` rebuilds each call's outputs."""
+
+    __slots__ = ("partition",)
+
+    def __init__(self):
+        self.partition: LeafPartition | None = None
+
+    def merge(self, arrays):
+        if self.partition is None:  # pragma: no cover - the step is traced before it runs
+            raise AssertionError("the step's outputs were never traced")
+        return self.partition.merge(arrays)
 
 
 # ---- flax nnx graph nodes ------------------------------------------------------------------------
@@ -402,8 +558,10 @@ def check_leaf(path: str, leaf, label, static_names=()):
         fix = f"static_argnames={tuple(sorted({*(n for n in static_names if isinstance(n, str)), label}))}"
     raise InputError(
         f"{what} has a leaf at {path or '<root>'} of type {type(leaf).__name__}, which is not an "
-        "array. autoshard traces every leaf of a dynamic argument.\n"
-        f"Fix: pass arrays only, or mark the argument static: parallelize(..., {fix})."
+        "array. Without filter=True, autoshard traces every leaf of a dynamic argument, as jax.jit does.\n"
+        "Fix: parallelize(..., filter=True) traces the array leaves and keeps every other leaf (functions, "
+        "Python ints, strings) static, as eqx.filter_jit does: the way to pass Equinox modules and optax "
+        f"optimizers. Or pass arrays only, or mark the argument static: parallelize(..., {fix})."
     )
 
 

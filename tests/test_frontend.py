@@ -440,3 +440,34 @@ def test_a_saved_plan_is_refused_by_the_pipelined_runtime(mesh):
         autoshard.parallelize(_sgd_step, mesh=mesh, num_microbatches=2, plan=saved)
     with pytest.raises(InputError, match=r"plan=int: expected a saved autoshard.Plan.*Fix:"):
         autoshard.Options(plan=3)
+
+
+# ---- tracing errors name the user's function, line and argument ------------------------------------------
+
+
+def _reshape_by(x, how, n):
+    return jnp.zeros((3, n)) + x.sum() if how == "zeros" else x
+
+
+def test_a_tracing_error_names_the_step_its_line_and_the_argument():
+    """A Python int traced as jax.jit traces it: the error names the step (not autoshard's wrapper), its
+    file:line, and the argument by the step's own parameter name, past the static one before it."""
+    step = autoshard.parallelize(_reshape_by, static_argnums=1, progress=None)
+    with pytest.raises(TypeError) as info:
+        step(jnp.ones(4), "zeros", 5)
+    message = "\n".join([str(info.value), *getattr(info.value, "__notes__", [])])
+    assert "_reshape_by" in message and f"test_frontend.py:{_reshape_by.__code__.co_firstlineno + 1}" in message
+    assert "argument n" in message and "Python scalars, traced as jax.jit traces them: n" in message
+    assert "flat_fun" not in message and "flat[" not in message
+
+
+def test_a_tracer_in_python_control_flow_names_the_keyword_argument_path():
+    def branchy(x, *, cfg):
+        return x * 2 if cfg["n"] > 2 else x
+
+    step = autoshard.parallelize(branchy, progress=None)
+    with pytest.raises(jax.errors.TracerBoolConversionError) as info:
+        step(jnp.ones(4), cfg={"n": 3})
+    message = "\n".join([str(info.value), *getattr(info.value, "__notes__", [])])
+    assert "branchy" in message and "cfg['n']" in message and "filter=True" in message
+    assert "flat_fun" not in message and "flat[" not in message

@@ -14,6 +14,8 @@ maps ids to their abstract values.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -419,9 +421,6 @@ def capture_graph(fun, args, *, in_paths=None) -> CapturedProgram:
 def function_location(fun) -> str:
     """``name at file:line`` of the user's function behind ``fun`` (through ``functools.partial`` and
     ``__wrapped__``), as jax names a traced function; its ``repr`` where it has no code."""
-    import functools
-    import inspect
-
     while isinstance(fun, functools.partial):
         fun = fun.func
     fun = inspect.unwrap(fun)
@@ -434,8 +433,6 @@ def argument_names(fun, args) -> tuple[str, ...]:
     """A name per leaf of ``args`` as the error messages of a trace give them: the parameter of ``fun``
     that receives the argument, then the pytree path (``model.blocks[0].patch_size``); ``args[i]...``
     where ``fun``'s signature does not take ``args``."""
-    import inspect
-
     try:
         bound = inspect.signature(fun).bind(*args).arguments.items()
     except (TypeError, ValueError):

@@ -175,3 +175,39 @@ def test_a_traced_int_shape_names_the_function_line_and_argument_path():
     assert "flat_fun" not in message and "flat[" not in message
     line = patchify_step.__code__.co_firstlineno + 1  # the line that made the shape
     assert re.search(rf"test_equinox\.py:{line}\b", message), message
+
+
+class _Stack(eqx.Module):
+    first: eqx.nn.Linear
+    last: eqx.nn.Linear
+    depth: int
+
+    def __call__(self, x):
+        for _ in range(self.depth):
+            x = jax.nn.tanh(self.first(x))
+        return self.last(x)
+
+
+def _sgd_step(model, optimizer, opt_state, x, y):
+    def loss_fn(model):
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+    loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
+    updates, opt_state = optimizer.update(grads, opt_state)
+    return eqx.apply_updates(model, updates), opt_state, loss
+
+
+def test_a_microbatched_step_filters_too():
+    key1, key2 = jax.random.split(jax.random.PRNGKey(0))
+    model = _Stack(eqx.nn.Linear(8, 8, key=key1), eqx.nn.Linear(8, 2, key=key2), 2)
+    optimizer = optax.sgd(0.1)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+    x, y = jax.random.normal(key1, (8, 8)), jax.random.normal(key2, (8, 2))
+    expected = eqx.filter_jit(_sgd_step)(model, optimizer, opt_state, x, y)
+    step = autoshard.parallelize(_sgd_step, num_microbatches=2, batch_argnums=(3, 4), cluster=CPU_SIM, progress=None)
+    assert_same_trees(step(model, optimizer, opt_state, x, y), expected, atol=1e-6)
+
+
+def test_filter_takes_true_false_or_none():
+    with pytest.raises(InputError, match=r"filter='yes': expected True, False or None"):
+        autoshard.parallelize(_sgd_step, filter="yes")

@@ -26,6 +26,8 @@ memory (a cast that XLA fuses into its reader costs no memory).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.extend.core as jex_core
 import jax.numpy as jnp
@@ -84,10 +86,12 @@ def cast_matmuls(fun, dtype=jnp.bfloat16, *, widen: bool = False):
     """
     dtype = np.dtype(dtype)
 
+    # traced on the argument pytrees under the step's own name and signature, so that a tracing error names
+    # the user's function and argument paths (see autoshard.capture.capture_graph)
+    @functools.wraps(fun)
     def cast_fun(*args):
-        flat, tree = jax.tree_util.tree_flatten(args)
-        closed, out_shape = jax.make_jaxpr(lambda *xs: fun(*tree.unflatten(xs)), return_shape=True)(*flat)
-        outs = _eval(closed.jaxpr, closed.consts, flat, dtype, widen)
+        closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
+        outs = _eval(closed.jaxpr, closed.consts, jax.tree_util.tree_leaves(args), dtype, widen)
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
 
     return cast_fun

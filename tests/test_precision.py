@@ -152,3 +152,18 @@ def test_unknown_precision_is_a_clear_error():
 def test_precision_with_a_pipeline_is_taken():
     # Honoured by the pipelined runtime (numerics: tests/test_frontend.py, bf16 like the single program).
     assert autoshard.parallelize(lambda x: x, num_microbatches=2, precision="bf16").options.precision == "bf16"
+
+
+def _zeros_of(x, n):
+    return jnp.zeros((3, n)) + x.sum()
+
+
+def test_a_tracing_error_under_bf16_names_the_step_and_its_argument():
+    """precision="bf16" traces the step through its cast; a tracing error still names the user's function
+    and argument, not the cast's wrapper."""
+    step = autoshard.parallelize(_zeros_of, precision="bf16", progress=None)
+    with pytest.raises(TypeError) as info:
+        step(jnp.ones(4), 5)
+    message = "\n".join([str(info.value), *getattr(info.value, "__notes__", [])])
+    assert "_zeros_of" in message and "argument n" in message
+    assert "cast_fun" not in message and "<lambda>" not in message

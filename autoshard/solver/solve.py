@@ -219,9 +219,14 @@ def solve(
     """
     scale = cost_scale(problem)
     if scale != 1.0:
-        sol = solve(scaled_costs(problem, scale), time_limit=time_limit, seed=seed, workers=workers,
-                    verbose=verbose)
+        sol = _solve(scaled_costs(problem, scale), time_limit, seed, workers, verbose)
         return _unscaled(sol, problem, scale)
+    return _solve(problem, time_limit, seed, workers, verbose)
+
+
+def _solve(problem: ShardingProblem, time_limit: float, seed: int, workers: int | None,
+           verbose: bool) -> ShardingSolution:
+    """:func:`solve` on costs of the magnitude the searches are tuned for (see :func:`cost_scale`)."""
     start = time.perf_counter()
     # keep back time to expand the choice and recompute its cost (~1 s per 100k nodes+edges)
     deadline = start + max(float(time_limit) - 1e-5 * (problem.num_nodes + problem.num_edges), 0.0)

@@ -147,6 +147,8 @@ class Evaluator:
                 outs = (self.draw(op, invals, env[MICROBATCH]),)
             elif op.name == "sharding_constraint":  # the user's pin: the plan's layout below replaces it
                 outs = (invals[0],)
+            elif (local := self.bind_local(op, invals)) is not None:  # a kernel split by its grid
+                outs = local
             else:
                 with op.ctx.manager:
                     outs = op.primitive.bind(*invals, **op.primitive.get_bind_params(op.params))
@@ -182,6 +184,38 @@ class Evaluator:
         mesh = None if jax.sharding.get_abstract_mesh().manual_axes else self.mesh
         return jax.shard_map(body, mesh=mesh, in_specs=tuple(manual_only(x, i) for i, x in enumerate(invals)),
                              out_specs=PartitionSpec(leading), axis_names=set(names), check_vma=False)(*invals)
+
+    def bind_local(self, op, invals):
+        """``op`` bound on each device's shards, where its params depend on its operands' shapes and its planned
+        layouts split it (:attr:`~autoshard.strategies.OpInfo.local_params`: a Pallas kernel's grid); None
+        otherwise. A ``shard_map`` manual over the mesh axes that split it binds the op with its local params."""
+        local_params = op_info(op.name).local_params
+        if local_params is None:
+            return None
+        in_specs = tuple(operand_spec(self, op, i) for i in range(len(op.inputs)))
+        out_specs = tuple(self.value_specs.get(v) for v in op.outputs)
+        params = local_params(op, in_specs, out_specs, self.info)
+        if params is None:
+            return None
+        used = sorted({a for s in (*in_specs, *out_specs) if s is not None for a in s.used_axes})
+
+        def pspec(spec, x):
+            return PartitionSpec() if spec is None or np.ndim(x) == 0 else spec.to_partition_spec(self.info)
+
+        def body(*xs):
+            # The eqn's context names the mesh it was traced under; the body runs on the manual one.
+            manual = jax.sharding.get_abstract_mesh()
+            with op.ctx.manager, jax.sharding.use_abstract_mesh(manual):
+                outs = op.primitive.bind(*xs, **op.primitive.get_bind_params(params))
+            return tuple(outs) if op.primitive.multiple_results else outs
+
+        out_pspecs = tuple(PartitionSpec() if s is None else s.to_partition_spec(self.info) for s in out_specs)
+        # Inside another shard_map (the spmd pipeline's, manual over "stage") the context's mesh is the one to use.
+        mesh = None if jax.sharding.get_abstract_mesh().manual_axes else self.mesh
+        outs = jax.shard_map(body, mesh=mesh, in_specs=tuple(pspec(s, x) for s, x in zip(in_specs, invals, strict=True)),
+                             out_specs=out_pspecs if op.primitive.multiple_results else out_pspecs[0],
+                             axis_names={self.info.names[a] for a in used}, check_vma=False)(*invals)
+        return outs if op.primitive.multiple_results else (outs,)
 
     def summed_spec(self, op) -> ShardingSpec | None:
         """The layout of a contraction's output once its partial sums are added, where its planned

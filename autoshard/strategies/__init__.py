@@ -19,6 +19,7 @@ from autoshard.strategies import layout as _layout  # noqa: F401
 from autoshard.strategies import linalg as _linalg  # noqa: F401
 from autoshard.strategies import manual as _manual  # noqa: F401
 from autoshard.strategies import misc as _misc  # noqa: F401
+from autoshard.strategies import pallas as _pallas  # noqa: F401
 from autoshard.strategies import random as _random  # noqa: F401
 from autoshard.strategies import reduce as _reduce  # noqa: F401
 from autoshard.strategies.base import RuleContext as RuleContext

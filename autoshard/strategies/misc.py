@@ -90,9 +90,10 @@ register_replicated(
     "unreduced_reduce_scatter_start",
     why="a collective over manual mesh axes exists only inside a shard_map body, which keeps its own layout",
 )
+# pallas_call has a rule of its own (strategies/pallas.py: split along the parallel axes of its grid).
 register_replicated(
-    "pallas_call", "core_map", "tpu_custom_call", "mosaic_gpu_p",
-    why="a Pallas/Mosaic/Triton kernel launch without a declared sharding computes on whole operands "
+    "core_map", "tpu_custom_call", "mosaic_gpu_p",
+    why="a Pallas/Mosaic/Triton kernel launch without a grid autoshard can read computes on whole operands "
     "(wrap it in shard_map or custom_partitioning to shard it)",
 )
 register_replicated_family(

@@ -3,7 +3,7 @@
 Every pass that needs to know what a primitive is asks this registry, never a list of names of
 its own: the planner (the strategy rule, ``follows``, weak layout sources, contractions), the
 memory estimate (what XLA fuses, reductions, expensive ops, bitcasts), remat (what may be
-recomputed, flops), the layer clusterer (flops) and lowering (contractions, scans).
+recomputed, flops), the layer clusterer (flops) and lowering (contractions, scans, local params).
 
 Properties are registered beside the rules of their family (``strategies/*.py``), with
 :func:`register_op`; :func:`~autoshard.strategies.register_strategy` and
@@ -64,6 +64,10 @@ class OpInfo:
       flops: ``flops(op, avals)``; None: one per output element.
       duplicable: remat may recompute it (not a side effect, not opaque control flow).
       structure: one of :data:`STRUCTURES`, or None for an ordinary op.
+      local_params: ``(op, in_specs, out_specs, mesh_info) -> params | None``, for an op whose params depend
+        on its operands' shapes (a Pallas kernel's grid): the params it has on each device's shards under
+        the planned layouts, or None where they split nothing. Lowering then binds it inside a
+        ``shard_map`` over the mesh axes that split it (``lower.Evaluator.bind_local``).
     """
 
     name: str
@@ -82,6 +86,7 @@ class OpInfo:
     flops: Flops | None = None
     duplicable: bool = True
     structure: str | None = None
+    local_params: Callable | None = None
 
     def __post_init__(self):
         if self.structure is not None and self.structure not in STRUCTURES:

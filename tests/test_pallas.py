@@ -233,6 +233,47 @@ def test_attention_kernel_splits_batch_and_heads_in_the_compiled_program(mesh):
     assert written and {int(b) * int(h) for b, h in written} == {8}, written
 
 
+def _sines_kernel(x_ref, o_ref):
+    def body(i, acc):
+        return acc + jnp.sin(x_ref[...] * i.astype(jnp.float32))
+
+    o_ref[...] = jax.lax.fori_loop(0, 4, body, jnp.zeros_like(x_ref[...]))
+
+
+def sines(x, block_rows=8):
+    """A loop inside the body (a scan in the kernel's jaxpr)."""
+    spec = pl.BlockSpec((block_rows, x.shape[1]), lambda i: (i, 0))
+    return pl.pallas_call(_sines_kernel, grid=(x.shape[0] // block_rows,), in_specs=[spec], out_specs=spec,
+                          out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x)
+
+
+def _scale_kernel(s_ref, x_ref, o_ref):
+    o_ref[...] = x_ref[...] * s_ref[0].astype(jnp.float32)
+
+
+def prefetch_scaled(x, block_rows=8):
+    """A scalar-prefetch operand (read by the index maps and the body) stays whole."""
+    pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
+    spec = pl.BlockSpec((block_rows, x.shape[1]), lambda i, s_ref: (i, 0))
+    grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=(x.shape[0] // block_rows,),
+                                             in_specs=[spec], out_specs=spec)
+    return pl.pallas_call(_scale_kernel, grid_spec=grid_spec, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          interpret=True)(jnp.array([3], jnp.int32), x)
+
+
+@pytest.mark.parametrize("kernel", [row_sum, sines, prefetch_scaled], ids=["pl_when", "fori_loop", "scalar_prefetch"])
+def test_kernels_with_control_flow_or_prefetch_split_their_rows(mesh, kernel):
+    x = _normal((256, 64))
+
+    def f(x):
+        return kernel(jnp.tanh(x) + 1.0)
+
+    step = _run(f, mesh, x)
+    ((ins, outs),) = _kernel_specs(step, f, (x,))
+    assert outs[0].dims[0] and ins[-1].dims[0] == outs[0].dims[0], (ins, outs)
+    assert all(s.is_replicated() for s in ins[:-1]), ins  # the prefetched scalars
+
+
 # ---- kernels that must not be split ----------------------------------------------------------------------
 
 

@@ -19,7 +19,9 @@ A grid axis may be split only when that is certain to compute the same thing:
 - the call has no mesh of its own, no dynamic grid bounds, and aliased operands and outputs are
   walked alike.
 
-Everything else keeps the kernel replicated, with one warning that says why. The lowering
+Everything else keeps the kernel replicated, with one warning that says why. One thing cannot be
+seen: jax folds ``num_programs`` of a static grid into a constant when it traces the body, so a body
+that uses the grid's extent along a split axis (rather than ``program_id``) sees the global extent. The lowering
 (:func:`local_params`, the op's :attr:`~autoshard.strategies.OpInfo.local_params`) re-binds the
 kernel inside a ``shard_map`` over the mesh axes that split it, with the grid extent divided by the
 shards and every block mapping's array shape local.

@@ -69,7 +69,8 @@ class AccumulatedStep:
 
 # jax's messages for explicit-sharding annotations traced under autoshard's Auto-axis mesh (or none).
 _NEEDS_A_MESH = ("Using PartitionSpec when you are not under a mesh context", "requires a non-empty mesh in context")
-_ANNOTATION_ERRORS = (*_NEEDS_A_MESH, "cannot contain axis names that are of type Auto")
+_ANNOTATION_ERRORS = (*_NEEDS_A_MESH, "cannot contain axis names that are of type Auto",
+                      "Reshard should only be used with out_shardings")
 
 
 def _program_mesh(program):
@@ -91,18 +92,28 @@ def _program_mesh(program):
     return next(iter(meshes.values()))[0] if meshes else None
 
 
-def _capture(fun, abstract, in_paths, mesh):
+def _capture(fun, abstract, in_paths, mesh, leaves=()):
     """``capture_graph`` under the planning mesh, with jax's tracing errors for code that autoshard cannot
     plan (pmap collectives, explicit-sharding annotations) turned into an :class:`InputError` that names
     the user's line and the fix.
 
     With no mesh yet (``mesh=None``), the step is traced without a mesh first (a ``shard_map`` in it
     brings its own), and again under one with the planner's axis names if it needs a mesh in context
-    (``with_sharding_constraint(x, PartitionSpec("data"))``: a pin by name, on whichever mesh is chosen)."""
+    (``with_sharding_constraint(x, PartitionSpec("data"))``: a pin by name, on whichever mesh is chosen).
+
+    Code written for Explicit mesh axes (a model built under ``jax.set_mesh``: the mesh in context, or the one
+    the arguments ``leaves`` are placed on) is traced under that mesh, its arguments typed as placed, and read
+    as the user's intent (:mod:`autoshard.explicit`)."""
     from autoshard.capture import capture_graph, exception_location
     from autoshard.cluster import make_mesh
+    from autoshard.explicit import typed_arguments, user_mesh
 
+    explicit = user_mesh(leaves)
     try:
+        if explicit is not None:
+            with jax.sharding.use_abstract_mesh(explicit):
+                return capture_graph(fun, typed_arguments(abstract, leaves, explicit), in_paths=in_paths,
+                                     explicit=True)
         try:
             with _mesh_context(mesh):
                 return capture_graph(fun, abstract, in_paths=in_paths)
@@ -176,7 +187,7 @@ class Parallelized:
             local = distributed.ProcessLocalArgs.for_call(mesh, o.batch_argnums, call, abstract)
             abstract, hints = local.global_abstract(abstract), local.hints(hints)
         program = _capture(with_precision(call.pure_function(), o.precision, mesh), abstract,
-                           call.in_paths(abstract), mesh)
+                           call.in_paths(abstract), mesh, jax.tree_util.tree_leaves(call.dyn))
         fixed = _program_mesh(program) if mesh is None else None
         if fixed is not None:  # a shard_map fixes the mesh
             mesh = resolve_mesh(fixed)

@@ -296,14 +296,59 @@ def _expect(ok: bool, message: str) -> None:
 
 
 class _Builder:
-    def __init__(self):
+    def __init__(self, explicit: bool = False):
         self.avals: list = []
         self.ops: list[Op] = []
         self.consts: dict[int, Any] = {}
+        # traced under Explicit mesh axes: read as Auto, every op in a context without the mesh (explicit.py)
+        self.explicit = explicit
+        if explicit:
+            from autoshard.explicit import auto_context
+
+            self.auto_ctx = auto_context()
 
     def new_value(self, aval) -> int:
+        if self.explicit and isinstance(aval, jax.core.ShapedArray) and not aval.sharding.mesh.empty:
+            aval = jax.core.ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type)
         self.avals.append(aval)
         return len(self.avals) - 1
+
+    def _auto_params(self, eqn) -> tuple[dict, Any]:
+        """An explicitly traced eqn's params read over Auto axes: the layouts jax inferred (``sharding=``)
+        dropped, and the user's ``out_sharding=`` dropped and returned, to become a pin after the op."""
+        params, pin = dict(eqn.params), None
+        if not self.explicit or eqn.primitive.name in ("reshard", "sharding_constraint"):
+            return params, pin
+        if params.get("out_sharding") is not None:
+            pin, params["out_sharding"] = params["out_sharding"], None
+            if _transposed(eqn):  # jax's own: the backward pass types every transposed op
+                pin = None
+        if isinstance(params.get("sharding"), jax.sharding.NamedSharding):
+            params["sharding"] = None
+        return params, pin
+
+    def _dropped(self, eqn, env, inputs) -> bool:
+        """Whether ``eqn`` is a ``reshard`` that jax's backward pass wrote (the transpose of the user's, or of a
+        layout the types implied): not the user's intent, so its output is its operand."""
+        if not (self.explicit and eqn.primitive.name == "reshard" and _transposed(eqn)):
+            return False
+        if not isinstance(eqn.outvars[0], jex_core.DropVar):
+            env[eqn.outvars[0]] = inputs[0]
+        return True
+
+    def _pin(self, eqn, value: int, sharding, trips: int) -> Op:
+        """A ``reshard`` op after ``eqn`` pinning its output ``value`` to ``sharding`` (its output: the pinned
+        value)."""
+        from autoshard.explicit import reshard_primitive
+
+        if not isinstance(sharding, jax.sharding.NamedSharding):  # a PartitionSpec on the context's mesh
+            sharding = jax.sharding.NamedSharding(jax.sharding.get_abstract_mesh(), sharding)
+        out = self.new_value(self.avals[value])
+        op = Op(index=len(self.ops), primitive=reshard_primitive(), params={"dst_sharding": sharding},
+                inputs=(value,), outputs=(out,), ctx=self.auto_ctx, source_info=eqn.source_info, body=None,
+                trips=trips)
+        self.ops.append(op)
+        return op
 
     def graph(self, jaxpr, consts, trips: int) -> OpGraph:
         env: dict = {}
@@ -350,6 +395,8 @@ class _Builder:
                 for v, inner_out in zip(eqn.outvars, inner_jaxpr.outvars, strict=True):
                     env[v] = self._read(sub_env, inner_out)
                 continue
+            if self._dropped(eqn, env, inputs):
+                continue
             body = None
             if name == "scan":
                 closed = eqn.params["jaxpr"]
@@ -360,19 +407,29 @@ class _Builder:
                 outputs.append(vid)
                 if not isinstance(v, jex_core.DropVar):
                     env[v] = vid
+            params, pin = self._auto_params(eqn)
             op = Op(
                 index=len(self.ops),
                 primitive=eqn.primitive,
-                params=dict(eqn.params),
+                params=params,
                 inputs=inputs,
                 outputs=tuple(outputs),
-                ctx=eqn.ctx,
+                ctx=self.auto_ctx if self.explicit else eqn.ctx,
                 source_info=eqn.source_info,
                 body=body,
                 trips=trips,
             )
             self.ops.append(op)
             ops.append(op)
+            if pin is not None and len(outputs) == 1 and not isinstance(eqn.outvars[0], jex_core.DropVar):
+                pin_op = self._pin(eqn, outputs[0], pin, trips)
+                env[eqn.outvars[0]] = pin_op.outputs[0]
+                ops.append(pin_op)
+
+
+def _transposed(eqn) -> bool:
+    """Whether jax's backward pass wrote ``eqn`` (its name stack holds a ``transpose`` transform)."""
+    return "transpose(" in str(getattr(eqn.source_info, "name_stack", ""))
 
 
 def index_ops(ops) -> tuple[dict, dict]:
@@ -388,13 +445,16 @@ def index_ops(ops) -> tuple[dict, dict]:
     return producer, uses
 
 
-def capture_graph(fun, args, *, in_paths=None) -> CapturedProgram:
+def capture_graph(fun, args, *, in_paths=None, explicit: bool = False) -> CapturedProgram:
     """Trace ``fun(*args)`` (arrays or ``ShapeDtypeStruct``s) into a :class:`CapturedProgram`.
 
     ``fun`` is traced on the argument pytrees themselves, so jax's tracing errors name ``fun`` (or the
     function it wraps, ``__wrapped__``) and each argument by its signature and pytree path, as under
     ``jax.jit``. An exception raised while tracing gets a note naming the step, its source line, the
-    line that raised, and, for an error about a traced value, the leaves traced from Python scalars."""
+    line that raised, and, for an error about a traced value, the leaves traced from Python scalars.
+
+    ``explicit``: ``fun`` is traced under an Explicit mesh (code written for one, :mod:`autoshard.explicit`);
+    its annotations become pins and the layouts jax inferred are dropped."""
     in_tree = jax.tree_util.tree_structure(args)
     if in_paths is None:
         in_paths = tuple(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0])
@@ -405,7 +465,7 @@ def capture_graph(fun, args, *, in_paths=None) -> CapturedProgram:
         raise
     out_leaves_paths = jax.tree_util.tree_flatten_with_path(out_shape)[0]
     out_tree = jax.tree_util.tree_structure(out_shape)
-    b = _Builder()
+    b = _Builder(explicit)
     graph = b.graph(closed.jaxpr, closed.consts, 1)
     return CapturedProgram.from_graph(
         graph,

@@ -189,7 +189,7 @@ def plan(request: PlanRequest):
     Raises:
       InfeasibleError: no mesh fits the budget (the one that came closest is reported).
     """
-    from autoshard.planner import warn_indivisible_batch, warn_unsupported
+    from autoshard.planner import warn_dropped_pins, warn_indivisible_batch, warn_unsupported
 
     meshes = request.meshes()
     total, done = 1 + 3 * len(meshes), [1]
@@ -217,6 +217,7 @@ def plan(request: PlanRequest):
         request.progress("done", total, total)
     # Warn here, once per plan, not once per candidate mesh.
     warn_unsupported(best.warnings)
+    warn_dropped_pins(request.program, best.mesh_info.names)
     warn_indivisible_batch(request.program, request.ties, best.mesh_info)
 
     def replan(pins):  # for Plan.explain: the same planning on the chosen mesh, with more leaves pinned

@@ -145,7 +145,7 @@ class Evaluator:
                 outs = self.run_scan(op, invals, env.get(MICROBATCH))
             elif op.outputs[0] in self.draws and MICROBATCH in env:
                 outs = (self.draw(op, invals, env[MICROBATCH]),)
-            elif op.name == "sharding_constraint":  # the user's pin: the plan's layout below replaces it
+            elif op.name in ("sharding_constraint", "reshard"):  # the user's pin: the plan's layout below replaces it
                 outs = (invals[0],)
             elif (local := self.bind_local(op, invals)) is not None:  # a kernel split by its grid
                 outs = local

@@ -1041,6 +1041,15 @@ def simulate_step(graph: StrategyGraph, node_strategy, program: CapturedProgram,
     return StepTime(sched.makespan, compute, comm, sched.exposed, flops, hbm, dict(sched.busy), by_kind, forward)
 
 
+def warn_dropped_pins(program, axis_names) -> None:
+    """One warning for the sharding annotations that name axes the planning mesh lacks (they lay out nothing)."""
+    from autoshard.explicit import dropped_pins
+
+    message = dropped_pins(program, axis_names)
+    if message is not None:
+        warnings.warn(message, AutoshardWarning, stacklevel=3)
+
+
 def warn_unsupported(names) -> None:
     for n in names:
         warnings.warn(

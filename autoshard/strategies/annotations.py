@@ -1,4 +1,5 @@
-"""Sharding annotations written in the user's model code: ``jax.lax.with_sharding_constraint``.
+"""Sharding annotations written in the user's model code: ``jax.lax.with_sharding_constraint``, and
+``jax.sharding.reshard`` / ``out_sharding=`` in code written for Explicit mesh axes (:mod:`autoshard.explicit`).
 
 A constraint is a pin: its one strategy lays the value out as the user asked, matched to the
 planning mesh by axis names, so the planner prices everything around it. Lowering applies the plan's
@@ -16,8 +17,11 @@ from autoshard.strategies.elementwise import elementwise_strategies
 
 
 def pinned_spec(op, ctx: RuleContext) -> ShardingSpec | None:
-    """The layout a ``sharding_constraint`` asks for on the planning mesh, or None if it cannot be had."""
-    sharding = op.params.get("sharding")
+    """The layout a ``sharding_constraint`` (or ``reshard``) asks for on the planning mesh, or None if it cannot
+    be had."""
+    from autoshard.explicit import pin_sharding
+
+    sharding = pin_sharding(op)
     pspec = getattr(sharding, "spec", None)
     if pspec is None:
         return None
@@ -29,7 +33,7 @@ def pinned_spec(op, ctx: RuleContext) -> ShardingSpec | None:
     return spec if divides(shape, spec, ctx.mesh) else None
 
 
-@register_strategy("sharding_constraint")
+@register_strategy("sharding_constraint", "reshard")
 def _sharding_constraint(op, ctx: RuleContext) -> list[Strategy]:
     spec = pinned_spec(op, ctx)
     if spec is None:

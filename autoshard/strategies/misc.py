@@ -143,12 +143,12 @@ def _optimization_barrier(op, ctx: RuleContext) -> list[Strategy]:
     return identity_strategies(ctx)
 
 
-@register_strategy("reshard", "layout_constraint", "name", "consume", "assert_consumed_value",
+@register_strategy("layout_constraint", "name", "consume", "assert_consumed_value",
                    "xla_metadata_value", "device_put", "shard_alike", "stage", "relayout",
                    "with_memory_space_constraint", follows=True)
 def _identity(op, ctx: RuleContext) -> list[Strategy]:
-    """Identities on values. ``reshard`` (explicit sharding) is one too: the plan picks the layout,
-    and lowering pins it, so the user's target sharding is a hint, not a constraint. ``relayout`` (a device
+    """Identities on values (``reshard``, an explicit-sharding annotation, is a pin: strategies/annotations.py).
+    ``relayout`` (a device
     layout) and ``with_memory_space_constraint`` (a memory kind) change where the value lives, not its values."""
     return identity_strategies(ctx)
 

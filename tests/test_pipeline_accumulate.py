@@ -140,3 +140,29 @@ def test_microbatches_draw_the_full_steps_dropout(runtime):
     assert_trees_close(out_state["params"], ref_state["params"], rtol=1e-5, atol=5e-5, what="params")
     analysis = step.prepared(state, batch).analysis
     assert len(analysis.draws) == 2
+
+
+def _per_example_dropout_step(w, x, keys):
+    def loss(w):
+        def one(xi, k):
+            h = jnp.tanh(xi @ w)
+            return (jax.random.bernoulli(k, 0.9, h.shape) * h).sum()
+
+        return jax.vmap(one)(x, keys).mean()
+
+    value, grad = jax.value_and_grad(loss)(w)
+    return w - 0.1 * grad, value
+
+
+def test_microbatches_with_per_example_keys_draw_what_the_full_step_draws():
+    """Dropout from per-example keys (split per example and vmapped, as Equinox models draw it): each
+    microbatch draws its own examples' bits from its slice of the keys (a draw from one key for the whole
+    batch is sliced from the full draw instead)."""
+    w = jnp.ones((8, 32)) / 10
+    x = jnp.arange(8 * 17 * 8.0).reshape(8, 17, 8) / 1000
+    keys = jax.random.split(jax.random.key(0), 8)
+    ref_w, ref_loss = jax.jit(_per_example_dropout_step)(w, x, keys)
+    step = autoshard.parallelize(_per_example_dropout_step, num_microbatches=2, batch_argnums=(1, 2), progress=None)
+    new_w, new_loss = step(w, x, keys)
+    np.testing.assert_allclose(new_loss, ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(new_w, ref_w, rtol=1e-5, atol=1e-6)

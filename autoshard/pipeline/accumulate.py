@@ -160,7 +160,10 @@ def analyze_step(fun, args, *, batch_positions, batch_size: int, num_microbatche
             axis[v] = next(d for d, (x, y) in enumerate(zip(sa, sb, strict=True)) if x != y)
     dependent = {full.graph.invars[p] for p in batch_positions}
     region, frontier = _regions(full, batched, dependent)
-    drawn = [op.outputs[0] for op in full.ops if op.name in DRAWS and op.outputs[0] in batched]
+    # Bits drawn with the batch's shape from keys that are not themselves per example: each microbatch slices
+    # the full draw. Per-example keys (split per example, vmapped) already draw each microbatch's own bits.
+    drawn = [op.outputs[0] for op in full.ops if op.name in DRAWS and op.outputs[0] in batched
+             and not any(isinstance(x, int) and x in batched for x in op.inputs)]
     return StepAnalysis(
         full=full, micro=micro, region=tuple(region), batched=frozenset(batched), batch_axis=axis,
         dependent=frozenset(dependent), frontier=tuple(frontier), batch_inputs=tuple(batch_positions),

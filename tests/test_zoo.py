@@ -30,7 +30,7 @@ nnx = pytest.importorskip("flax.nnx")
 pytest.importorskip("optax")
 pytest.importorskip("einops")
 
-from tests.zoo import cnn_nnx, llama_nnx, lstm, manual, moe, resnet, scan_lm, t5, vit  # noqa: E402
+from tests.zoo import cnn_nnx, gnn, llama_nnx, lstm, manual, moe, resnet, scan_lm, t5, unet, vit  # noqa: E402
 
 FUNCTIONAL = {
     "t5": t5.case,
@@ -42,6 +42,9 @@ FUNCTIONAL = {
     "shard_map": manual.shard_map_case,
     "custom_partitioning": manual.custom_partitioning_case,
     "scan_lm": scan_lm.case,
+    "gnn_graph_net": gnn.case,
+    "gnn_gcn": functools.partial(gnn.case, gnn.GNNConfig(model="gcn")),
+    "unet": unet.case,
 }
 MESHES = {
     "2x4": lambda: autoshard.make_mesh((2, 4), ("data", "model")),

@@ -5,7 +5,7 @@ Two linen models over a ``GraphsTuple`` (jraph's layout, written here without jr
 ``GraphConvNet`` (jraph's ``GraphConvolution`` with self edges and symmetric normalisation, then
 mean pooling per graph). Messages are gathered with ``nodes[senders]`` and summed into their
 receivers with ``jax.ops.segment_sum``; per-graph features are broadcast to nodes and edges with
-``jnp.repeat(..., total_repeat_length=...)``. A batch holds 7 molecules and the padding graph that
+``jnp.repeat(..., total_repeat_length=...)``. A batch holds 31 molecules and the padding graph that
 jraph's ``pad_with_graphs`` appends (the rest of the node and edge budget, its edges on its own
 first node); the labels ride in its ``globals``, as the example's input pipeline puts them. The loss
 is the example's binary cross entropy over 128 tasks, masked where a label is NaN (unlabelled) and on
@@ -167,16 +167,18 @@ MODELS = {"graph_net": GraphNet, "gcn": GraphConvNet}
 @dataclass(frozen=True)
 class GNNConfig:
     model: str = "graph_net"
-    latent_size: int = 32
+    # Wide and many enough that the plan on (2, 4) splits the kernels on `model` and the edges on `data`
+    # (at width 32 and 7 molecules it replicates everything).
+    latent_size: int = 128
     num_mlp_layers: int = 2
     message_passing_steps: int = 2
     num_tasks: int = 128  # ogbg-molpcba's binary tasks
     dropout_rate: float = 0.1
     node_features: int = 9  # ogbg-molpcba's atom and bond features
     edge_features: int = 3
-    graphs: int = 7  # molecules; the padding graph makes n_graph 8
-    max_nodes: int = 64  # the padded node and edge budgets
-    max_edges: int = 128
+    graphs: int = 31  # molecules; the padding graph makes n_graph 32
+    max_nodes: int = 256  # the padded node and edge budgets
+    max_edges: int = 512
     labelled: float = 0.7  # the fraction of (molecule, task) labels that are not NaN
 
     def build(self, *, deterministic: bool) -> nn.Module:

@@ -604,3 +604,23 @@ def test_node_weights_need_time_for_their_rounds(monkeypatch):
     assert best is not None and best.overflow() <= 0
     assert not any(line.startswith(("cfn node weights", "cfn point prices")) for line in lines)
     assert any(line.startswith("cfn learned prices") for line in lines)
+
+
+def test_a_solve_leaves_no_cpu_timer_armed():
+    """toulbar2 arms a process-wide CPU-time timer for its limit and leaves it armed when it returns early; its
+    signal handler then fired seconds later inside an XLA compile's malloc and deadlocked the process."""
+    import signal
+    import time
+
+    from autoshard.solver.cfn import minimise
+    from autoshard.solver.problem import ShardingProblem
+    from autoshard.solver.reduce import reduce_problem
+
+    rng = np.random.default_rng(0)  # a 6 x 6 grid of 4-way choices: the reductions leave a core
+    edges = np.array([(6 * i + j, 6 * i + j + 1) for i in range(6) for j in range(5)]
+                     + [(6 * i + j, 6 * i + j + 6) for i in range(5) for j in range(6)])
+    p = ShardingProblem(node_costs=tuple(rng.random(4) for _ in range(36)), edges=edges,
+                        edge_costs=tuple(rng.random((4, 4)) for _ in edges))
+    found = minimise(reduce_problem(p, with_memory=False), time.perf_counter() + 5.5)
+    assert found is not None and found.proven
+    assert signal.getitimer(signal.ITIMER_VIRTUAL) == (0.0, 0.0)

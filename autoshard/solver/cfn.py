@@ -65,7 +65,7 @@ from autoshard.solver.reduce import Reduction, reduce_problem
 _CELL_BITS = 40
 _TOTAL_COST = 2.0**58
 # toulbar2 takes whole seconds; a solve is not started with less than this left.
-_MIN_SECONDS = 1.0
+MIN_SECONDS = 1.0
 # The bisection: its first exponent (of the uniform price, times the plain cost/usage scale) is the
 # _SLOPE_QUANTILE of the nodes' trade prices at the least-memory choice (:func:`start_exponent`), or
 # _START_EXPONENT where no node trades; then its first step, and the step at which it stops. The contest
@@ -190,7 +190,7 @@ def minimise(red: Reduction, deadline: float, *, seed: int = 0) -> CfnAnswer | N
     """
     n = red.num_core
     seconds = math.floor(deadline - time.perf_counter())
-    if seconds < _MIN_SECONDS or not available():
+    if seconds < MIN_SECONDS or not available():
         return None
     if n == 0:
         return CfnAnswer(np.zeros(0, dtype=np.int64), 0.0, True)
@@ -224,11 +224,26 @@ def minimise(red: Reduction, deadline: float, *, seed: int = 0) -> CfnAnswer | N
         found = cfn.Solve(timeLimit=int(seconds))
     except cfn.Contradiction:
         found = None
+    finally:
+        _disarm_timer()
     dual = float(cfn.GetDDualBound())
     bound = dual / scale + offset
     if found is None:
         return CfnAnswer(None, bound, False)
     return CfnAnswer(np.asarray(found[0], dtype=np.int64), bound, float(found[1]) <= dual)
+
+
+def _disarm_timer() -> None:
+    """Stop the CPU-time timer toulbar2 arms for its time limit (``ITIMER_VIRTUAL``, process-wide).
+
+    A solve that returns before its limit leaves it armed, and its ``SIGVTALRM`` handler, which allocates,
+    then fires during whatever runs that many CPU-seconds later: inside ``malloc`` in an XLA compile it
+    deadlocked the process (a UNet planned on (2, 4) hung at 0% CPU). ``setitimer`` may be called from any
+    thread."""
+    import signal
+
+    if hasattr(signal, "setitimer"):
+        signal.setitimer(signal.ITIMER_VIRTUAL, 0)
 
 
 def _default_search(option) -> None:

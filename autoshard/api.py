@@ -142,6 +142,17 @@ def _capture(fun, abstract, in_paths, mesh, leaves=()):
             "pin argument layouts with parallelize(..., hints={path_regex: PartitionSpec(...)}).") from None
 
 
+def _candidate_axis_names(leaves) -> tuple[str, str]:
+    """The axis names of the meshes ``mesh=None`` tries: those of the 2-D Explicit mesh the step's code was
+    written for, when it has one (its annotations name them: :mod:`autoshard.explicit`), else ("data", "model")."""
+    from autoshard.explicit import user_mesh
+
+    explicit = user_mesh(leaves)
+    if explicit is not None and len(explicit.axis_names) == 2:
+        return tuple(explicit.axis_names)
+    return ("data", "model")
+
+
 class Parallelized:
     """A step function that plans, shards and runs itself as one program. Made by :func:`parallelize`.
 
@@ -186,8 +197,10 @@ class Parallelized:
                 mesh = make_mesh((jax.process_count(), jax.local_device_count()), ("data", "model"))
             local = distributed.ProcessLocalArgs.for_call(mesh, o.batch_argnums, call, abstract)
             abstract, hints = local.global_abstract(abstract), local.hints(hints)
+        leaves = jax.tree_util.tree_leaves(call.dyn)
         program = _capture(with_precision(call.pure_function(), o.precision, mesh), abstract,
-                           call.in_paths(abstract), mesh, jax.tree_util.tree_leaves(call.dyn))
+                           call.in_paths(abstract), mesh, leaves)
+        axis_names = _candidate_axis_names(leaves) if mesh is None else ("data", "model")
         fixed = _program_mesh(program) if mesh is None else None
         if fixed is not None:  # a shard_map fixes the mesh
             mesh = resolve_mesh(fixed)
@@ -200,7 +213,7 @@ class Parallelized:
             return plan_program(program, mesh=mesh, cluster=o.cluster, memory_budget=o.memory_budget, hints=hints,
                                 donated=donated, ties=ties, time_limit=o.solver_time_limit, timings=timings,
                                 tie_layers=o.tie_layers, progress=planning_progress(o.progress),
-                                remat=o.wants_remat, profile=o.profile)
+                                remat=o.wants_remat, profile=o.profile, axis_names=axis_names)
 
         if o.plan is not None:
             plan = self._apply_saved(program)
@@ -432,12 +445,14 @@ def make_step(fun, options: Options):
 
 
 def plan_program(program, *, mesh=None, cluster=None, memory_budget=None, hints=None, donated=(), ties=None,
-                 time_limit=10.0, timings=None, tie_layers="auto", progress=None, remat=False, profile=None):
+                 time_limit=10.0, timings=None, tie_layers="auto", progress=None, remat=False, profile=None,
+                 axis_names=("data", "model")):
     """Plan a captured program: :func:`autoshard.driver.plan` of a :class:`~autoshard.driver.PlanRequest`
-    made of these options. With ``mesh=None``, every 2-D factorization of all devices is tried."""
+    made of these options. With ``mesh=None``, every 2-D factorization of all devices over ``axis_names`` is
+    tried."""
     from autoshard.driver import PlanRequest, plan
 
     return plan(PlanRequest(program, mesh=mesh, cluster=cluster, memory_budget=memory_budget, hints=dict(hints or {}),
                             donated=frozenset(donated), ties=dict(ties or {}), time_limit=time_limit,
                             tie_layers=tie_layers, remat=remat, progress=progress, timings=dict(timings or {}),
-                            profile=profile))
+                            profile=profile, axis_names=tuple(axis_names)))

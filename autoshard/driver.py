@@ -76,6 +76,8 @@ class PlanRequest:
       timings: seconds of the passes before planning (capture), copied into each plan's stats.
       profile: the :class:`~autoshard.backends.BackendProfile` of the backend that compiles the plan;
         None: the platform of the mesh's devices (:func:`autoshard.backends.profile_for_mesh`).
+      axis_names: the two axis names of the candidate meshes when ``mesh`` is None (the names of the
+        Explicit mesh a model was written for, so its annotations apply: :mod:`autoshard.explicit`).
     """
 
     program: CapturedProgram
@@ -92,15 +94,16 @@ class PlanRequest:
     progress: Callable | None = None
     timings: Mapping[str, float] = dataclasses.field(default_factory=dict)
     profile: Any = None
+    axis_names: tuple[str, str] = ("data", "model")
 
     def meshes(self) -> list:
-        """The candidate meshes: the request's, or every 2-D factorization of the devices."""
+        """The candidate meshes: the request's, or every 2-D factorization of the devices over ``axis_names``."""
         from autoshard.cluster import make_mesh
 
         if self.mesh is not None:
             return [self.mesh]
         n = len(jax.devices())
-        return [make_mesh((a, n // a), ("data", "model")) for a in range(1, n + 1) if n % a == 0]
+        return [make_mesh((a, n // a), tuple(self.axis_names)) for a in range(1, n + 1) if n % a == 0]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -171,3 +171,24 @@ def test_the_minigpt_plan_honours_its_annotations_on_a_mesh_with_their_names():
     sharding = jax.tree_util.tree_leaves(compiled.output_shardings)[0]  # the logits (the model's state follows)
     assert sharding.spec[0] == "batch", sharding.spec
     assert isinstance(sharding, NamedSharding)
+
+
+def test_mesh_none_plans_over_the_axis_names_of_the_users_explicit_mesh():
+    """With ``mesh=None`` the candidate meshes take the names of the Explicit mesh the model was written for,
+    so its annotations apply (no warning) and the logits come out batch on ``batch``."""
+    case = minigpt_explicit.case()
+    model, _ = case.make_objects()
+
+    def logits(model, tokens):
+        return model(tokens)
+
+    step = autoshard.parallelize(logits, mesh=None, cluster=CPU_SIM, progress=None)
+    tokens = case.make_batch()[0]
+    with jax.set_mesh(minigpt_explicit.explicit_mesh()):
+        ref = nnx.jit(logits)(model, tokens)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", AutoshardWarning)
+            plan = step.plan(model, tokens)
+            out = step(model, tokens)
+    assert tuple(plan.mesh.axis_names) == ("batch", "model")
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)

@@ -55,8 +55,9 @@ def user_mesh(leaves) -> jax.sharding.AbstractMesh | None:
 
 def typed_arguments(abstract, leaves, mesh: jax.sharding.AbstractMesh):
     """``abstract`` (a pytree of ``ShapeDtypeStruct``s, one per leaf of ``leaves``) typed on ``mesh``: each
-    array keeps its own layout where it is placed on a mesh of the same axis names, else it is replicated
-    (``P()``); Python scalars stay untyped, as jax leaves them."""
+    array keeps its own layout where it is placed on an Explicit mesh of the same axis names, else it is
+    replicated (``P()``: an array autoshard placed, on its Auto axes, is typed as the user's code expects of a
+    fresh one); Python scalars stay untyped, as jax leaves them."""
     flat, tree = jax.tree_util.tree_flatten(abstract)
     typed = []
     for a, leaf in zip(flat, leaves, strict=True):
@@ -65,8 +66,9 @@ def typed_arguments(abstract, leaves, mesh: jax.sharding.AbstractMesh):
             continue
         sharding = getattr(leaf, "sharding", None)
         spec = PartitionSpec()
-        if isinstance(sharding, NamedSharding) and tuple(sharding.mesh.axis_names) == tuple(mesh.axis_names):
-            spec = sharding.spec
+        if (isinstance(sharding, NamedSharding) and _has_explicit_axes(sharding.mesh)
+                and tuple(sharding.mesh.axis_names) == tuple(mesh.axis_names)):
+            spec = sharding.spec  # placed by the user (autoshard's own layouts are on Auto axes: not typed)
         typed.append(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec),
                                           weak_type=getattr(a, "weak_type", False)))
     return jax.tree_util.tree_unflatten(tree, typed)

@@ -92,7 +92,7 @@ def _program_mesh(program):
     return next(iter(meshes.values()))[0] if meshes else None
 
 
-def _capture(fun, abstract, in_paths, mesh, leaves=()):
+def _capture(fun, abstract, in_paths, mesh, *, leaves=(), explicit=None):
     """``capture_graph`` under the planning mesh, with jax's tracing errors for code that autoshard cannot
     plan (pmap collectives, explicit-sharding annotations) turned into an :class:`InputError` that names
     the user's line and the fix.
@@ -101,14 +101,13 @@ def _capture(fun, abstract, in_paths, mesh, leaves=()):
     brings its own), and again under one with the planner's axis names if it needs a mesh in context
     (``with_sharding_constraint(x, PartitionSpec("data"))``: a pin by name, on whichever mesh is chosen).
 
-    Code written for Explicit mesh axes (a model built under ``jax.set_mesh``: the mesh in context, or the one
-    the arguments ``leaves`` are placed on) is traced under that mesh, its arguments typed as placed, and read
-    as the user's intent (:mod:`autoshard.explicit`)."""
+    Code written for Explicit mesh axes (``explicit``: the mesh :func:`autoshard.explicit.user_mesh` found, in
+    context or the one the arguments ``leaves`` are placed on) is traced under that mesh, its arguments typed
+    as placed, and read as the user's intent (:mod:`autoshard.explicit`)."""
     from autoshard.capture import capture_graph, exception_location
     from autoshard.cluster import make_mesh
-    from autoshard.explicit import typed_arguments, user_mesh
+    from autoshard.explicit import typed_arguments
 
-    explicit = user_mesh(leaves)
     try:
         if explicit is not None:
             with jax.sharding.use_abstract_mesh(explicit):
@@ -142,12 +141,10 @@ def _capture(fun, abstract, in_paths, mesh, leaves=()):
             "pin argument layouts with parallelize(..., hints={path_regex: PartitionSpec(...)}).") from None
 
 
-def _candidate_axis_names(leaves) -> tuple[str, str]:
-    """The axis names of the meshes ``mesh=None`` tries: those of the 2-D Explicit mesh the step's code was
-    written for, when it has one (its annotations name them: :mod:`autoshard.explicit`), else ("data", "model")."""
-    from autoshard.explicit import user_mesh
-
-    explicit = user_mesh(leaves)
+def _candidate_axis_names(explicit) -> tuple[str, str]:
+    """The axis names of the meshes ``mesh=None`` tries: those of ``explicit``, the 2-D Explicit mesh the step's
+    code was written for, when it has one (its annotations name them: :mod:`autoshard.explicit`), else
+    ("data", "model")."""
     if explicit is not None and len(explicit.axis_names) == 2:
         return tuple(explicit.axis_names)
     return ("data", "model")
@@ -184,6 +181,7 @@ class Parallelized:
     # ---- planning ----------------------------------------------------------------------------------
     def _build(self, call: BoundCall, abstract) -> CompiledStep | AccumulatedStep:
         from autoshard.cluster import is_abstract, make_mesh, resolve_mesh
+        from autoshard.explicit import user_mesh
         from autoshard.precision import with_precision
 
         o = self.options
@@ -198,9 +196,10 @@ class Parallelized:
             local = distributed.ProcessLocalArgs.for_call(mesh, o.batch_argnums, call, abstract)
             abstract, hints = local.global_abstract(abstract), local.hints(hints)
         leaves = jax.tree_util.tree_leaves(call.dyn)
+        explicit = user_mesh(leaves)
         program = _capture(with_precision(call.pure_function(), o.precision, mesh), abstract,
-                           call.in_paths(abstract), mesh, leaves)
-        axis_names = _candidate_axis_names(leaves) if mesh is None else ("data", "model")
+                           call.in_paths(abstract), mesh, leaves=leaves, explicit=explicit)
+        axis_names = _candidate_axis_names(explicit) if mesh is None else ("data", "model")
         fixed = _program_mesh(program) if mesh is None else None
         if fixed is not None:  # a shard_map fixes the mesh
             mesh = resolve_mesh(fixed)

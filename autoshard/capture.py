@@ -25,6 +25,7 @@ import jax.extend.core as jex_core
 import numpy as np
 
 from autoshard.errors import InvalidProgramError
+from autoshard.explicit import auto_context, reshard_primitive, without_mesh
 
 INLINED = {
     # primitive name -> the param that holds the body
@@ -303,13 +304,11 @@ class _Builder:
         # traced under Explicit mesh axes: read as Auto, every op in a context without the mesh (explicit.py)
         self.explicit = explicit
         if explicit:
-            from autoshard.explicit import auto_context
-
             self.auto_ctx = auto_context()
 
     def new_value(self, aval) -> int:
-        if self.explicit and isinstance(aval, jax.core.ShapedArray) and not aval.sharding.mesh.empty:
-            aval = jax.core.ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type)
+        if self.explicit:
+            aval = without_mesh(aval)
         self.avals.append(aval)
         return len(self.avals) - 1
 
@@ -339,8 +338,6 @@ class _Builder:
     def _pin(self, eqn, value: int, sharding, trips: int) -> Op:
         """A ``reshard`` op after ``eqn`` pinning its output ``value`` to ``sharding`` (its output: the pinned
         value)."""
-        from autoshard.explicit import reshard_primitive
-
         if not isinstance(sharding, jax.sharding.NamedSharding):  # a PartitionSpec on the context's mesh
             sharding = jax.sharding.NamedSharding(jax.sharding.get_abstract_mesh(), sharding)
         out = self.new_value(self.avals[value])

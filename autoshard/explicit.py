@@ -91,6 +91,18 @@ def reshard_primitive():
     return _reshard_primitive(mesh)
 
 
+def without_mesh(aval):
+    """``aval`` with no mesh in its type (a Ref's element type too): as if traced outside any mesh."""
+    inner = getattr(aval, "inner_aval", None)  # a Ref: its element type names the mesh
+    if inner is not None:
+        new = without_mesh(inner)
+        return aval if new is inner else aval.update(inner_aval=new)
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+    if mesh is None or mesh.empty:
+        return aval
+    return aval.update(sharding=None)
+
+
 def auto_context():
     """An eqn context (``JaxprEqnContext``) without a mesh: the one every op of an explicitly traced program
     takes, so that lowering binds it on the planning mesh's Auto axes, not the Explicit mesh it was traced

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+from autoshard.explicit import pin_sharding
 from autoshard.spec import ShardingSpec
 from autoshard.strategies.base import RuleContext, Strategy, divides, register_strategy
 from autoshard.strategies.elementwise import elementwise_strategies
@@ -19,8 +20,6 @@ from autoshard.strategies.elementwise import elementwise_strategies
 def pinned_spec(op, ctx: RuleContext) -> ShardingSpec | None:
     """The layout a ``sharding_constraint`` (or ``reshard``) asks for on the planning mesh, or None if it cannot
     be had."""
-    from autoshard.explicit import pin_sharding
-
     sharding = pin_sharding(op)
     pspec = getattr(sharding, "spec", None)
     if pspec is None:

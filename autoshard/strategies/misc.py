@@ -148,8 +148,8 @@ def _optimization_barrier(op, ctx: RuleContext) -> list[Strategy]:
                    "with_memory_space_constraint", follows=True)
 def _identity(op, ctx: RuleContext) -> list[Strategy]:
     """Identities on values (``reshard``, an explicit-sharding annotation, is a pin: strategies/annotations.py).
-    ``relayout`` (a device
-    layout) and ``with_memory_space_constraint`` (a memory kind) change where the value lives, not its values."""
+    ``relayout`` (a device layout) and ``with_memory_space_constraint`` (a memory kind) change where the value
+    lives, not its values."""
     return identity_strategies(ctx)
 
 

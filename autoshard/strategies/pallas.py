@@ -38,6 +38,7 @@ import jax
 import jax.extend.core as jex_core
 import numpy as np
 
+from autoshard.explicit import without_mesh
 from autoshard.spec import MeshInfo, ShardingSpec
 from autoshard.strategies.base import RuleContext, Strategy, register_strategy, replicated_strategy
 from autoshard.strategies.manual import jaxpr_flops
@@ -354,26 +355,16 @@ class _Unmeshed:
     def __init__(self):
         self.vars = {}
 
-    def aval(self, aval):
-        inner = getattr(aval, "inner_aval", None)  # a Ref: its element type names the mesh
-        if inner is not None:
-            new = self.aval(inner)
-            return aval if new is inner else aval.update(inner_aval=new)
-        mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
-        if mesh is None or mesh.empty:
-            return aval
-        return aval.update(sharding=None)
-
     def var(self, v):
         if isinstance(v, jex_core.Literal):
-            aval = self.aval(v.aval)
+            aval = without_mesh(v.aval)
             val = v.val
             if isinstance(val, np.ndarray) and hasattr(val, "aval"):  # jax's typed host array: its type holds the mesh
-                val = type(val)(np.asarray(val), self.aval(val.aval))
+                val = type(val)(np.asarray(val), without_mesh(val.aval))
             return jex_core.Literal(val, aval)
         new = self.vars.get(v)
         if new is None:
-            aval = self.aval(v.aval)
+            aval = without_mesh(v.aval)
             new = v if aval is v.aval else (jex_core.DropVar(aval) if isinstance(v, jex_core.DropVar)
                                              else jex_core.Var(aval))
             self.vars[v] = new

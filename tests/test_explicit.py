@@ -174,8 +174,8 @@ def test_the_minigpt_plan_honours_its_annotations_on_a_mesh_with_their_names():
 
 
 def test_mesh_none_plans_over_the_axis_names_of_the_users_explicit_mesh():
-    """With ``mesh=None`` the candidate meshes take the names of the Explicit mesh the model was written for,
-    so its annotations apply (no warning) and the logits come out batch on ``batch``."""
+    """Called outside ``jax.set_mesh`` (inside it, ``mesh=None`` is the mesh in context) with arrays placed on
+    the Explicit mesh, ``mesh=None`` tries meshes named as that one, so its annotations apply (no warning)."""
     case = minigpt_explicit.case()
     model, _ = case.make_objects()
 
@@ -186,9 +186,9 @@ def test_mesh_none_plans_over_the_axis_names_of_the_users_explicit_mesh():
     tokens = case.make_batch()[0]
     with jax.set_mesh(minigpt_explicit.explicit_mesh()):
         ref = nnx.jit(logits)(model, tokens)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", AutoshardWarning)
-            plan = step.plan(model, tokens)
-            out = step(model, tokens)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AutoshardWarning)
+        plan = step.plan(model, tokens)
+        out = step(model, tokens)
     assert tuple(plan.mesh.axis_names) == ("batch", "model")
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)

@@ -398,7 +398,8 @@ def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float,
     once a floor (the unconstrained optimum without remat, plus the first ``k`` segments'
     matmuls on all devices at full speed) reaches the best plan found. The floor is exact
     for the recompute's compute time; it treats the reshards the redirected backward reads
-    pay as free, so it prunes, it does not prove.
+    pay as free, so it prunes, it does not prove. Once consecutive candidates are planned, the
+    cost per recomputed flop they show tightens it (``_RematSearch._observed_floor``).
 
     ``check(plan, program, groups) -> bytes``, when given, compiles the chosen candidate and
     returns XLA's peak per device. When that exceeds ``budget`` (XLA's schedule keeps more
@@ -420,6 +421,11 @@ def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float,
         return first, None
     chosen, compiled = search.run(flops_per_second, check, check_rounds if check is not None else 0, checked_by)
     return search.result(chosen, compiled, first, max_units)
+
+
+OBSERVED_FLOOR_SHARE = 0.9
+"""The share of the recompute cost per flop seen between planned candidates that :meth:`_RematSearch._observed_floor`
+counts on for the next one (a margin for unequal segments and solves stopped by their time limit)."""
 
 
 class _RematSearch:
@@ -453,7 +459,8 @@ class _RematSearch:
         floor = self.attempts[(0, limit)].unconstrained_objective
         best_k = 0 if first is not None else None
         for k in range(1, len(self.units) + 1):
-            bound = floor + sum(u.matmul_flops for u in self.units[:k]) / flops_per_second
+            bound = max(floor + sum(u.matmul_flops for u in self.units[:k]) / flops_per_second,
+                        self._observed_floor(k, limit))
             if best_k is not None and bound >= plans[(best_k, limit)].cost.objective:
                 break
             p = self.attempt(k, limit)
@@ -461,6 +468,22 @@ class _RematSearch:
             if p is not None and (best_k is None or p.cost.total_seconds < plans[(best_k, limit)].cost.total_seconds):
                 best_k = k
         return best_k
+
+    def _observed_floor(self, k: int, limit: float) -> float:
+        """A tighter floor for candidate ``k`` once ``k - 1`` and two consecutive candidates before it are planned
+        under ``limit``: the unconstrained objective of ``k - 1`` plus unit ``k``'s matmul flops at the least cost per recomputed
+        flop seen so far between consecutive candidates, times ``OBSERVED_FLOOR_SHARE``.
+
+        The full-speed floor prices recompute at the cluster's peak rate on every device; the step pays
+        more (a recomputed segment is its ops at the plan's sharding, at the rate its shapes get), so at
+        scale that floor never pruned (Llama-3-8B on 8: every candidate after the first that fit was planned,
+        three solves more for nothing). The rate seen between candidates is what recompute cost there."""
+        free = {j: a.unconstrained_objective for (j, lim), a in self.attempts.items() if lim == limit}
+        rates = [(free[j] - free[j - 1]) / self.units[j - 1].matmul_flops
+                 for j in range(1, k) if j in free and j - 1 in free and self.units[j - 1].matmul_flops > 0]
+        if k - 1 not in free or not rates or min(rates) <= 0:
+            return -math.inf
+        return free[k - 1] + OBSERVED_FLOOR_SHARE * min(rates) * self.units[k - 1].matmul_flops
 
     def run(self, flops_per_second: float, check, rounds: int, checked_by: str = "XLA's memory_analysis"):
         """Search, and while the compiled peak (``check``) is over the budget, search again under a

@@ -204,3 +204,20 @@ def test_remat_replans_under_a_shrunk_budget_and_refuses_when_xla_stays_over():
                      check=lambda plan, prog, groups: 200.0)
     shrink = 100.0 / 200.0 * 0.97
     assert sorted(set(limits), reverse=True) == pytest.approx([100.0, 100.0 * shrink, 100.0 * shrink * shrink])
+
+
+def test_observed_floor_prices_the_next_segment_at_the_least_cost_per_flop_seen():
+    """Once consecutive candidates are planned, the next one's floor is the last one's unconstrained objective plus
+    its segment's flops at the least cost per recomputed flop seen (times the margin); before that, none."""
+    from types import SimpleNamespace
+
+    from autoshard.remat import OBSERVED_FLOOR_SHARE, _RematSearch
+
+    search = _RematSearch(None, None, budget=1.0)
+    search.units = tuple(SimpleNamespace(matmul_flops=f) for f in (10.0, 10.0, 20.0, 10.0))
+    free = {0: 1.0, 1: 1.5, 2: 1.8}  # 0.05 then 0.03 per flop
+    search.attempts = {(k, 1.0): SimpleNamespace(unconstrained_objective=v) for k, v in free.items()}
+    assert search._observed_floor(1, 1.0) == -np.inf  # nothing seen between candidates yet
+    assert search._observed_floor(3, 1.0) == pytest.approx(1.8 + OBSERVED_FLOOR_SHARE * 0.03 * 20.0)
+    assert search._observed_floor(4, 1.0) == -np.inf  # candidate 3 not planned
+    assert search._observed_floor(3, 2.0) == -np.inf  # another limit's candidates say nothing here

@@ -297,3 +297,43 @@ def test_milp_relaxation_first_answers_only_when_integral(agree):
     first = solve_milp(red, None, time_limit=30, relaxation_first=True)
     assert plain.status == first.status == "optimal"
     assert first.objective == pytest.approx(plain.objective) == pytest.approx(best)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(small_problems(memory=True))
+def test_least_peak_relaxation_never_refuses_a_problem_that_fits(p):
+    """The shortcut that calls a core infeasible from the least peak's LP relaxation is sound: whenever brute force
+    finds a finite-cost choice within the limit, the relaxation's bound is within it too."""
+    import time
+
+    from autoshard.solver.solve import NoSharing, Search, _core_memory_rows, _peak_bound_over
+
+    best, least_peak = brute_force(p)
+    try:
+        red = reduce_problem(p, with_memory=True, deadline=time.perf_counter() + 10)
+    except InfeasibleError:  # no finite-cost choice at all
+        return
+    if not red.num_core:
+        return
+    search = Search(red, _core_memory_rows(p, red), time.perf_counter() + 10, 0, lambda _: None, {}, NoSharing())
+    if np.isfinite(best):
+        assert not _peak_bound_over(search)
+
+
+def test_memory_limit_far_below_the_least_peak_is_refused_with_that_peak():
+    """A chain whose every choice is over the limit: refused with the exact least peak (the relaxation's bound
+    proves it; the least-peak MILP names it)."""
+    n = 12
+    p = ShardingProblem(
+        node_costs=tuple(np.array([1.0, 3.0, 2.0]) for _ in range(n)),
+        edges=np.array([[i, i + 1] for i in range(n - 1)]),
+        edge_costs=tuple(np.array([[0.0, 1.0, 1.0], [1.0, 0.0, 1.0], [1.0, 1.0, 0.0]]) for _ in range(n - 1)),
+        node_memory=tuple(np.array([8.0, 2.0, 4.0]) for _ in range(n)),
+        intervals=np.array([[i, i + 2] for i in range(n)]),
+        memory_limit=3.0,
+    )
+    least = p.peak_memory(np.ones(n, dtype=np.int64))  # every node at its least memory
+    assert least > p.memory_limit
+    with pytest.raises(InfeasibleError, match=f"below the smallest peak usage {least:g}") as info:
+        solve(p, time_limit=5, workers=1)
+    assert info.value.smallest_memory == least

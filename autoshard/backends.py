@@ -48,6 +48,13 @@ class BackendProfile:
         memory-minimising schedule and may keep more alive to overlap collectives).
       remat_select_fence: lowering keeps a recompute distinct with a select on an always-true
         predicate, besides the optimization barrier (the backend may expand the barrier before CSE).
+      fused_attention: the backend runs attention (scores, mask, softmax, their product with the values, and
+        the backward of all that) as one kernel, so the score matrices stay on chip: the memory estimate and
+        the solver's row give them no buffer, as the performance model prices them as a kernel
+        (:func:`autoshard.work.attention_scores`). A step traced on CPU for a GPU or TPU target has the XLA
+        form of ``jax.nn.dot_product_attention``; on the target, ``implementation=None`` picks cuDNN's
+        kernel (or the user's flash/splash kernel). A step that forces ``implementation="xla"`` there
+        materialises the scores: plan it with ``profile=dataclasses.replace(GPU, fused_attention=False)``.
       calibrate_row: the solver's memory row is calibrated to the estimate when a budget binds
         (:func:`autoshard.driver.solve_under_budget`): the row prices live values in the program's own
         order, 1.1x to 1.3x the estimate's list schedule, and the estimate is the one trusted.
@@ -64,6 +71,7 @@ class BackendProfile:
     async_collectives: bool = False
     latency_hiding_scheduler: bool = False
     remat_select_fence: bool = False
+    fused_attention: bool = False
     calibrate_row: bool = True
 
     def aligned(self, nbytes: float) -> float:
@@ -127,6 +135,9 @@ GPU = BackendProfile(
     latency_hiding_scheduler=True,
     # jax.checkpoint relies on optimization_barrier alone on GPU.
     remat_select_fence=False,
+    # cuDNN's fused attention (jax.nn.dot_product_attention picks it on GPU; MaxText, NeMo and Megatron
+    # train with flash attention): scores never reach HBM.
+    fused_attention=True,
     # Measured on one H200 (GPT-1.3B, bf16, cuDNN attention; benchmarks/results/gpu.json): the estimate
     # is 1.07x XLA's peak, 1.09x with 4 of 8 forward segments recomputed, and the row 1.24x the estimate.
     calibrate_row=True,

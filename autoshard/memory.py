@@ -450,7 +450,18 @@ def _pool_buffers(graph: OpGraph, t: int, op, producer, nbytes) -> tuple[list, s
     return extras, {(t, operand)}  # the gradient scatters by the winners' indices, not the operand
 
 
-def _resharded_buffers(program: CapturedProgram, value_specs: dict, operand_specs: dict, mesh) -> list:
+def on_chip_values(program: CapturedProgram, profile: BackendProfile) -> frozenset:
+    """Values the backend keeps on chip, with no buffer: attention scores where it fuses attention
+    (``BackendProfile.fused_attention``, :func:`autoshard.work.attention_scores`)."""
+    if not profile.fused_attention:
+        return frozenset()
+    from autoshard.work import attention_scores
+
+    return attention_scores(program)
+
+
+def _resharded_buffers(program: CapturedProgram, value_specs: dict, operand_specs: dict, mesh,
+                       skip=frozenset()) -> list:
     """Buffers the plan's resharding collectives write: ``(bytes, op made at or None, op last read at)``.
 
     An operand a reader needs in a larger layout (an all-gather) is a new buffer, shared by
@@ -465,7 +476,7 @@ def _resharded_buffers(program: CapturedProgram, value_specs: dict, operand_spec
         if t is None:
             continue
         x = program.graph.ops[t].inputs[pos]
-        if not isinstance(x, int):
+        if not isinstance(x, int) or x in skip:
             continue
         b = value_bytes(program.avals[x], spec, mesh)
         if b <= value_bytes(program.avals[x], value_specs.get(x), mesh):
@@ -665,7 +676,10 @@ def _liveness(program: CapturedProgram, value_specs, mesh, entry: _Entry, *, ope
         for t, v in covered:
             dropped.setdefault(t, set()).add(v)
         reads = [tuple(v for v in r if v not in dropped[t]) if t in dropped else r for t, r in enumerate(reads)]
-    extras += _resharded_buffers(program, value_specs, operand_specs, mesh)
+    scores = on_chip_values(program, profile)
+    for v in scores & size.keys():
+        size[v] = 0.0
+    extras += _resharded_buffers(program, value_specs, operand_specs, mesh, skip=scores)
 
     def scheduled(t):  # a fused op runs inside the next op that is not fused
         return nodes[min(bisect.bisect_left(nodes, t), len(nodes) - 1)]

@@ -694,7 +694,9 @@ def build_problem(merged: MergedGraph, program: CapturedProgram, cost: CostModel
     ``ties`` (from :func:`tie_repeated_layers`) maps roots to the root whose choice they share.
     ``carried`` maps flat outputs to the flat inputs they replace: a donated input's buffer is
     reused for its replacement, so the two count once. ``offloaded`` flat inputs live in host
-    memory: only their transient device copies count (see :func:`autoshard.offload.device_intervals`)."""
+    memory: only their transient device copies count (see :func:`autoshard.offload.device_intervals`).
+    Values the backend keeps on chip (attention scores where it fuses attention:
+    :func:`autoshard.memory.on_chip_values`) take no memory."""
     graph = merged.graph
     mesh = cost.mesh
     roots = tuple(r for r in merged.roots if ties is None or ties[r] == r)
@@ -735,9 +737,12 @@ def build_problem(merged: MergedGraph, program: CapturedProgram, cost: CostModel
     aliased_in = {program.graph.invars[i] for i in (carried or {}).values() if i in donated}
     aliased_out = {program.graph.outvars[o] for o, i in (carried or {}).items()
                    if i in donated and isinstance(program.graph.outvars[o], int)}
+    from autoshard.memory import on_chip_values
+
     memory, intervals = _memory(merged, program, root_of, sizes, mesh=mesh, table=table,
                                 donated_inputs=donated_inputs, aliased_in=aliased_in, aliased_out=aliased_out,
-                                offloaded=offloaded, carried=carried or {})
+                                offloaded=offloaded, carried=carried or {},
+                                on_chip=on_chip_values(program, cost.profile) if cost.profile is not None else ())
     names = tuple(_label(graph.nodes[r]) for r in roots)
     reserve = _in_flight_interval(program)
     if reserve is not None:  # a constant: one more node, of one strategy, that nothing reads
@@ -778,7 +783,7 @@ def _label(node: _Node) -> str:
 
 
 def _memory(merged, program, root_of, sizes, *, mesh, table: _SpecTable, donated_inputs=(), aliased_in=(),
-            aliased_out=(), offloaded=(), carried=None):
+            aliased_out=(), offloaded=(), carried=None, on_chip=()):
     """Per root: the peak, over its members' overlapping lifetimes, of their summed bytes.
 
     Only materialised values count (see :mod:`autoshard.memory`): results of fused
@@ -804,7 +809,8 @@ def _memory(merged, program, root_of, sizes, *, mesh, table: _SpecTable, donated
         r = int(root_of[i])
         fused = node.kind == "follower"  # XLA fuses these unless their result is an output or read twice
         for k, v in enumerate(node.outputs):
-            if v not in live or v in aliased_out or (fused and v not in outputs and uses.get(v, 0) <= 1):
+            if v not in live or v in aliased_out or v in on_chip or (
+                    fused and v not in outputs and uses.get(v, 0) <= 1):
                 continue
             aval = program.avals[v]
             shape, itemsize = _aval_shape(aval), _itemsize(aval)

@@ -401,6 +401,10 @@ def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float,
     pay as free, so it prunes, it does not prove. Once consecutive candidates are planned, the
     cost per recomputed flop they show tightens it (``_RematSearch._observed_floor``).
 
+    When no count fits, the search runs again over finer segments (``FINE_MAX_UNITS``, when that at least
+    doubles them), bisecting for the fewest that fit (:meth:`_RematSearch._bisect`): an 80-layer model cut in 8
+    recomputes 10 layers at once, which alone can be over the device.
+
     ``check(plan, program, groups) -> bytes``, when given, compiles the chosen candidate and
     returns XLA's peak per device. When that exceeds ``budget`` (XLA's schedule keeps more
     alive than the predicted order), the search runs again against a budget shrunk by the
@@ -410,6 +414,8 @@ def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float,
     Returns:
       ``(plan, choice)``; ``choice`` is None when remat was not considered.
     """
+    from autoshard.errors import InfeasibleError
+
     search = _RematSearch(plan_fn, program, budget, base)
     first = search.attempt(0, budget, program)
     if first is not None and not search.attempts[(0, budget)].budget_bound:
@@ -419,9 +425,30 @@ def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float,
         if first is None:
             raise search.errors[(0, budget)]
         return first, None
-    chosen, compiled = search.run(flops_per_second, check, check_rounds if check is not None else 0, checked_by)
+    rounds = check_rounds if check is not None else 0
+    try:
+        chosen, compiled = search.run(flops_per_second, check, rounds, checked_by)
+    except InfeasibleError:
+        # Segments of many layers each (an 80-layer model in 8) recompute too much at once to fit: the same
+        # search over finer segments, bisecting for the fewest that fit.
+        finer = find_remat_units(program, ties, FINE_MAX_UNITS) if max_units < FINE_MAX_UNITS else ()
+        if len(finer) < FINER_AT_LEAST * len(search.units):
+            raise
+        search = _RematSearch(plan_fn, program, budget, search.attempts[(0, budget)])
+        search.units, max_units = finer, FINE_MAX_UNITS
+        chosen, compiled = search.run(flops_per_second, check, rounds, checked_by)
     return search.result(chosen, compiled, first, max_units)
 
+
+FINE_MAX_UNITS = 64
+"""When no count of the default segments (``DEFAULT_MAX_UNITS``) fits, :func:`choose_remat` searches again over at
+most this many (one per layer for most models up to 64 layers)."""
+
+FINER_AT_LEAST = 2
+"""... when that gives at least this many times as many segments (else the finer search changes too little)."""
+
+BISECT_ABOVE = DEFAULT_MAX_UNITS
+"""Over more segments than this, the fewest that fit are found by bisection (:meth:`_RematSearch._bisect`)."""
 
 OBSERVED_FLOOR_SHARE = 0.9
 """The share of the recompute cost per flop seen between planned candidates that :meth:`_RematSearch._observed_floor`
@@ -458,7 +485,13 @@ class _RematSearch:
         # recomputed matmuls at full speed on every device.
         floor = self.attempts[(0, limit)].unconstrained_objective
         best_k = 0 if first is not None else None
-        for k in range(1, len(self.units) + 1):
+        start = 1
+        if best_k is None and len(self.units) > BISECT_ABOVE:
+            best_k = self._bisect(limit)
+            if best_k is None:
+                return None
+            start = best_k + 1
+        for k in range(start, len(self.units) + 1):
             bound = max(floor + sum(u.matmul_flops for u in self.units[:k]) / flops_per_second,
                         self._observed_floor(k, limit))
             if best_k is not None and bound >= plans[(best_k, limit)].cost.objective:
@@ -468,6 +501,24 @@ class _RematSearch:
             if p is not None and (best_k is None or p.cost.total_seconds < plans[(best_k, limit)].cost.total_seconds):
                 best_k = k
         return best_k
+
+    def _bisect(self, limit: float) -> int | None:
+        """The fewest segments whose recompute fits ``limit``, by bisection (None when all of them do not fit).
+
+        Over many segments (``BISECT_ABOVE``), planning every count in turn costs a plan of the whole program
+        each (20-25 s for Llama-3.1-70B on 256): bisection plans ``log2`` of them, taking fitting to grow
+        with the count. Where it does not (recomputing the last segments lands at the turnaround) the count
+        found fits but a smaller one might too; the search upward from it goes on as for few segments."""
+        lo, hi = 0, len(self.units)
+        if self.attempt(hi, limit) is None:
+            return None
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.attempt(mid, limit) is None:
+                lo = mid
+            else:
+                hi = mid
+        return hi
 
     def _observed_floor(self, k: int, limit: float) -> float:
         """A tighter floor for candidate ``k`` once ``k - 1`` and two consecutive candidates before it are planned

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 
 import numpy as np
 
@@ -85,7 +86,22 @@ def backward_ops(graph, inherited: bool = False) -> set[int]:
     return out
 
 
+_SCORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def attention_scores(program) -> frozenset:
+    """:func:`find_attention_scores` of ``program``, found once per program (the estimate and the row ask for
+    every plan of it)."""
+    try:
+        return _SCORES[program]
+    except KeyError:
+        found = _SCORES[program] = find_attention_scores(program)
+        return found
+    except TypeError:  # not weakly referable
+        return find_attention_scores(program)
+
+
+def find_attention_scores(program) -> frozenset:
     """Value ids of attention score matrices (and their masks, softmax and gradients) in ``program``.
 
     An attention is found by its first matmul: a ``dot_general`` of small contraction (the head dim, at most

@@ -104,7 +104,7 @@ def plan_row(row: Row) -> dict:
     options = dict(num_microbatches=row.microbatches, pipeline=autoshard.PipelineOptions(num_stages="auto")) \
         if row.pipeline else {}
     step = autoshard.parallelize(spec.train_step, mesh=AbstractMesh(row.mesh, row.axes), cluster=cluster,
-                                 progress=None, **options)
+                                 progress=None, donate_argnums=(0,), **options)
     t0 = time.perf_counter()
     try:
         plan = step.plan(state, batch)

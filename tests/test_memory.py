@@ -160,3 +160,4 @@ def test_a_binding_budget_calibrates_the_row_by_the_probes_estimate():
     assert 1.0 < plan.stats["row_calibration"] <= ROW_CALIBRATION
     assert plan.memory.peak_bytes <= budget
     assert plan.stats["solver_peak"] <= budget  # in the budget's units
+

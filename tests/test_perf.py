@@ -271,3 +271,37 @@ def test_an_abstract_mesh_is_planned_for_its_clusters_platform():
     assert resolve_profile(None, mesh, autoshard.cluster_preset("h200")) is GPU
     assert resolve_profile(None, mesh, autoshard.cluster_preset("cpu-sim")) is GPU  # no hardware: as before
     assert resolve_profile(CPU, mesh, autoshard.cluster_preset("tpu-v5p")) is CPU  # the user's profile wins
+
+
+def test_a_backend_that_fuses_attention_keeps_the_scores_out_of_memory():
+    """On a GPU/TPU profile the score matrices stay on chip: the estimate and the solver's row give them no
+    buffer, and without fused attention both count them (here the scores dominate: 2 x 4 x 1024^2 fp32)."""
+    from autoshard.backends import GPU
+    from autoshard.capture import capture_graph
+    from autoshard.cost import CostModel
+    from autoshard.memory import estimate_memory
+    from autoshard.planner import build_problem, enumerate_strategies, merge_followers
+    from autoshard.spec import MeshInfo, ShardingSpec
+
+    def attention(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 8.0
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v).sum()
+
+    qkv = [jax.ShapeDtypeStruct((2, 1024, 4, 64), jnp.float32)] * 3
+    program = capture_graph(jax.grad(attention, argnums=(0, 1, 2)), qkv)
+    info = MeshInfo((1,), ("data",))
+    specs = {v: ShardingSpec(((),) * len(a.shape)) for v, a in enumerate(program.avals) if hasattr(a, "shape")}
+    scores_bytes = 2 * 4 * 1024 * 1024 * 4
+    unfused = dataclasses.replace(GPU, fused_attention=False)
+    fused_peak = estimate_memory(program, specs, info, profile=GPU).peak_bytes
+    unfused_peak = estimate_memory(program, specs, info, profile=unfused).peak_bytes
+    assert unfused_peak - fused_peak >= scores_bytes
+    assert fused_peak < scores_bytes
+
+    def row_peak(profile):
+        cost = CostModel.create(info, autoshard.cluster_preset("h100"), profile=profile)
+        merged = merge_followers(enumerate_strategies(program, cost), cost, program.avals)
+        built = build_problem(merged, program, cost, memory_limit=1e12)
+        return max(float(m.min()) for m in built.problem.node_memory if m.size)
+
+    assert row_peak(unfused) >= scores_bytes > row_peak(GPU)

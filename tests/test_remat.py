@@ -221,3 +221,39 @@ def test_observed_floor_prices_the_next_segment_at_the_least_cost_per_flop_seen(
     assert search._observed_floor(3, 1.0) == pytest.approx(1.8 + OBSERVED_FLOOR_SHARE * 0.03 * 20.0)
     assert search._observed_floor(4, 1.0) == -np.inf  # candidate 3 not planned
     assert search._observed_floor(3, 2.0) == -np.inf  # another limit's candidates say nothing here
+
+
+def test_bisection_finds_the_fewest_segments_that_fit_in_log_many_plans():
+    """Over many segments the search bisects for the fewest that fit, then goes upward while a candidate may
+    still beat it; far fewer plans than one per count."""
+    from types import SimpleNamespace
+
+    from autoshard.remat import _RematSearch
+
+    planned = []
+
+    def plan_fn(k, limit):
+        planned.append(k)
+        fits = k >= 23
+        plan = SimpleNamespace(cost=SimpleNamespace(objective=1.0 + 0.1 * k, total_seconds=1.0 + 0.1 * k))
+        return SimpleNamespace(plan=plan if fits else None, error=None if fits else autoshard.InfeasibleError("over"),
+                               budget_bound=True, unconstrained_objective=1.0 + 0.1 * k)
+
+    class Search(_RematSearch):
+        def attempt(self, k, limit, prog=None):
+            key = (k, limit)
+            if key not in self.attempts:
+                self.attempts[key] = self.plan_fn(k, limit)
+            got = self.attempts[key]
+            self.plans[key] = got.plan
+            if got.error is not None:
+                self.errors[key] = got.error
+            return got.plan
+
+    search = Search(plan_fn, None, budget=1.0)
+    search.units = tuple(SimpleNamespace(matmul_flops=1.0) for _ in range(64))
+    assert search.search(1.0, flops_per_second=1e30) == 23
+    assert len(set(planned)) <= 10, planned
+    none_fit = Search(lambda k, limit: plan_fn(-1, limit), None, budget=1.0)
+    none_fit.units = search.units
+    assert none_fit.search(1.0, flops_per_second=1e30) is None

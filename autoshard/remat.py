@@ -469,8 +469,7 @@ class _RematSearch:
         """The plan of the first ``k`` units recomputed, under ``limit`` (None when nothing fits)."""
         key = (k, limit)
         if key not in self.attempts:
-            p = prog if prog is not None else rematerialize(self.program, self.units[:k])[0]
-            self.attempts[key] = self.plan_fn(p, limit)
+            self.attempts[key] = self.plan_fn(prog if prog is not None else self.candidate(k), limit)
         got = self.attempts[key]
         self.plans[key] = got.plan
         if got.error is not None:
@@ -501,6 +500,10 @@ class _RematSearch:
             if p is not None and (best_k is None or p.cost.total_seconds < plans[(best_k, limit)].cost.total_seconds):
                 best_k = k
         return best_k
+
+    def candidate(self, k: int) -> CapturedProgram:
+        """The program with the first ``k`` units recomputed (what ``plan_fn`` plans for ``k``)."""
+        return rematerialize(self.program, self.units[:k])[0]
 
     def _bisect(self, limit: float) -> int | None:
         """The fewest segments whose recompute fits ``limit``, by bisection (None when all of them do not fit).

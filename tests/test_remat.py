@@ -240,20 +240,13 @@ def test_bisection_finds_the_fewest_segments_that_fit_in_log_many_plans():
                                budget_bound=True, unconstrained_objective=1.0 + 0.1 * k)
 
     class Search(_RematSearch):
-        def attempt(self, k, limit, prog=None):
-            key = (k, limit)
-            if key not in self.attempts:
-                self.attempts[key] = self.plan_fn(k, limit)
-            got = self.attempts[key]
-            self.plans[key] = got.plan
-            if got.error is not None:
-                self.errors[key] = got.error
-            return got.plan
+        def candidate(self, k):  # plan_fn is handed the count itself
+            return k
 
     search = Search(plan_fn, None, budget=1.0)
     search.units = tuple(SimpleNamespace(matmul_flops=1.0) for _ in range(64))
     assert search.search(1.0, flops_per_second=1e30) == 23
     assert len(set(planned)) <= 10, planned
-    none_fit = Search(lambda k, limit: plan_fn(-1, limit), None, budget=1.0)
+    none_fit = Search(lambda k, limit: plan_fn(-1 if k else 0, limit), None, budget=1.0)
     none_fit.units = search.units
     assert none_fit.search(1.0, flops_per_second=1e30) is None

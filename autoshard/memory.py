@@ -455,7 +455,7 @@ def on_chip_values(program: CapturedProgram, profile: BackendProfile) -> frozens
     (``BackendProfile.fused_attention``, :func:`autoshard.work.attention_scores`)."""
     if not profile.fused_attention:
         return frozenset()
-    from autoshard.work import attention_scores
+    from autoshard.attention import attention_scores
 
     return attention_scores(program)
 

@@ -399,10 +399,10 @@ def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float,
     matmuls on all devices at full speed) reaches the best plan found. The floor is exact
     for the recompute's compute time; it treats the reshards the redirected backward reads
     pay as free, so it prunes, it does not prove. Once consecutive candidates are planned, the
-    cost per recomputed flop they show tightens it (``_RematSearch._observed_floor``).
+    cost per recomputed flop they show tightens it (``RematSearch.observed_floor``).
 
     When no count fits, the search runs again over finer segments (``FINE_MAX_UNITS``, when that at least
-    doubles them), bisecting for the fewest that fit (:meth:`_RematSearch._bisect`): an 80-layer model cut in 8
+    doubles them), bisecting for the fewest that fit (:meth:`RematSearch._bisect`): an 80-layer model cut in 8
     recomputes 10 layers at once, which alone can be over the device.
 
     ``check(plan, program, groups) -> bytes``, when given, compiles the chosen candidate and
@@ -416,7 +416,7 @@ def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float,
     """
     from autoshard.errors import InfeasibleError
 
-    search = _RematSearch(plan_fn, program, budget, base)
+    search = RematSearch(plan_fn, program, budget, base)
     first = search.attempt(0, budget, program)
     if first is not None and not search.attempts[(0, budget)].budget_bound:
         return first, None
@@ -434,7 +434,7 @@ def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float,
         finer = find_remat_units(program, ties, FINE_MAX_UNITS) if max_units < FINE_MAX_UNITS else ()
         if len(finer) < FINER_AT_LEAST * len(search.units):
             raise
-        search = _RematSearch(plan_fn, program, budget, search.attempts[(0, budget)])
+        search = RematSearch(plan_fn, program, budget, search.attempts[(0, budget)])
         search.units, max_units = finer, FINE_MAX_UNITS
         chosen, compiled = search.run(flops_per_second, check, rounds, checked_by)
     return search.result(chosen, compiled, first, max_units)
@@ -448,14 +448,14 @@ FINER_AT_LEAST = 2
 """... when that gives at least this many times as many segments (else the finer search changes too little)."""
 
 BISECT_ABOVE = DEFAULT_MAX_UNITS
-"""Over more segments than this, the fewest that fit are found by bisection (:meth:`_RematSearch._bisect`)."""
+"""Over more segments than this, the fewest that fit are found by bisection (:meth:`RematSearch._bisect`)."""
 
 OBSERVED_FLOOR_SHARE = 0.9
-"""The share of the recompute cost per flop seen between planned candidates that :meth:`_RematSearch._observed_floor`
+"""The share of the recompute cost per flop seen between planned candidates that :meth:`RematSearch.observed_floor`
 counts on for the next one (a margin for unequal segments and solves stopped by their time limit)."""
 
 
-class _RematSearch:
+class RematSearch:
     """The state of :func:`choose_remat`: every (units, limit) planned, its plan and its error."""
 
     def __init__(self, plan_fn, program: CapturedProgram, budget: float, base=None):
@@ -492,7 +492,7 @@ class _RematSearch:
             start = best_k + 1
         for k in range(start, len(self.units) + 1):
             bound = max(floor + sum(u.matmul_flops for u in self.units[:k]) / flops_per_second,
-                        self._observed_floor(k, limit))
+                        self.observed_floor(k, limit))
             if best_k is not None and bound >= plans[(best_k, limit)].cost.objective:
                 break
             p = self.attempt(k, limit)
@@ -523,7 +523,7 @@ class _RematSearch:
                 hi = mid
         return hi
 
-    def _observed_floor(self, k: int, limit: float) -> float:
+    def observed_floor(self, k: int, limit: float) -> float:
         """A tighter floor for candidate ``k`` once ``k - 1`` and two consecutive candidates before it are planned
         under ``limit``: the unconstrained objective of ``k - 1`` plus unit ``k``'s matmul flops at the least cost per recomputed
         flop seen so far between consecutive candidates, times ``OBSERVED_FLOOR_SHARE``.

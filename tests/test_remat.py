@@ -211,16 +211,16 @@ def test_observed_floor_prices_the_next_segment_at_the_least_cost_per_flop_seen(
     its segment's flops at the least cost per recomputed flop seen (times the margin); before that, none."""
     from types import SimpleNamespace
 
-    from autoshard.remat import OBSERVED_FLOOR_SHARE, _RematSearch
+    from autoshard.remat import OBSERVED_FLOOR_SHARE, RematSearch
 
-    search = _RematSearch(None, None, budget=1.0)
+    search = RematSearch(None, None, budget=1.0)
     search.units = tuple(SimpleNamespace(matmul_flops=f) for f in (10.0, 10.0, 20.0, 10.0))
     free = {0: 1.0, 1: 1.5, 2: 1.8}  # 0.05 then 0.03 per flop
     search.attempts = {(k, 1.0): SimpleNamespace(unconstrained_objective=v) for k, v in free.items()}
-    assert search._observed_floor(1, 1.0) == -np.inf  # nothing seen between candidates yet
-    assert search._observed_floor(3, 1.0) == pytest.approx(1.8 + OBSERVED_FLOOR_SHARE * 0.03 * 20.0)
-    assert search._observed_floor(4, 1.0) == -np.inf  # candidate 3 not planned
-    assert search._observed_floor(3, 2.0) == -np.inf  # another limit's candidates say nothing here
+    assert search.observed_floor(1, 1.0) == -np.inf  # nothing seen between candidates yet
+    assert search.observed_floor(3, 1.0) == pytest.approx(1.8 + OBSERVED_FLOOR_SHARE * 0.03 * 20.0)
+    assert search.observed_floor(4, 1.0) == -np.inf  # candidate 3 not planned
+    assert search.observed_floor(3, 2.0) == -np.inf  # another limit's candidates say nothing here
 
 
 def test_bisection_finds_the_fewest_segments_that_fit_in_log_many_plans():
@@ -228,7 +228,7 @@ def test_bisection_finds_the_fewest_segments_that_fit_in_log_many_plans():
     still beat it; far fewer plans than one per count."""
     from types import SimpleNamespace
 
-    from autoshard.remat import _RematSearch
+    from autoshard.remat import RematSearch
 
     planned = []
 
@@ -239,7 +239,7 @@ def test_bisection_finds_the_fewest_segments_that_fit_in_log_many_plans():
         return SimpleNamespace(plan=plan if fits else None, error=None if fits else autoshard.InfeasibleError("over"),
                                budget_bound=True, unconstrained_objective=1.0 + 0.1 * k)
 
-    class Search(_RematSearch):
+    class Search(RematSearch):
         def candidate(self, k):  # plan_fn is handed the count itself
             return k
 

@@ -306,7 +306,7 @@ def test_least_peak_relaxation_never_refuses_a_problem_that_fits(p):
     finds a finite-cost choice within the limit, the relaxation's bound is within it too."""
     import time
 
-    from autoshard.solver.solve import NoSharing, Search, _core_memory_rows, _peak_bound_over
+    from autoshard.solver.solve import NoSharing, Search, core_memory_rows, peak_bound_over
 
     best, least_peak = brute_force(p)
     try:
@@ -315,9 +315,9 @@ def test_least_peak_relaxation_never_refuses_a_problem_that_fits(p):
         return
     if not red.num_core:
         return
-    search = Search(red, _core_memory_rows(p, red), time.perf_counter() + 10, 0, lambda _: None, {}, NoSharing())
+    search = Search(red, core_memory_rows(p, red), time.perf_counter() + 10, 0, lambda _: None, {}, NoSharing())
     if np.isfinite(best):
-        assert not _peak_bound_over(search)
+        assert not peak_bound_over(search)
 
 
 def test_memory_limit_far_below_the_least_peak_is_refused_with_that_peak():

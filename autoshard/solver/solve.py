@@ -149,7 +149,7 @@ _CLEAR_FLOOR_SHARE = 0.5
 # integral and fits as it is, it is the optimum under the limit too. The planner's stage cores are integral
 # there (GPT-39B's on (8, 4) under the memory limit, 86-141 nodes, 7-27 memory points: 0.18 s).
 _FREE_START_SHARE = 0.4
-# The least peak's LP relaxation, asked when greedy does not fit (see _peak_bound_over): its share of the time,
+# The least peak's LP relaxation, asked when greedy does not fit (see peak_bound_over): its share of the time,
 # its most seconds, and the relative margin over the limit its bound must clear (LP tolerances).
 _PEAK_BOUND_SHARE = 0.2
 _PEAK_BOUND_SECONDS = 2.0
@@ -241,7 +241,7 @@ def _solve(problem: ShardingProblem, time_limit: float, seed: int, workers: int 
         return _empty_solution(time_limit)
     with_memory = _has_memory(problem)
     red = reduce_problem(problem, with_memory=with_memory, deadline=deadline)
-    rows = _core_memory_rows(problem, red) if with_memory and red.num_core else None
+    rows = core_memory_rows(problem, red) if with_memory and red.num_core else None
     stats = dict(red.stats, core_nodes=red.num_core, core_edges=len(red.edges))
     if rows is not None:
         stats.update(memory_points=rows.num_points)
@@ -333,7 +333,7 @@ def _has_memory(problem: ShardingProblem) -> bool:
     return problem.memory_limit is not None and problem.node_memory is not None and problem.intervals is not None
 
 
-def _core_memory_rows(problem: ShardingProblem, red: Reduction) -> MemoryRows:
+def core_memory_rows(problem: ShardingProblem, red: Reduction) -> MemoryRows:
     """The memory rows of ``red``'s core (``problem`` has a memory limit)."""
     nonneg = all((m >= 0).all() for m in problem.node_memory)
     return memory_rows(problem.intervals, problem.memory_limit, red.core_nodes, red.base_usage, nonneg)
@@ -572,7 +572,7 @@ def _memory_core(s: Search, start_time: float) -> CoreAnswer:
             state = CoreState(s.red, s.rows, min_memory_choice(s.red))
     else:
         state = greedy(s.red, s.rows, now + 0.1 * max(s.deadline - now, 0.0), s.seed)
-        if s.rows is not None and s.rows.num_points and state.overflow() > 0 and _peak_bound_over(s):
+        if s.rows is not None and s.rows.num_points and state.overflow() > 0 and peak_bound_over(s):
             s.log("the least peak's relaxation is over the limit: infeasible")
             return CoreAnswer(state.choice, np.inf, False, np.nan, infeasible=True)
         if s.rows is not None and s.rows.num_points:
@@ -621,7 +621,7 @@ def _memory_core(s: Search, start_time: float) -> CoreAnswer:
     return CoreAnswer(state.choice, state.total_cost(), False, bound)
 
 
-def _peak_bound_over(s: Search) -> bool:
+def peak_bound_over(s: Search) -> bool:
     """Whether the LP relaxation of the least peak (in at most ``_PEAK_BOUND_SHARE`` of the time) is over the
     memory limit, which proves that no choice fits: the caller is spared the memory-constrained MILP's proof of
     it (Llama-3-8B's remat candidates on 8: 0.6 s against 3.8 s). Asked only once greedy did not fit."""
@@ -946,7 +946,7 @@ def _two_lagrangian_starts(s: Search, now: float) -> CoreState | None:
 
 def _raise_infeasible(problem: ShardingProblem, red: Reduction, deadline: float) -> None:
     """The core MILP has no solution: say whether edges or memory are to blame."""
-    rows = _core_memory_rows(problem, red) if _has_memory(problem) else None
+    rows = core_memory_rows(problem, red) if _has_memory(problem) else None
     if rows is None:
         raise InfeasibleError(
             "no assignment avoids every infinite edge cost; the forbidden strategy pairs "

@@ -28,7 +28,6 @@ def all_ops(graph):
             yield from all_ops(op.body)
 
 
-
 _SCORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

@@ -51,7 +51,7 @@ class BackendProfile:
       fused_attention: the backend runs attention (scores, mask, softmax, their product with the values, and
         the backward of all that) as one kernel, so the score matrices stay on chip: the memory estimate and
         the solver's row give them no buffer, as the performance model prices them as a kernel
-        (:func:`autoshard.work.attention_scores`). A step traced on CPU for a GPU or TPU target has the XLA
+        (:func:`autoshard.attention.attention_scores`). A step traced on CPU for a GPU or TPU target has the XLA
         form of ``jax.nn.dot_product_attention``; on the target, ``implementation=None`` picks cuDNN's
         kernel (or the user's flash/splash kernel). A step that forces ``implementation="xla"`` there
         materialises the scores: plan it with ``profile=dataclasses.replace(GPU, fused_attention=False)``.

@@ -110,7 +110,7 @@ class _Scorer:
     def score_signatures(self) -> frozenset:
         """The dimensions (sizes above 1, sorted) of attention score matrices: the result of a ``dot`` of small
         contraction (a head dim, at most 512) whose last two dimensions (queries, keys) both exceed it. A fused
-        attention kernel keeps them on chip, as :func:`autoshard.work.attention_scores` does for the plan."""
+        attention kernel keeps them on chip, as :func:`autoshard.attention.attention_scores` does for the plan."""
         out = set()
         for instrs in self.comps.values():
             shapes = {i.name: i.shape for i in instrs}

@@ -35,6 +35,7 @@ import math
 
 import numpy as np
 
+from autoshard.attention import attention_scores
 from autoshard.backends import BackendProfile, profile_for
 from autoshard.capture import CapturedProgram, OpGraph
 from autoshard.roles import program_roles
@@ -450,13 +451,11 @@ def _pool_buffers(graph: OpGraph, t: int, op, producer, nbytes) -> tuple[list, s
     return extras, {(t, operand)}  # the gradient scatters by the winners' indices, not the operand
 
 
-def on_chip_values(program: CapturedProgram, profile: BackendProfile) -> frozenset:
+def on_chip_values(program: CapturedProgram, profile: BackendProfile | None) -> frozenset:
     """Values the backend keeps on chip, with no buffer: attention scores where it fuses attention
-    (``BackendProfile.fused_attention``, :func:`autoshard.work.attention_scores`)."""
-    if not profile.fused_attention:
+    (``BackendProfile.fused_attention``, :func:`autoshard.attention.attention_scores`); none without a profile."""
+    if profile is None or not profile.fused_attention:
         return frozenset()
-    from autoshard.attention import attention_scores
-
     return attention_scores(program)
 
 

@@ -697,6 +697,8 @@ def build_problem(merged: MergedGraph, program: CapturedProgram, cost: CostModel
     memory: only their transient device copies count (see :func:`autoshard.offload.device_intervals`).
     Values the backend keeps on chip (attention scores where it fuses attention:
     :func:`autoshard.memory.on_chip_values`) take no memory."""
+    from autoshard.memory import on_chip_values
+
     graph = merged.graph
     mesh = cost.mesh
     roots = tuple(r for r in merged.roots if ties is None or ties[r] == r)
@@ -737,12 +739,10 @@ def build_problem(merged: MergedGraph, program: CapturedProgram, cost: CostModel
     aliased_in = {program.graph.invars[i] for i in (carried or {}).values() if i in donated}
     aliased_out = {program.graph.outvars[o] for o, i in (carried or {}).items()
                    if i in donated and isinstance(program.graph.outvars[o], int)}
-    from autoshard.memory import on_chip_values
-
     memory, intervals = _memory(merged, program, root_of, sizes, mesh=mesh, table=table,
                                 donated_inputs=donated_inputs, aliased_in=aliased_in, aliased_out=aliased_out,
                                 offloaded=offloaded, carried=carried or {},
-                                on_chip=on_chip_values(program, cost.profile) if cost.profile is not None else ())
+                                on_chip=on_chip_values(program, cost.profile))
     names = tuple(_label(graph.nodes[r]) for r in roots)
     reserve = _in_flight_interval(program)
     if reserve is not None:  # a constant: one more node, of one strategy, that nothing reads

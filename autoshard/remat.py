@@ -524,9 +524,9 @@ class RematSearch:
         return hi
 
     def observed_floor(self, k: int, limit: float) -> float:
-        """A tighter floor for candidate ``k`` once ``k - 1`` and two consecutive candidates before it are planned
-        under ``limit``: the unconstrained objective of ``k - 1`` plus unit ``k``'s matmul flops at the least cost per recomputed
-        flop seen so far between consecutive candidates, times ``OBSERVED_FLOOR_SHARE``.
+        """A tighter floor for candidate ``k`` once ``k - 1`` and two consecutive candidates before it are
+        planned under ``limit``: the unconstrained objective of ``k - 1`` plus unit ``k``'s matmul flops at the
+        least cost per recomputed flop seen so far between consecutive candidates, times ``OBSERVED_FLOOR_SHARE``.
 
         The full-speed floor prices recompute at the cluster's peak rate on every device; the step pays
         more (a recomputed segment is its ops at the plan's sharding, at the rate its shapes get), so at

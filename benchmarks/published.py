@@ -365,9 +365,9 @@ def residual_bytes(fun, args, devices: int) -> float:
     """Bytes one device keeps from a microbatch's forward for its backward: the values of ``fun`` (a
     forward-and-backward) that forward ops make and backward ops read, split over the ``devices`` of the
     stage (every residual is split: batch, sequence, heads or features). Attention scores are not kept: the
-    fused kernel recomputes them in its backward (:func:`autoshard.work.attention_scores`)."""
+    fused kernel recomputes them in its backward (:func:`autoshard.attention.attention_scores`)."""
+    from autoshard.attention import attention_scores
     from autoshard.capture import capture_graph
-    from autoshard.work import attention_scores
 
     program = capture_graph(fun, args)
     scores = attention_scores(program)

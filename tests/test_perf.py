@@ -242,8 +242,8 @@ def test_a_plan_carries_its_work_and_its_overlapped_step():
 
 
 def test_attention_scores_are_found_and_kept_on_chip():
+    from autoshard.attention import attention_scores
     from autoshard.capture import capture_graph
-    from autoshard.work import attention_scores
 
     def attention(q, k, v):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 8.0

@@ -149,12 +149,12 @@ _CLEAR_FLOOR_SHARE = 0.5
 # integral and fits as it is, it is the optimum under the limit too. The planner's stage cores are integral
 # there (GPT-39B's on (8, 4) under the memory limit, 86-141 nodes, 7-27 memory points: 0.18 s).
 _FREE_START_SHARE = 0.4
+_FREE_START_SECONDS = 2.0
 # The least peak's LP relaxation, asked when greedy does not fit (see peak_bound_over): its share of the time,
 # its most seconds, and the relative margin over the limit its bound must clear (LP tolerances).
 _PEAK_BOUND_SHARE = 0.2
 _PEAK_BOUND_SECONDS = 2.0
 _PEAK_BOUND_TOLERANCE = 1e-6
-_FREE_START_SECONDS = 2.0
 # Large memory cores, with toulbar2 installed: its penalty bisection (:func:`cfn.penalty_bisection`) gets
 # this share of the time left in an odd parallel worker (guarded descents and windows the rest), and this
 # share in one process, where the memory-priced searches follow when this share of the time is left.

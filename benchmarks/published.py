@@ -321,15 +321,34 @@ class StagePlans:
     residuals: float = 0.0
 
 
-def _plan(fun, args, mesh, cluster, hint, time_limit: float):
+def _plan(fun, args, mesh, cluster, hint, time_limit: float, budget: float = 1e18):
     import autoshard
 
     step = autoshard.parallelize(fun, mesh=mesh, cluster=cluster, hints=hint, progress=None,
-                                 solver_time_limit=time_limit, remat=False, memory_budget=1e18)
+                                 solver_time_limit=time_limit, remat=False, memory_budget=budget)
     return step.plan(*args)
 
 
-def plan_stage(rec: Reconstruction, cfg, stage, mesh, cluster, time_limit: float) -> StagePlans:
+def _own_budget(cfg, stage, hw, devices: int) -> float:
+    """The device memory a stage program may use when autoshard lays it out itself: the device's, less the
+    fp32 master weights and AdamW moments (12 bytes a parameter) split over all the stage's devices."""
+    from benchmarks.models.llm import stage_params
+
+    count = sum(math.prod(a.shape) for a in _leaves(stage_params(cfg, stage)))
+    return hw.memory - 12 * count / devices
+
+
+def _leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+def plan_stage(rec: Reconstruction, cfg, stage, mesh, cluster, time_limit: float, *,
+               budget: float | None = None) -> StagePlans:
+    """The forward and the forward-and-backward of one microbatch of ``stage``, planned on ``mesh``: with the
+    row's layouts as hints, or (``budget`` given: :func:`predict` with ``own_layouts``) with none, under
+    that memory budget, autoshard choosing every layout."""
     import jax.numpy as jnp
 
     from benchmarks.models.llm import stage_inputs, stage_params, stage_programs
@@ -337,14 +356,25 @@ def plan_stage(rec: Reconstruction, cfg, stage, mesh, cluster, time_limit: float
     params = stage_params(cfg, stage, jnp.bfloat16)
     inputs = stage_inputs(cfg, stage, rec.microbatch)
     fwd, fb, _ = stage_programs(cfg, stage)
-    hint = hints(rec, params, inputs)
+    hint = hints(rec, params, inputs) if budget is None else {}
     fwd_inputs = {k: v for k, v in inputs.items() if k != "cotangent"}
-    pf = _plan(fwd, (params, fwd_inputs), mesh, cluster, {k: v for k, v in hint.items() if "cotangent" not in k},
-               time_limit)
-    pb = _plan(fb, (params, inputs), mesh, cluster, hint, time_limit)
-    t_f = pf.cost.total_seconds
+    limit = 1e18 if budget is None else budget
     devices = rec.fsdp * rec.cp * rec.tp
-    return StagePlans(t_f, max(pb.cost.total_seconds - t_f, 0.0), pf, pb, residual_bytes(fb, (params, inputs), devices))
+    residuals = residual_bytes(fb, (params, inputs), devices)
+    if budget is not None:  # the other microbatches in flight keep their residuals meanwhile
+        from benchmarks.published_search import in_flight
+
+        limit -= max(in_flight(rec) - 1, 0) * residuals
+        if limit <= 0:
+            from autoshard.errors import InfeasibleError
+
+            raise InfeasibleError(f"the residuals of {in_flight(rec)} microbatches in flight ({residuals:.3g} bytes "
+                                  "each) leave no memory for the stage")
+    pf = _plan(fwd, (params, fwd_inputs), mesh, cluster, {k: v for k, v in hint.items() if "cotangent" not in k},
+               time_limit, limit)
+    pb = _plan(fb, (params, inputs), mesh, cluster, hint, time_limit, limit)
+    t_f = pf.cost.total_seconds
+    return StagePlans(t_f, max(pb.cost.total_seconds - t_f, 0.0), pf, pb, residuals)
 
 
 def _local_param_bytes(plan, mesh_sizes) -> float:
@@ -433,12 +463,19 @@ class Prediction:
     plan: str
 
 
-def predict(rec: Reconstruction, *, time_limit: float = 2.0) -> Prediction:
-    """Plan the row's stages with autoshard and compose its step (see the module docstring)."""
+def predict(rec: Reconstruction, *, time_limit: float = 2.0, own_layouts: bool = False) -> Prediction:
+    """Plan the row's stages with autoshard and compose its step (see the module docstring).
+
+    ``own_layouts``: no hints; autoshard lays out every stage program itself on the ``(fsdp, context,
+    tensor)`` mesh, under the device's memory less the optimizer state (:func:`_own_budget`). A stage that
+    fits no budget without recomputation is planned with it (``recompute="auto"``); one that fits neither
+    raises :class:`autoshard.InfeasibleError`.
+    """
     import jax
     from jax.sharding import AbstractMesh, AxisType
 
     from autoshard.cluster import from_hardware
+    from autoshard.errors import InfeasibleError
     from autoshard.perf import collective_seconds_on, hardware_preset, pipeline_seconds
     from benchmarks.models.llm import Stage, stage_params, stage_programs
 
@@ -457,14 +494,21 @@ def predict(rec: Reconstruction, *, time_limit: float = 2.0) -> Prediction:
         kinds = [k for k in kinds if k[0] != "middle"]
 
     def plans_for(cfg):
-        return {name: plan_stage(rec, cfg, stage, mesh, cluster, time_limit) for name, stage in kinds}
+        return {name: plan_stage(rec, cfg, stage, mesh, cluster, time_limit,
+                                 budget=_own_budget(cfg, stage, hw, inner) if own_layouts else None)
+                for name, stage in kinds}
 
     cfg = rec.cfg
-    plans = plans_for(cfg)
     recompute = rec.recompute
     zero1 = rec.zero1 == "yes"
-    peak = pipeline_peak(rec, plans, zero1)
-    if rec.zero1 == "auto" and peak > hw.memory and rec.dp > 1:
+    try:
+        plans = plans_for(cfg)
+        peak = pipeline_peak(rec, plans, zero1)
+    except InfeasibleError:
+        if not (own_layouts and rec.recompute == "auto"):
+            raise
+        plans, peak = None, math.inf
+    if rec.zero1 == "auto" and peak > hw.memory and rec.dp > 1 and plans is not None:
         zero1 = True
         peak = pipeline_peak(rec, plans, zero1)
     if rec.recompute == "auto":
@@ -474,6 +518,9 @@ def predict(rec: Reconstruction, *, time_limit: float = 2.0) -> Prediction:
             plans = plans_for(cfg)
             recompute = "full"
             peak = pipeline_peak(rec, plans, zero1)
+            if rec.zero1 == "auto" and peak > hw.memory and rec.dp > 1 and not zero1:
+                zero1 = True
+                peak = pipeline_peak(rec, plans, zero1)
 
     # per device: its chunks' forward and backward
     def device_times(s: int):
@@ -506,8 +553,9 @@ def predict(rec: Reconstruction, *, time_limit: float = 2.0) -> Prediction:
     master = stage_params(cfg, stage)
     _, _, update = stage_programs(cfg, stage)
     opt = {"mu": master, "nu": master}
-    hint = hints(rec, master, {})
-    up = _plan(update, (master, stage_params(cfg, stage, jnp.bfloat16), opt), mesh, cluster, hint, time_limit)
+    hint = {} if own_layouts else hints(rec, master, {})
+    up = _plan(update, (master, stage_params(cfg, stage, jnp.bfloat16), opt), mesh, cluster, hint, time_limit,
+               hw.memory if own_layouts else 1e18)
     update_s = up.cost.total_seconds * rec.virtual / (rec.dp if zero1 else 1)
     step = pipe.step + dp_reduce + update_s
     p0 = next(iter(plans.values())).backward_plan
@@ -544,7 +592,41 @@ def read_rows_text(text: str) -> list[dict]:
     return [dict(r) for r in csv.DictReader(io.StringIO(text))]
 
 
-def run(rows: list[dict], *, only: str | None = None, time_limit: float = 2.0) -> list[dict]:
+def _peak_rss_gb() -> float:
+    """This process's peak resident memory so far (GB)."""
+    import resource
+    import sys
+
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / (1e9 if sys.platform == "darwin" else 1e6)
+
+
+def autoshard_fields(rec: Reconstruction, published_step_s: float | None, *, time_limit: float = 2.0) -> dict:
+    """The ``--autoshard`` columns of one reconstructed row: autoshard's own configuration
+    (:func:`benchmarks.published_search.search`), its prediction in the row's unit, ``speedup`` (the published
+    configuration's predicted step over autoshard's, both by the same model; None when either is not
+    planned), the plan in one line, the search's seconds and the process's peak RSS."""
+    from benchmarks.published_search import search
+
+    t0 = time.perf_counter()
+    try:
+        choice = search(rec, time_limit=time_limit)
+    except Exception as e:  # reported with its reason, never dropped
+        return {"speedup": None, "autoshard_plan": None, "autoshard_predicted": None,
+                "autoshard_plan_s": time.perf_counter() - t0, "autoshard_rss_gb": _peak_rss_gb(),
+                "autoshard_reason": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+    step = choice.prediction.step_s
+    return {"speedup": published_step_s / step if published_step_s else None, "autoshard_plan": choice.line(),
+            "autoshard_predicted": throughput(choice.rec, step), "autoshard_step_s": step,
+            "autoshard_peak_gb": choice.prediction.peak_bytes / 1e9,
+            "autoshard_plan_s": choice.seconds, "autoshard_rss_gb": _peak_rss_gb(),
+            "autoshard_planned": f"{choice.planned} of {choice.screened} candidates", "autoshard_reason": ""}
+
+
+def run(rows: list[dict], *, only: str | None = None, time_limit: float = 2.0, autoshard: bool = False
+        ) -> list[dict]:
+    """Reconstruct, plan and predict each row (module docstring); with ``autoshard`` also autoshard's own
+    configuration for it (:func:`autoshard_fields`)."""
     out = []
     for i, row in enumerate(rows):
         if only and not re.search(only, f"{row['source']} {row['model']} {row['n_accel']}"):
@@ -555,7 +637,8 @@ def run(rows: list[dict], *, only: str | None = None, time_limit: float = 2.0) -
         try:
             rec = reconstruct(row)
         except NotReconstructed as e:
-            out.append({**base, "reason": str(e)})
+            extra = {**_NOT_PLANNED, "autoshard_reason": f"not reconstructed: {e}"} if autoshard else {}
+            out.append({**base, "reason": str(e), **extra})
             print(f"[{i}] {row['source']} {row['model']} x{row['n_accel']}: not reconstructed: {e}", flush=True)
             continue
         base.update(unit=rec.unit, measured=rec.measured, assumptions=list(rec.assumptions),
@@ -564,7 +647,8 @@ def run(rows: list[dict], *, only: str | None = None, time_limit: float = 2.0) -
         try:
             pred = predict(rec, time_limit=time_limit)
         except Exception as e:  # a failed plan is reported with its error, not dropped
-            out.append({**base, "reason": f"planning failed: {type(e).__name__}: {e}"})
+            extra = autoshard_fields(rec, None, time_limit=time_limit) if autoshard else {}
+            out.append({**base, "reason": f"planning failed: {type(e).__name__}: {e}", **extra})
             print(f"[{i}] {row['source']} {row['model']} x{row['n_accel']}: planning failed: {e}", flush=True)
             continue
         value = throughput(rec, pred.step_s)
@@ -576,7 +660,17 @@ def run(rows: list[dict], *, only: str | None = None, time_limit: float = 2.0) -
         print(f"[{i}] {row['source']} {row['model']} x{row['n_accel']}: predicted {value:.4g} measured "
               f"{rec.measured:.4g} {rec.unit} ({value / rec.measured:.3f}x) in {pred.plan_s:.1f}s; {pred.plan}",
               flush=True)
+        if autoshard:
+            r.update(autoshard_fields(rec, pred.step_s, time_limit=time_limit))
+            got = f"speedup {r['speedup']:.3f}: {r['autoshard_plan']}" if r["autoshard_plan"] else \
+                f"not planned: {r['autoshard_reason']}"
+            print(f"    autoshard: {got} ({r['autoshard_plan_s']:.1f}s, RSS {r['autoshard_rss_gb']:.2f} GB)",
+                  flush=True)
     return out
+
+
+_NOT_PLANNED = {"speedup": None, "autoshard_plan": None, "autoshard_predicted": None, "autoshard_plan_s": 0.0,
+                "autoshard_rss_gb": None}
 
 
 def summary(rows: list[dict]) -> dict:
@@ -593,6 +687,40 @@ def summary(rows: list[dict]) -> dict:
         by[src] = stats([r for r in done if r["source"] == src])
     return {"overall": stats(done), "sources": by, "accelerators": sorted({r["accel"] for r in done}),
             "not_reconstructed": len(rows) - len(done)}
+
+
+def speedups(rows: list[dict]) -> dict | None:
+    """``--autoshard``: how autoshard's configurations compare with the published ones, both predicted:
+    rows planned, the least and median speedup, rows under 1.00 and at 1.10 or more (None without
+    ``--autoshard``)."""
+    if not any("speedup" in r for r in rows):
+        return None
+    got = [r["speedup"] for r in rows if r.get("speedup") is not None]
+    return {"rows": len(rows), "planned": len(got), "least": min(got) if got else None,
+            "median": statistics.median(got) if got else None, "under_1_00": sum(g < 1.0 for g in got),
+            "at_least_1_10": sum(g >= 1.10 for g in got)}
+
+
+def autoshard_table(rows: list[dict]) -> str:
+    """The ``--autoshard`` table: per row, the published configuration's and autoshard's predictions and
+    autoshard's plan, or why the row is not planned."""
+    lines = ["| # | source | model | n | unit | measured | published cfg, predicted | autoshard, predicted | "
+             "speedup | search s | RSS GB | autoshard's plan / reason |", "|---:|---|---|---:|---|---:|---:|---:|---:|"
+             "---:|---:|---|"]
+    for r in rows:
+        if r.get("speedup") is not None:
+            lines.append(f"| {r['row']} | {r['source']} | {r['model']} | {r['n_accel']} | {r['unit']} | "
+                         f"{r['measured']:.4g} | {r['predicted']:.4g} | {r['autoshard_predicted']:.4g} | "
+                         f"{r['speedup']:.3f} | {r['autoshard_plan_s']:.1f} | {r['autoshard_rss_gb']:.2f} | "
+                         f"{r['autoshard_plan']} |")
+        else:
+            lines.append(f"| {r['row']} | {r['source']} | {r['model']} | {r['n_accel']} | {r['unit'] or ''} | | | | "
+                         f"| | | not planned: {r.get('autoshard_reason') or r['reason']} |")
+    sp = speedups(rows)
+    lines += ["", f"Planned {sp['planned']} of {sp['rows']} rows; speedup least "
+              f"{sp['least'] or 0:.3f}, median {sp['median'] or 0:.3f}; under 1.00: {sp['under_1_00']}; "
+              f"1.10 or more: {sp['at_least_1_10']}."]
+    return "\n".join(lines)
 
 
 def _comparable(a: dict, b: dict) -> bool:
@@ -667,18 +795,24 @@ def main(argv=None) -> int:
     ap.add_argument("--md", default=None, help="also write the table to this markdown file")
     ap.add_argument("--only", default=None, help="regex over 'source model n_accel'")
     ap.add_argument("--solver-time", type=float, default=2.0)
+    ap.add_argument("--autoshard", action="store_true",
+                    help="also plan each row with autoshard's own configuration search (benchmarks/"
+                         "published_search.py) and report its predicted speedup over the published one")
     args = ap.parse_args(argv)
     if not os.path.isfile(args.csv):
         ap.error(f"--csv {args.csv}: no such file (the published runs are ../shared/published_runs.csv beside "
                  "this checkout; pass --csv FILE for another file in the same format)")
-    rows = run(read_rows(args.csv), only=args.only, time_limit=args.solver_time)
+    rows = run(read_rows(args.csv), only=args.only, time_limit=args.solver_time, autoshard=args.autoshard)
     text = table(rows)
+    if args.autoshard:
+        text += "\n\n## autoshard's own configurations\n\n" + autoshard_table(rows)
     print()
     print(text)
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "summary": summary(rows), "rankings": rankings(rows)}, f, indent=1, default=str)
+            json.dump({"rows": rows, "summary": summary(rows), "rankings": rankings(rows),
+                       "speedups": speedups(rows)}, f, indent=1, default=str)
         print(f"wrote {args.json}")
     if args.md:
         with open(args.md, "w") as f:

@@ -74,3 +74,56 @@ def test_a_small_row_is_predicted_end_to_end(tmp_path):
                 "plan_s"):
         assert key in r
     assert r["reconstructed"] and r["unit"] == "tok/s/device" and r["predicted"] > 0
+
+
+def test_autoshard_candidates_use_only_the_model_batch_hardware_and_devices(rows):
+    """The search reads nothing of the row's own parallel configuration: two rows that differ only in it
+    get the same candidates, and every candidate lays out exactly the row's devices and batch."""
+    from autoshard.perf import hardware_preset
+    from benchmarks import published_search as S
+
+    nemo = P.reconstruct(rows[2])
+    other = P.dataclasses.replace(nemo, tp=8, pp=1, cp=1, dp=8, fsdp=1, virtual=1, microbatches=8, microbatch=2,
+                                  recompute="full", zero1="yes")
+    hw = hardware_preset(nemo.hardware)
+    got = S.candidates(nemo, hw)
+    assert [S.screen(c, hw) for c in got] == [S.screen(c, hw) for c in S.candidates(other, hw)]
+    assert len(got) > 10
+    for c in got:
+        assert c.pp * c.dp * c.fsdp * c.cp * c.tp == nemo.n
+        assert c.microbatch * c.microbatches * c.dp == nemo.batch
+        assert nemo.cfg.heads % c.tp == 0 and c.tp <= 8  # within an NVLink node
+        assert c.recompute == "auto" and c.zero1 == "auto"
+    shapes = {(c.pp, c.dp, c.fsdp, c.cp, c.tp, c.virtual) for c in got}
+    assert (1, 1, 64, 1, 1, 1) in shapes  # ZeRO-3 over every device
+    assert (4, 2, 1, 2, 4, 5) in shapes  # the practitioner's 4-D layout with an interleaved pipeline
+
+
+def test_microbatches_in_flight_follow_the_schedules(rows):
+    from benchmarks import published_search as S
+
+    nemo = P.reconstruct(rows[2])  # pp 4, VP5, 64 microbatches
+    assert S.in_flight(nemo, 0) == 3 * 2 + 4 * 4 + 1
+    assert S.in_flight(P.dataclasses.replace(nemo, virtual=1), 0) == 4
+    assert S.in_flight(P.dataclasses.replace(nemo, virtual=1), 3) == 1
+    assert S.in_flight(P.dataclasses.replace(nemo, schedule="gpipe", virtual=1), 2) == 64
+
+
+def test_autoshard_plans_a_small_row_itself(tmp_path):
+    """--autoshard: the row's configuration and autoshard's own, both predicted by the same model; a row that
+    is not reconstructed says why."""
+    small = ("TEST,GPT,0.1,2,256,4,4,1024,1024,128,64,H100-80GB,16,2,2,?,[4],none,-,-,2,full,bf16,"
+             "tok/s/GPU,1000,")
+    path = tmp_path / "small.csv"
+    path.write_text("\n".join([HEADER, small, ROWS[3]]) + "\n")
+    out = tmp_path / "out.json"
+    assert P.main(["--csv", str(path), "--json", str(out), "--solver-time", "1", "--autoshard"]) == 0
+    got = json.loads(out.read_text())
+    planned, moe = got["rows"]
+    for key in ("speedup", "autoshard_plan", "autoshard_plan_s", "autoshard_rss_gb"):
+        assert key in planned and key in moe
+    assert planned["speedup"] > 0 and planned["autoshard_predicted"] > 0
+    assert planned["autoshard_plan"].startswith("pp") and "remat=" in planned["autoshard_plan"]
+    assert planned["autoshard_peak_gb"] * 1e9 <= 80 * 2**30
+    assert moe["speedup"] is None and "mixture-of-experts" in moe["autoshard_reason"]
+    assert got["speedups"]["rows"] == 2 and got["speedups"]["planned"] == 1

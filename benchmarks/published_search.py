@@ -1,0 +1,280 @@
+"""autoshard's own configuration for a published run: ``python -m benchmarks.published --autoshard``.
+
+For a reconstructed row (:func:`benchmarks.published.reconstruct`) this searches the parallel configurations a
+practitioner would try for the same model, global batch, hardware and device count, lets autoshard lay out
+every program of the chosen ones itself (no hints), and predicts the step with the same performance model
+that predicts the published configuration. Nothing is read from the row's own parallel columns
+(``tp, pp, dp, fsdp, cp, microbatch, recompute``): only the model, the sequence, the batch, the accelerator
+and the device count.
+
+The search, in two steps:
+
+1. **Candidates** (:func:`candidates`): devices factor as ``pipeline × data × (fsdp, context, tensor)``, the
+   last fastest. Tensor degrees are the powers of two that divide the heads, the KV heads and the device
+   count, up to the accelerator's innermost link tier (an NVLink node; a TPU slice's ICI up to 16). Context
+   degrees are 1, or powers of two with at least 4,096 tokens a device for sequences of 8k and more. Pipeline
+   degrees are the powers of two and the divisors of the layers, up to 64 and half the layers (with a
+   power of two that does not divide them, the last stage takes fewer). The data ranks either all shard the
+   parameters (FSDP / ZeRO-3) or all replicate them (with the optimizer state over them when needed,
+   ZeRO-1). A pipeline runs one sequence per data rank per microbatch, 1F1B; without one, the fewest
+   microbatches whose activations fit.
+2. **Screen, then plan** (:func:`screen`, :func:`search`): every candidate gets a roofline from arithmetic
+   alone (compute at the chip's sustained matmul rate, the 1F1B bubble, the tensor, context, FSDP and
+   data-parallel collectives of :func:`autoshard.perf.collective_seconds_on`, and a memory count of
+   weights, optimizer state, kept activations and logits). Those that fit are ranked by it. The best of
+   each kind (with or without a pipeline, FSDP or replicated parameters, context split or not) is planned
+   and predicted in full (:func:`benchmarks.published.predict` with ``own_layouts=True``), then the
+   neighbours of the fastest that fits, in the screen's order, moving whenever one is faster, up to
+   :data:`MAX_EVALUATE` plans. The fastest predicted that fits the device's memory is autoshard's
+   configuration. The screen only orders; every reported number is the performance model's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+EVALUATE = 6
+"""Kinds planned in full per row before the neighbourhood search (:func:`search`)."""
+
+MAX_EVALUATE = 14
+"""At most this many full plans per row (the kinds' best, then neighbours of the fastest)."""
+
+SCREEN_MEMORY_SHARE = 0.9
+"""A candidate enters the full plans when the screen's memory count is under this share of the device's
+memory (the count leaves out transients the plans see)."""
+
+MAX_PIPELINE = 64
+MIN_CONTEXT_TOKENS = 4096
+MIN_CHUNK_LAYERS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """autoshard's configuration for one row, predicted."""
+
+    rec: object  # benchmarks.published.Reconstruction
+    prediction: object  # benchmarks.published.Prediction
+    screened: int
+    planned: int
+    seconds: float
+
+    def line(self) -> str:
+        """The plan in one line: mesh, stages, microbatches, recomputation, ZeRO level, context split."""
+        r, p = self.rec, self.prediction
+        zero = "3" if r.fsdp > 1 else ("1" if "zero1=True" in p.plan else "0")
+        return (f"pp{r.pp} x dp{r.dp} x (fsdp{r.fsdp}, cp{r.cp}, tp{r.tp}); {r.pp} stage(s), m{r.microbatches} "
+                f"x {r.microbatch} seq; remat={p.recompute}; ZeRO-{zero}; context split {r.cp}")
+
+
+def _powers_of_two(limit: int):
+    k = 1
+    while k <= limit:
+        yield k
+        k *= 2
+
+
+def _pipeline_degrees(layers: int) -> list[int]:
+    """Pipeline degrees: powers of two, and the divisors of the layers (even stages), up to
+    :data:`MAX_PIPELINE` and half the layers."""
+    top = min(MAX_PIPELINE, max(layers // 2, 1))
+    return sorted(set(_powers_of_two(top)) | {d for d in range(1, top + 1) if layers % d == 0})
+
+
+def _tensor_limit(hw) -> int:
+    span = hw.tiers[0].span if len(hw.tiers) > 1 else None
+    return min(span or 16, 16)
+
+
+def candidates(rec, hw) -> list:
+    """The configurations :func:`search` considers for ``rec``'s model, batch, hardware and device count
+    (module docstring), as :class:`benchmarks.published.Reconstruction` s with ``recompute`` and ``zero1`` left
+    to the plan (``"auto"``)."""
+    cfg, n, batch = rec.cfg, rec.n, rec.batch
+    out = []
+    for tp in _powers_of_two(min(_tensor_limit(hw), n)):
+        if cfg.heads % tp or (cfg.kv_heads % tp and tp % cfg.kv_heads) or n % tp:
+            continue
+        for cp in _powers_of_two(16):
+            if cp > 1 and (cfg.seq < 8192 or cfg.seq // cp < MIN_CONTEXT_TOKENS or cfg.seq % cp):
+                continue
+            for pp in _pipeline_degrees(cfg.layers):
+                if n % (tp * cp * pp):
+                    continue
+                data = n // (tp * cp * pp)
+                if batch % data:
+                    continue
+                for fsdp in sorted({1, data}):
+                    out.extend(_microbatchings(rec, hw, dict(tp=tp, cp=cp, pp=pp, fsdp=fsdp, dp=data // fsdp)))
+    return out
+
+
+def _microbatchings(rec, hw, shape: dict) -> list:
+    """The candidate's microbatchings: one sequence per data rank with a pipeline (flat and interleaved);
+    without one, every power-of-two count of microbatches (gradient accumulation) that divides the
+    sequences of a data rank."""
+    replicas = rec.batch // shape["dp"]
+    ranks = shape["fsdp"]
+    per_rank = replicas // ranks
+    base = dataclasses.replace(rec, virtual=1, schedule="1f1b", recompute="auto", zero1="auto", **shape)
+    if shape["pp"] > 1:
+        flat = dataclasses.replace(base, microbatches=per_rank, microbatch=ranks)
+        v = _interleaving(rec.cfg.layers, shape["pp"])
+        return [flat] + ([dataclasses.replace(flat, virtual=v)] if v > 1 and per_rank % shape["pp"] == 0 else [])
+    return [dataclasses.replace(base, microbatches=m, microbatch=replicas // m)
+            for m in _powers_of_two(per_rank) if per_rank % m == 0]
+
+
+def _interleaving(layers: int, pp: int) -> int:
+    """Model chunks per pipeline device for the interleaved 1F1B schedule: the most that keep at least
+    :data:`MIN_CHUNK_LAYERS` layers in every chunk and divide the layers evenly (1: none)."""
+    best = 1
+    for v in range(2, layers // (pp * MIN_CHUNK_LAYERS) + 1):
+        if layers % (pp * v) == 0:
+            best = v
+    return best
+
+
+def in_flight(rec, stage: int = 0) -> int:
+    """Microbatches (model-chunk microbatches when interleaved) whose activations device ``stage`` of a
+    pipeline keeps at once: ``min(m, p - s)`` under 1F1B, Megatron-LM's warm-up ``(p - s - 1)·2 + (v - 1)·p
+    + 1`` interleaved, all of them under GPipe."""
+    p, v, m = rec.pp, rec.virtual, rec.microbatches
+    if rec.schedule == "gpipe":
+        return m * v
+    if v > 1:
+        return min(m * v, (p - stage - 1) * 2 + (v - 1) * p + 1)
+    return min(m, p - stage)
+
+
+def screen(rec, hw) -> tuple[float, float]:
+    """``(seconds, bytes)``: a candidate's step and its busiest device's memory by arithmetic (module
+    docstring), to order candidates before they are planned. Recomputes the forward when the activations of
+    the microbatches in flight do not fit otherwise."""
+    from autoshard.perf import collective_seconds_on
+
+    c = rec.cfg
+    inner = rec.fsdp * rec.cp * rec.tp
+    stage_params = c.num_params() / rec.pp
+    shards = rec.fsdp * rec.tp
+    weights = 4 * stage_params / shards  # bf16 weights and gradients
+    optimizer = 12 * stage_params / shards / (rec.dp if rec.dp > 1 else 1)
+    tokens = rec.microbatch * c.seq / (rec.fsdp * rec.cp)  # one device's tokens of a microbatch
+    q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
+    width = c.hidden * 3 + q * 2 + 2 * kv + c.ffn * (3 if c.mlp == "swiglu" else 2)  # matmul results kept
+    layers = math.ceil(c.layers / rec.pp)
+    held = in_flight(rec) / rec.virtual  # whole stages' worth of microbatches held at once
+    kept = {"minimal": 2 * tokens * width / rec.tp * layers * held,
+            "full": (2 * tokens * c.hidden * layers * held + 2 * tokens * width) / rec.tp}
+    logits = 4 * tokens * c.vocab / rec.tp * 2
+    recompute = "minimal" if weights + optimizer + kept["minimal"] + logits <= SCREEN_MEMORY_SHARE * hw.memory \
+        else "full"
+    memory = weights + optimizer + kept[recompute] + logits
+
+    flops = 6 * c.num_params() * rec.batch * c.seq + 6 * c.layers * q * c.seq * rec.batch * c.seq
+    if recompute == "full":
+        flops *= 4 / 3
+    rate = hw.accelerator.peak_flops["bf16"] * hw.accelerator.matmul_efficiency["bf16"]
+    compute = flops / (rec.n * rate)
+    per_micro = compute / rec.microbatches
+    bubble = per_micro * (rec.pp - 1) / rec.virtual  # 1F1B: (p - 1) microbatch slots of a stage idle
+    act = 2 * tokens * c.hidden
+    passes = 3 if recompute == "full" else 2
+    tensor = 0.0
+    if rec.tp > 1:
+        tensor = layers * rec.microbatches * 2 * passes * collective_seconds_on(
+            hw, "all-reduce", act, group=rec.tp, span=rec.tp)
+    context = 0.0
+    if rec.cp > 1:
+        context = layers * rec.microbatches * passes * collective_seconds_on(
+            hw, "all-gather", 2 * 2 * tokens * kv / rec.tp * rec.cp, group=rec.cp, span=rec.cp * rec.tp)
+    fsdp = 0.0
+    if rec.fsdp > 1:
+        gathered = 2 * stage_params / rec.tp
+        fsdp = max(0.0, rec.microbatches * (passes + 1) * collective_seconds_on(
+            hw, "all-gather", gathered, group=rec.fsdp, span=inner) - compute)
+    data = 0.0
+    if rec.dp > 1:
+        data = collective_seconds_on(hw, "all-reduce", 2 * stage_params / shards, group=rec.dp, span=rec.n // rec.pp)
+    return compute + bubble + tensor + context + fsdp + data, memory
+
+
+def search(rec, *, time_limit: float = 2.0, log=None) -> Choice:
+    """autoshard's configuration for ``rec`` (module docstring).
+
+    Plans, in the screen's order, the best candidate of each kind (:func:`_diverse`), then the neighbours
+    of the fastest that fits (one of pipeline, tensor, context degree or FSDP changed; any microbatching),
+    moving to a neighbour whenever it is faster, up to :data:`MAX_EVALUATE` plans.
+
+    Raises:
+      autoshard.InfeasibleError: no candidate that the screen admits is planned within the device's memory;
+        the message names the closest plan.
+    """
+    from autoshard.errors import InfeasibleError
+    from autoshard.perf import hardware_preset
+    from benchmarks.published import predict
+
+    t0 = time.perf_counter()
+    hw = hardware_preset(rec.hardware)
+    cands = candidates(rec, hw)
+    scored = sorted(((screen(c, hw), i, c) for i, c in enumerate(cands)), key=lambda t: (t[0][0], t[1]))
+    fitting = [c for (_, mem), _, c in scored if mem <= SCREEN_MEMORY_SHARE * hw.memory]
+    if not fitting:  # the screen's count is coarse: plan the least memory first
+        fitting = [c for _, _, c in sorted(scored, key=lambda t: (t[0][1], t[1]))][:MAX_EVALUATE]
+    done: dict = {}  # id(candidate) -> Prediction or None
+    state = {"best": None, "over": None, "closest": None}
+
+    def evaluate(cand) -> None:
+        try:
+            pred = predict(cand, time_limit=time_limit, own_layouts=True)
+        except InfeasibleError as e:
+            done[id(cand)] = None
+            state["closest"] = state["closest"] or f"{_shape(cand)}: {str(e).splitlines()[0]}"
+            return
+        done[id(cand)] = pred
+        if log:
+            log(f"    {_shape(cand)}: {pred.step_s:.4g} s/step, {pred.peak_bytes / 1e9:.1f} GB, {pred.recompute}")
+        if pred.peak_bytes > hw.memory:
+            if state["over"] is None or pred.peak_bytes < state["over"][0]:
+                state["over"] = (pred.peak_bytes, f"{pred.peak_bytes / 2**30:.1f} GiB at {_shape(cand)}", cand)
+        elif state["best"] is None or pred.step_s < state["best"][1].step_s:
+            state["best"] = (cand, pred)
+
+    for cand in _diverse(fitting)[:EVALUATE]:
+        evaluate(cand)
+    while len(done) < MAX_EVALUATE:
+        anchor = state["best"][0] if state["best"] else state["over"][2] if state["over"] else None
+        near = [c for c in fitting if id(c) not in done and (anchor is None or _near(c, anchor))]
+        if not near:
+            break
+        evaluate(near[0])
+    best = state["best"]
+    if best is None:
+        raise InfeasibleError(f"none of {len(done)} planned of {len(fitting)} screened configurations "
+                              f"({len(cands)} candidates) fits {hw.memory / 2**30:.0f} GiB; closest: "
+                              f"{state['over'][1] if state['over'] else state['closest']}")
+    return Choice(best[0], best[1], len(cands), len(done), time.perf_counter() - t0)
+
+
+def _near(a, b) -> bool:
+    """Neighbours: at most one of the pipeline, tensor and context degrees and the FSDP choice differs."""
+    return sum((a.pp != b.pp, a.tp != b.tp, a.cp != b.cp, (a.fsdp > 1) != (b.fsdp > 1))) <= 1
+
+
+def _diverse(ranked: list) -> list:
+    """``ranked`` with the best of each kind first: with and without a pipeline, parameters sharded over the
+    data ranks (FSDP) or replicated, the sequence split or not; then the rest in order. The screen's arithmetic orders kinds
+    coarsely, so each kind's best is planned before a second of any."""
+    firsts, seen = [], set()
+    for c in ranked:
+        kind = (c.pp > 1, c.fsdp > 1, c.cp > 1)
+        if kind not in seen:
+            seen.add(kind)
+            firsts.append(c)
+    return firsts + [c for c in ranked if all(c is not f for f in firsts)]
+
+
+def _shape(rec) -> str:
+    return (f"pp{rec.pp}xdp{rec.dp}x(fsdp{rec.fsdp},cp{rec.cp},tp{rec.tp}) v{rec.virtual} m{rec.microbatches} "
+            f"mb{rec.microbatch}")

@@ -416,7 +416,13 @@ def residual_bytes(fun, args, devices: int) -> float:
     return total / devices
 
 
-def pipeline_peak(rec: Reconstruction, plans: dict, zero1: bool = False) -> float:
+def _param_count(plan) -> int:
+    """Elements of the plan's first argument (the parameters)."""
+    return sum(math.prod(shape) for path, (shape, _) in zip(plan.in_paths, plan.in_avals, strict=True)
+               if path.startswith("[0]"))
+
+
+def pipeline_peak(rec: Reconstruction, plans: dict, zero1: bool = False, own: bool = False) -> float:
     """The predicted peak of the busiest device over a step (bytes).
 
     Device ``s`` holds, for each of its model chunks: the bf16 parameters and their gradients, the fp32
@@ -424,7 +430,11 @@ def pipeline_peak(rec: Reconstruction, plans: dict, zero1: bool = False) -> floa
     residuals each microbatch in flight keeps for its backward (:func:`residual_bytes`); and, once, one chunk
     program's own peak beyond its parameters and gradients (its transients). In flight on device ``s``:
     ``min(m, p - s)`` microbatches under 1F1B, ``(p - s - 1)·2 + (v - 1)·p + 1`` chunk-microbatches
-    interleaved (Megatron-LM's warm-up), all of them under GPipe."""
+    interleaved (Megatron-LM's warm-up), all of them under GPipe.
+
+    ``own`` (autoshard's own layouts, :func:`predict`): the masters and moments are split over every device
+    of the stage whatever the layout of the bf16 parameters (ZeRO: the update is elementwise), the updated
+    parameters gathered back once a step (:func:`predict` charges that)."""
     p, v, m = rec.pp, rec.virtual, rec.microbatches
     sizes = dict(enumerate((rec.fsdp, rec.cp, rec.tp)))
     chunks = p * v
@@ -442,7 +452,11 @@ def pipeline_peak(rec: Reconstruction, plans: dict, zero1: bool = False) -> floa
         for name in names:
             sp = plans[name]
             params = _local_param_bytes(sp.backward_plan, sizes)  # bf16
-            static += 2 * params + 6 * params / (rec.dp if zero1 else 1)
+            if own:  # fp32 masters and moments split over all the stage's devices (and the data replicas)
+                static += 2 * params + 12 * _param_count(sp.backward_plan) / (
+                    rec.fsdp * rec.cp * rec.tp * (rec.dp if zero1 else 1))
+            else:
+                static += 2 * params + 6 * params / (rec.dp if zero1 else 1)
             transient = max(transient, sp.backward_plan.memory.peak_bytes - 2 * params)
             resid += sp.residuals / len(names)
         # the transient peak holds one microbatch's residuals already
@@ -477,7 +491,7 @@ def predict(rec: Reconstruction, *, time_limit: float = 2.0, own_layouts: bool =
     from autoshard.cluster import from_hardware
     from autoshard.errors import InfeasibleError
     from autoshard.perf import collective_seconds_on, hardware_preset, pipeline_seconds
-    from benchmarks.models.llm import Stage, stage_params, stage_programs
+    from benchmarks.models.llm import Stage
 
     t0 = time.perf_counter()
     hw = hardware_preset(rec.hardware)
@@ -503,24 +517,24 @@ def predict(rec: Reconstruction, *, time_limit: float = 2.0, own_layouts: bool =
     zero1 = rec.zero1 == "yes"
     try:
         plans = plans_for(cfg)
-        peak = pipeline_peak(rec, plans, zero1)
+        peak = pipeline_peak(rec, plans, zero1, own_layouts)
     except InfeasibleError:
         if not (own_layouts and rec.recompute == "auto"):
             raise
         plans, peak = None, math.inf
     if rec.zero1 == "auto" and peak > hw.memory and rec.dp > 1 and plans is not None:
         zero1 = True
-        peak = pipeline_peak(rec, plans, zero1)
+        peak = pipeline_peak(rec, plans, zero1, own_layouts)
     if rec.recompute == "auto":
         recompute = "minimal"
         if peak > hw.memory:
             cfg = dataclasses.replace(cfg, remat="full")
             plans = plans_for(cfg)
             recompute = "full"
-            peak = pipeline_peak(rec, plans, zero1)
+            peak = pipeline_peak(rec, plans, zero1, own_layouts)
             if rec.zero1 == "auto" and peak > hw.memory and rec.dp > 1 and not zero1:
                 zero1 = True
-                peak = pipeline_peak(rec, plans, zero1)
+                peak = pipeline_peak(rec, plans, zero1, own_layouts)
 
     # per device: its chunks' forward and backward
     def device_times(s: int):
@@ -546,17 +560,15 @@ def predict(rec: Reconstruction, *, time_limit: float = 2.0, own_layouts: bool =
         dp_reduce = 2 * collective_seconds_on(hw, "all-gather", grad_bytes, group=rec.dp, span=rec.dp * inner)
     else:
         dp_reduce = collective_seconds_on(hw, "all-reduce", grad_bytes, group=rec.dp, span=rec.dp * inner)
+    if own_layouts:  # the updated bf16 weights gathered from the split masters into the stages' layouts
+        spread = inner * grad_bytes / (2 * _param_count(biggest.backward_plan) * rec.virtual)
+        if spread > 1.01:
+            dp_reduce += collective_seconds_on(hw, "all-gather", grad_bytes, group=max(round(spread), 2),
+                                               span=inner)
     # the update: planned on the device that holds the most parameters
     stage = dict(kinds)["first" if chunks > 1 else "only"]
-    import jax.numpy as jnp
-
-    master = stage_params(cfg, stage)
-    _, _, update = stage_programs(cfg, stage)
-    opt = {"mu": master, "nu": master}
-    hint = {} if own_layouts else hints(rec, master, {})
-    up = _plan(update, (master, stage_params(cfg, stage, jnp.bfloat16), opt), mesh, cluster, hint, time_limit,
-               hw.memory if own_layouts else 1e18)
-    update_s = up.cost.total_seconds * rec.virtual / (rec.dp if zero1 else 1)
+    update_s = _update_seconds(rec, cfg, stage, mesh, cluster, time_limit, own_layouts) * rec.virtual / (
+        rec.dp if zero1 else 1)
     step = pipe.step + dp_reduce + update_s
     p0 = next(iter(plans.values())).backward_plan
     desc = (f"mesh pp{rec.pp}xdp{rec.dp}x(fsdp{rec.fsdp},cp{rec.cp},tp{rec.tp}) v{rec.virtual} m{rec.microbatches} "
@@ -565,6 +577,24 @@ def predict(rec: Reconstruction, *, time_limit: float = 2.0, own_layouts: bool =
     del jax
     return Prediction(step, pipe.step, dp_reduce, update_s, pipe.bubble, recompute, peak,
                       time.perf_counter() - t0, desc)
+
+
+def _update_seconds(rec: Reconstruction, cfg, stage, mesh, cluster, time_limit: float, own: bool) -> float:
+    """The AdamW update of ``stage``'s parameters, planned: with the row's layouts, or (``own``) by autoshard
+    under the memory :func:`pipeline_peak` gives it: masters and moments (in and out) and the fp32 gradients
+    split over the stage's devices, the bf16 gradients and parameters whole."""
+    import jax.numpy as jnp
+
+    from benchmarks.models.llm import stage_params, stage_programs
+
+    master = stage_params(cfg, stage)
+    _, _, update = stage_programs(cfg, stage)
+    args = (master, stage_params(cfg, stage, jnp.bfloat16), {"mu": master, "nu": master})
+    if not own:
+        return _plan(update, args, mesh, cluster, hints(rec, master, {}), time_limit).cost.total_seconds
+    count = sum(math.prod(a.shape) for a in _leaves(master))
+    budget = 1.25 * (28 * count / math.prod(mesh.axis_sizes) + 4 * count)  # a quarter over, for transients
+    return _plan(update, args, mesh, cluster, {}, time_limit, budget).cost.total_seconds
 
 
 def throughput(rec: Reconstruction, step_s: float) -> float:

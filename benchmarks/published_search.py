@@ -14,10 +14,10 @@ The search, in two steps:
    count, up to the accelerator's innermost link tier (an NVLink node; a TPU slice's ICI up to 16). Context
    degrees are 1, or powers of two with at least 4,096 tokens a device for sequences of 8k and more. Pipeline
    degrees are the powers of two and the divisors of the layers, up to 64 and half the layers (with a
-   power of two that does not divide them, the last stage takes fewer). The data ranks either all shard the
-   parameters (FSDP / ZeRO-3) or all replicate them (with the optimizer state over them when needed,
-   ZeRO-1). A pipeline runs one sequence per data rank per microbatch, 1F1B; without one, the fewest
-   microbatches whose activations fit.
+   power of two that does not divide them, the last stage takes fewer). The data ranks all shard the parameters
+   (FSDP / ZeRO-3), all replicate them (with the optimizer state over them when needed, ZeRO-1), or shard
+   them within groups replicated 2, 4 or 8 times (hybrid). A pipeline runs one sequence per data rank per
+   microbatch, 1F1B, flat or interleaved; without one, any power-of-two count of microbatches.
 2. **Screen, then plan** (:func:`screen`, :func:`search`): every candidate gets a roofline from arithmetic
    alone (compute at the chip's sustained matmul rate, the 1F1B bubble, the tensor, context, FSDP and
    data-parallel collectives of :func:`autoshard.perf.collective_seconds_on`, and a memory count of
@@ -38,12 +38,12 @@ import time
 EVALUATE = 6
 """Kinds planned in full per row before the neighbourhood search (:func:`search`)."""
 
-MAX_EVALUATE = 14
+MAX_EVALUATE = 16
 """At most this many full plans per row (the kinds' best, then neighbours of the fastest)."""
 
-SCREEN_MEMORY_SHARE = 0.9
-"""A candidate enters the full plans when the screen's memory count is under this share of the device's
-memory (the count leaves out transients the plans see)."""
+SCREEN_MEMORY_SHARE = 1.25
+"""A candidate may be planned when the screen's memory count is under this share of the device's memory
+(the count is coarse both ways; the plans decide what fits)."""
 
 MAX_PIPELINE = 64
 MIN_CONTEXT_TOKENS = 4096
@@ -82,6 +82,12 @@ def _pipeline_degrees(layers: int) -> list[int]:
     return sorted(set(_powers_of_two(top)) | {d for d in range(1, top + 1) if layers % d == 0})
 
 
+def _fsdp_degrees(data: int) -> list[int]:
+    """How many of ``data`` ranks shard the parameters: none, all, or all but 2-8 replicas of them (hybrid
+    sharding: FSDP within a group, data parallel across groups)."""
+    return sorted({1, data} | {data // r for r in (2, 4, 8) if data % r == 0 and data // r > 1})
+
+
 def _tensor_limit(hw) -> int:
     span = hw.tiers[0].span if len(hw.tiers) > 1 else None
     return min(span or 16, 16)
@@ -105,7 +111,7 @@ def candidates(rec, hw) -> list:
                 data = n // (tp * cp * pp)
                 if batch % data:
                     continue
-                for fsdp in sorted({1, data}):
+                for fsdp in _fsdp_degrees(data):
                     out.extend(_microbatchings(rec, hw, dict(tp=tp, cp=cp, pp=pp, fsdp=fsdp, dp=data // fsdp)))
     return out
 
@@ -168,8 +174,7 @@ def screen(rec, hw) -> tuple[float, float]:
     kept = {"minimal": 2 * tokens * width / rec.tp * layers * held,
             "full": (2 * tokens * c.hidden * layers * held + 2 * tokens * width) / rec.tp}
     logits = 4 * tokens * c.vocab / rec.tp * 2
-    recompute = "minimal" if weights + optimizer + kept["minimal"] + logits <= SCREEN_MEMORY_SHARE * hw.memory \
-        else "full"
+    recompute = "minimal" if weights + optimizer + kept["minimal"] + logits <= hw.memory else "full"
     memory = weights + optimizer + kept[recompute] + logits
 
     flops = 6 * c.num_params() * rec.batch * c.seq + 6 * c.layers * q * c.seq * rec.batch * c.seq
@@ -258,8 +263,13 @@ def search(rec, *, time_limit: float = 2.0, log=None) -> Choice:
 
 
 def _near(a, b) -> bool:
-    """Neighbours: at most one of the pipeline, tensor and context degrees and the FSDP choice differs."""
-    return sum((a.pp != b.pp, a.tp != b.tp, a.cp != b.cp, (a.fsdp > 1) != (b.fsdp > 1))) <= 1
+    """Neighbours: one of the pipeline, tensor and context degrees, the data replicas (the rest of the data
+    ranks shard the parameters) or the interleaving differs, the microbatches following a pipeline's; or
+    only the microbatches differ."""
+    moved = sum((a.pp != b.pp, a.tp != b.tp, a.cp != b.cp, a.dp != b.dp, a.virtual != b.virtual))
+    if moved == 0:
+        return a.microbatches != b.microbatches
+    return moved == 1 and (a.microbatches == b.microbatches or a.pp > 1 or b.pp > 1)
 
 
 def _diverse(ranked: list) -> list:

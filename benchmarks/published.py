@@ -1,7 +1,7 @@
 """Predict published, measured training runs with autoshard's performance model.
 
     python -m benchmarks.published [--csv ../shared/published_runs.csv] [--json benchmarks/results/published.json]
-                                   [--only REGEX] [--md benchmarks/PUBLISHED.md]
+                                   [--only REGEX] [--md benchmarks/PUBLISHED.md] [--autoshard]
 
 Each row of the CSV (format: ``../shared/published_runs.md``) is one measured multi-device run with its
 configuration. The row is **reconstructed** as a JAX program and planned with autoshard, then **predicted**
@@ -30,6 +30,12 @@ with the performance model (:mod:`autoshard.perf`), in the row's own unit:
 5. **Unit.** Tokens/s per device, seconds per step, or TFLOP/s per device counted by the source's FLOP
    convention as its notes state it: Megatron-LM's Eq. 3 (with the recomputed forward), MaxText's
    ``6·N·tokens`` plus causal attention; for other sources the model FLOPs without recomputation.
+
+``--autoshard`` also plans each reconstructed row with autoshard's own configuration
+(:mod:`benchmarks.published_search`: the same model, batch, hardware and device count; its own mesh
+factorization, pipeline, microbatches, recomputation and layouts) and reports ``speedup``: the published
+configuration's predicted step over autoshard's, both by the same model. The published configuration is
+predicted as it ran; autoshard's must fit the device's memory by the model's estimate.
 
 Unknown fields (``?``) are stated in the row's ``assumptions``, never tuned: microbatch 1, the 1F1B
 schedule without interleaving, and recomputation only when the plan without it does not fit the device's
@@ -691,6 +697,9 @@ def run(rows: list[dict], *, only: str | None = None, time_limit: float = 2.0, a
               f"{rec.measured:.4g} {rec.unit} ({value / rec.measured:.3f}x) in {pred.plan_s:.1f}s; {pred.plan}",
               flush=True)
         if autoshard:
+            from autoshard.perf import hardware_preset
+
+            r["published_fits"] = pred.peak_bytes <= hardware_preset(rec.hardware).memory
             r.update(autoshard_fields(rec, pred.step_s, time_limit=time_limit))
             got = f"speedup {r['speedup']:.3f}: {r['autoshard_plan']}" if r["autoshard_plan"] else \
                 f"not planned: {r['autoshard_reason']}"
@@ -726,21 +735,27 @@ def speedups(rows: list[dict]) -> dict | None:
     if not any("speedup" in r for r in rows):
         return None
     got = [r["speedup"] for r in rows if r.get("speedup") is not None]
+    fits = [r["speedup"] for r in rows if r.get("speedup") is not None and r.get("published_fits")]
     return {"rows": len(rows), "planned": len(got), "least": min(got) if got else None,
             "median": statistics.median(got) if got else None, "under_1_00": sum(g < 1.0 for g in got),
-            "at_least_1_10": sum(g >= 1.10 for g in got)}
+            "at_least_1_10": sum(g >= 1.10 for g in got),
+            # rows whose published configuration fits the device's memory by the model's estimate too
+            "published_fits": len(fits), "under_1_00_where_published_fits": sum(g < 1.0 for g in fits),
+            "least_where_published_fits": min(fits) if fits else None}
 
 
 def autoshard_table(rows: list[dict]) -> str:
     """The ``--autoshard`` table: per row, the published configuration's and autoshard's predictions and
     autoshard's plan, or why the row is not planned."""
-    lines = ["| # | source | model | n | unit | measured | published cfg, predicted | autoshard, predicted | "
-             "speedup | search s | RSS GB | autoshard's plan / reason |", "|---:|---|---|---:|---|---:|---:|---:|---:|"
-             "---:|---:|---|"]
+    lines = ["| # | source | model | n | unit | measured | published cfg, predicted (peak GB) | autoshard, "
+             "predicted (peak GB) | speedup | search s | RSS GB | autoshard's plan / reason |",
+             "|---:|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         if r.get("speedup") is not None:
+            over = "" if r.get("published_fits", True) else " over"
             lines.append(f"| {r['row']} | {r['source']} | {r['model']} | {r['n_accel']} | {r['unit']} | "
-                         f"{r['measured']:.4g} | {r['predicted']:.4g} | {r['autoshard_predicted']:.4g} | "
+                         f"{r['measured']:.4g} | {r['predicted']:.4g} ({r['peak_gb']:.0f}{over}) | "
+                         f"{r['autoshard_predicted']:.4g} ({r['autoshard_peak_gb']:.0f}) | "
                          f"{r['speedup']:.3f} | {r['autoshard_plan_s']:.1f} | {r['autoshard_rss_gb']:.2f} | "
                          f"{r['autoshard_plan']} |")
         else:
@@ -749,7 +764,10 @@ def autoshard_table(rows: list[dict]) -> str:
     sp = speedups(rows)
     lines += ["", f"Planned {sp['planned']} of {sp['rows']} rows; speedup least "
               f"{sp['least'] or 0:.3f}, median {sp['median'] or 0:.3f}; under 1.00: {sp['under_1_00']}; "
-              f"1.10 or more: {sp['at_least_1_10']}."]
+              f"1.10 or more: {sp['at_least_1_10']}. Where the published configuration also fits the device's "
+              f"memory by the model's estimate ({sp['published_fits']} rows; \"over\" marks the others, which "
+              f"ran but which the estimate puts over): under 1.00: {sp['under_1_00_where_published_fits']}, least "
+              f"{sp['least_where_published_fits'] or 0:.3f}."]
     return "\n".join(lines)
 
 
@@ -856,7 +874,8 @@ def _md_header(args) -> str:
 
     from benchmarks.output import commit
     command = "python -m benchmarks.published" + (f" --csv {args.csv}" if args.csv != DEFAULT_CSV else "") + \
-        (f" --only '{args.only}'" if args.only else "") + f" --md {args.md}"
+        (f" --only '{args.only}'" if args.only else "") + (" --autoshard" if args.autoshard else "") + \
+        f" --md {args.md}"
     return (f"# Published runs, predicted\n\nWritten by `{command}` at commit {commit()} on "
             f"{datetime.date.today().isoformat()}. Each row: a measured run of `{os.path.relpath(args.csv)}` rebuilt as a JAX program, "
             "planned on an AbstractMesh of its device count and predicted by autoshard's performance model "

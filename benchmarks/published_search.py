@@ -47,7 +47,8 @@ SCREEN_MEMORY_SHARE = 1.25
 
 MAX_PIPELINE = 64
 MIN_CONTEXT_TOKENS = 4096
-MIN_CHUNK_LAYERS = 4
+MIN_CHUNK_LAYERS = (4, 2)
+"""Interleaved pipelines tried: the most model chunks per device with at least this many layers each."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,10 +83,15 @@ def _pipeline_degrees(layers: int) -> list[int]:
     return sorted(set(_powers_of_two(top)) | {d for d in range(1, top + 1) if layers % d == 0})
 
 
-def _fsdp_degrees(data: int) -> list[int]:
-    """How many of ``data`` ranks shard the parameters: none, all, or all but 2-8 replicas of them (hybrid
-    sharding: FSDP within a group, data parallel across groups)."""
-    return sorted({1, data} | {data // r for r in (2, 4, 8) if data % r == 0 and data // r > 1})
+def _fsdp_degrees(data: int, inner: int, hw) -> list[int]:
+    """How many of ``data`` ranks shard the parameters: none, all, all but 2-8 replicas of them, or as many
+    as keep a group of ``inner`` (context x tensor) devices each within one group of a link tier (an NVLink
+    node, a TPU slice): hybrid sharding, FSDP within the group and data parallel across groups."""
+    out = {1, data} | {data // r for r in (2, 4, 8) if data % r == 0}
+    for tier in hw.tiers:
+        if tier.span and tier.span % inner == 0 and data % (tier.span // inner) == 0:
+            out.add(tier.span // inner)
+    return sorted(d for d in out if d >= 1)
 
 
 def _tensor_limit(hw) -> int:
@@ -111,7 +117,7 @@ def candidates(rec, hw) -> list:
                 data = n // (tp * cp * pp)
                 if batch % data:
                     continue
-                for fsdp in _fsdp_degrees(data):
+                for fsdp in _fsdp_degrees(data, tp * cp, hw):
                     out.extend(_microbatchings(rec, hw, dict(tp=tp, cp=cp, pp=pp, fsdp=fsdp, dp=data // fsdp)))
     return out
 
@@ -126,17 +132,17 @@ def _microbatchings(rec, hw, shape: dict) -> list:
     base = dataclasses.replace(rec, virtual=1, schedule="1f1b", recompute="auto", zero1="auto", **shape)
     if shape["pp"] > 1:
         flat = dataclasses.replace(base, microbatches=per_rank, microbatch=ranks)
-        v = _interleaving(rec.cfg.layers, shape["pp"])
-        return [flat] + ([dataclasses.replace(flat, virtual=v)] if v > 1 and per_rank % shape["pp"] == 0 else [])
+        vs = {_interleaving(rec.cfg.layers, shape["pp"], least) for least in MIN_CHUNK_LAYERS} - {1}
+        return [flat] + [dataclasses.replace(flat, virtual=v) for v in sorted(vs) if per_rank % shape["pp"] == 0]
     return [dataclasses.replace(base, microbatches=m, microbatch=replicas // m)
             for m in _powers_of_two(per_rank) if per_rank % m == 0]
 
 
-def _interleaving(layers: int, pp: int) -> int:
+def _interleaving(layers: int, pp: int, least: int) -> int:
     """Model chunks per pipeline device for the interleaved 1F1B schedule: the most that keep at least
-    :data:`MIN_CHUNK_LAYERS` layers in every chunk and divide the layers evenly (1: none)."""
+    ``least`` layers in every chunk and divide the layers evenly (1: none)."""
     best = 1
-    for v in range(2, layers // (pp * MIN_CHUNK_LAYERS) + 1):
+    for v in range(2, layers // (pp * least) + 1):
         if layers % (pp * v) == 0:
             best = v
     return best

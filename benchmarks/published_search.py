@@ -269,13 +269,15 @@ def search(rec, *, time_limit: float = 2.0, log=None) -> Choice:
 
 
 def _near(a, b) -> bool:
-    """Neighbours: one of the pipeline, tensor and context degrees, the data replicas (the rest of the data
-    ranks shard the parameters) or the interleaving differs, the microbatches following a pipeline's; or
-    only the microbatches differ."""
-    moved = sum((a.pp != b.pp, a.tp != b.tp, a.cp != b.cp, a.dp != b.dp, a.virtual != b.virtual))
+    """Neighbours: one of the pipeline, tensor and context degrees or the interleaving differs, with either
+    the data replicas or the FSDP degree kept (the other takes the devices freed or needed), the
+    microbatches following a pipeline's; or only the split of the data ranks between replicas and FSDP,
+    or only the microbatches, differ."""
+    moved = sum((a.pp != b.pp, a.tp != b.tp, a.cp != b.cp, a.virtual != b.virtual))
     if moved == 0:
-        return a.microbatches != b.microbatches
-    return moved == 1 and (a.microbatches == b.microbatches or a.pp > 1 or b.pp > 1)
+        return a.dp != b.dp or a.microbatches != b.microbatches
+    return moved == 1 and (a.dp == b.dp or a.fsdp == b.fsdp) and (
+        a.microbatches == b.microbatches or a.pp > 1 or b.pp > 1)
 
 
 def _diverse(ranked: list) -> list:

@@ -16,7 +16,7 @@ The search, in two steps:
    degrees are the powers of two and the divisors of the layers, up to 64 and half the layers (with a
    power of two that does not divide them, the last stage takes fewer). The data ranks all shard the parameters
    (FSDP / ZeRO-3), all replicate them (with the optimizer state over them when needed, ZeRO-1), or shard
-   them within groups replicated 2, 4 or 8 times (hybrid). A pipeline runs one sequence per data rank per
+   them within groups replicated 2, 4 or 8 times or within one group of a link tier (hybrid). A pipeline runs one sequence per data rank per
    microbatch, 1F1B, flat or interleaved; without one, any power-of-two count of microbatches.
 2. **Screen, then plan** (:func:`screen`, :func:`search`): every candidate gets a roofline from arithmetic
    alone (compute at the chip's sustained matmul rate, the 1F1B bubble, the tensor, context, FSDP and

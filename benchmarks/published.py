@@ -338,16 +338,16 @@ def _plan(fun, args, mesh, cluster, hint, time_limit: float, budget: float = 1e1
 def _own_budget(cfg, stage, hw, devices: int) -> float:
     """The device memory a stage program may use when autoshard lays it out itself: the device's, less the
     fp32 master weights and AdamW moments (12 bytes a parameter) split over all the stage's devices."""
-    from benchmarks.models.llm import stage_params
-
-    count = sum(math.prod(a.shape) for a in _leaves(stage_params(cfg, stage)))
-    return hw.memory - 12 * count / devices
+    return hw.memory - 12 * _stage_param_count(cfg, stage) / devices
 
 
-def _leaves(tree):
+def _stage_param_count(cfg, stage) -> int:
+    """Elements of ``stage``'s parameters."""
     import jax
 
-    return jax.tree.leaves(tree)
+    from benchmarks.models.llm import stage_params
+
+    return sum(math.prod(a.shape) for a in jax.tree.leaves(stage_params(cfg, stage)))
 
 
 def plan_stage(rec: Reconstruction, cfg, stage, mesh, cluster, time_limit: float, *,
@@ -368,8 +368,6 @@ def plan_stage(rec: Reconstruction, cfg, stage, mesh, cluster, time_limit: float
     devices = rec.fsdp * rec.cp * rec.tp
     residuals = residual_bytes(fb, (params, inputs), devices)
     if budget is not None:  # the other microbatches in flight keep their residuals meanwhile
-        from benchmarks.published_search import in_flight
-
         limit -= max(in_flight(rec) - 1, 0) * residuals
         if limit <= 0:
             from autoshard.errors import InfeasibleError
@@ -422,6 +420,18 @@ def residual_bytes(fun, args, devices: int) -> float:
     return total / devices
 
 
+def in_flight(rec: Reconstruction, stage: int = 0) -> int:
+    """Microbatches (model-chunk microbatches when interleaved) whose activations device ``stage`` of a
+    pipeline keeps at once: ``min(m, p - s)`` under 1F1B, Megatron-LM's warm-up ``(p - s - 1)·2 + (v - 1)·p
+    + 1`` interleaved, all of them under GPipe."""
+    p, v, m = rec.pp, rec.virtual, rec.microbatches
+    if rec.schedule == "gpipe":
+        return m * v
+    if v > 1:
+        return min(m * v, (p - stage - 1) * 2 + (v - 1) * p + 1)
+    return min(m, p - stage)
+
+
 def _param_count(plan) -> int:
     """Elements of the plan's first argument (the parameters)."""
     return sum(math.prod(shape) for path, (shape, _) in zip(plan.in_paths, plan.in_avals, strict=True)
@@ -435,25 +445,18 @@ def pipeline_peak(rec: Reconstruction, plans: dict, zero1: bool = False, own: bo
     master weights and AdamW moments (12 bytes a parameter, split over the data replicas with ZeRO-1); the
     residuals each microbatch in flight keeps for its backward (:func:`residual_bytes`); and, once, one chunk
     program's own peak beyond its parameters and gradients (its transients). In flight on device ``s``:
-    ``min(m, p - s)`` microbatches under 1F1B, ``(p - s - 1)·2 + (v - 1)·p + 1`` chunk-microbatches
-    interleaved (Megatron-LM's warm-up), all of them under GPipe.
+    :func:`in_flight`.
 
     ``own`` (autoshard's own layouts, :func:`predict`): the masters and moments are split over every device
     of the stage whatever the layout of the bf16 parameters (ZeRO: the update is elementwise), the updated
     parameters gathered back once a step (:func:`predict` charges that)."""
-    p, v, m = rec.pp, rec.virtual, rec.microbatches
+    p, v = rec.pp, rec.virtual
     sizes = dict(enumerate((rec.fsdp, rec.cp, rec.tp)))
     chunks = p * v
     worst = 0.0
     for s in range(p):
         names = ["only" if chunks == 1 else "first" if c * p + s == 0 else "last" if c * p + s == chunks - 1
                  else "middle" for c in range(v)]
-        if rec.schedule == "gpipe":
-            in_flight = m * v
-        elif v > 1:
-            in_flight = min(m * v, (p - s - 1) * 2 + (v - 1) * p + 1)
-        else:
-            in_flight = min(m, p - s)
         static = transient = resid = 0.0
         for name in names:
             sp = plans[name]
@@ -466,7 +469,7 @@ def pipeline_peak(rec: Reconstruction, plans: dict, zero1: bool = False, own: bo
             transient = max(transient, sp.backward_plan.memory.peak_bytes - 2 * params)
             resid += sp.residuals / len(names)
         # the transient peak holds one microbatch's residuals already
-        worst = max(worst, static + max(in_flight - 1, 0) * resid + max(transient, 0.0))
+        worst = max(worst, static + max(in_flight(rec, s) - 1, 0) * resid + max(transient, 0.0))
     return worst
 
 
@@ -481,6 +484,7 @@ class Prediction:
     peak_bytes: float
     plan_s: float
     plan: str
+    zero1: bool = False  # AdamW state split over the data replicas
 
 
 def predict(rec: Reconstruction, *, time_limit: float = 2.0, own_layouts: bool = False) -> Prediction:
@@ -582,7 +586,7 @@ def predict(rec: Reconstruction, *, time_limit: float = 2.0, own_layouts: bool =
             f"stage comm exposed {p0.cost.exposed_communication_seconds or 0:.3g}s of {p0.cost.total_seconds:.3g}s")
     del jax
     return Prediction(step, pipe.step, dp_reduce, update_s, pipe.bubble, recompute, peak,
-                      time.perf_counter() - t0, desc)
+                      time.perf_counter() - t0, desc, zero1)
 
 
 def _update_seconds(rec: Reconstruction, cfg, stage, mesh, cluster, time_limit: float, own: bool) -> float:
@@ -598,7 +602,7 @@ def _update_seconds(rec: Reconstruction, cfg, stage, mesh, cluster, time_limit: 
     args = (master, stage_params(cfg, stage, jnp.bfloat16), {"mu": master, "nu": master})
     if not own:
         return _plan(update, args, mesh, cluster, hints(rec, master, {}), time_limit).cost.total_seconds
-    count = sum(math.prod(a.shape) for a in _leaves(master))
+    count = _stage_param_count(cfg, stage)
     budget = 1.25 * (28 * count / math.prod(mesh.axis_sizes) + 4 * count)  # a quarter over, for transients
     return _plan(update, args, mesh, cluster, {}, time_limit, budget).cost.total_seconds
 
@@ -637,6 +641,10 @@ def _peak_rss_gb() -> float:
     return kb / (1e9 if sys.platform == "darwin" else 1e6)
 
 
+_NOT_PLANNED = {"speedup": None, "autoshard_plan": None, "autoshard_predicted": None, "autoshard_plan_s": 0.0,
+                "autoshard_rss_gb": None}
+
+
 def autoshard_fields(rec: Reconstruction, published_step_s: float | None, *, time_limit: float = 2.0) -> dict:
     """The ``--autoshard`` columns of one reconstructed row: autoshard's own configuration
     (:func:`benchmarks.published_search.search`), its prediction in the row's unit, ``speedup`` (the published
@@ -648,8 +656,7 @@ def autoshard_fields(rec: Reconstruction, published_step_s: float | None, *, tim
     try:
         choice = search(rec, time_limit=time_limit)
     except Exception as e:  # reported with its reason, never dropped
-        return {"speedup": None, "autoshard_plan": None, "autoshard_predicted": None,
-                "autoshard_plan_s": time.perf_counter() - t0, "autoshard_rss_gb": _peak_rss_gb(),
+        return {**_NOT_PLANNED, "autoshard_plan_s": time.perf_counter() - t0, "autoshard_rss_gb": _peak_rss_gb(),
                 "autoshard_reason": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
     step = choice.prediction.step_s
     return {"speedup": published_step_s / step if published_step_s else None, "autoshard_plan": choice.line(),
@@ -706,10 +713,6 @@ def run(rows: list[dict], *, only: str | None = None, time_limit: float = 2.0, a
             print(f"    autoshard: {got} ({r['autoshard_plan_s']:.1f}s, RSS {r['autoshard_rss_gb']:.2f} GB)",
                   flush=True)
     return out
-
-
-_NOT_PLANNED = {"speedup": None, "autoshard_plan": None, "autoshard_predicted": None, "autoshard_plan_s": 0.0,
-                "autoshard_rss_gb": None}
 
 
 def summary(rows: list[dict]) -> dict:

@@ -35,6 +35,8 @@ import dataclasses
 import math
 import time
 
+from benchmarks.published import in_flight, step_flops
+
 EVALUATE = 6
 """Kinds planned in full per row before the neighbourhood search (:func:`search`)."""
 
@@ -64,7 +66,7 @@ class Choice:
     def line(self) -> str:
         """The plan in one line: mesh, stages, microbatches, recomputation, ZeRO level, context split."""
         r, p = self.rec, self.prediction
-        zero = "3" if r.fsdp > 1 else ("1" if "zero1=True" in p.plan else "0")
+        zero = "3" if r.fsdp > 1 else ("1" if p.zero1 else "0")
         return (f"pp{r.pp} x dp{r.dp} x (fsdp{r.fsdp}, cp{r.cp}, tp{r.tp}); {r.pp} stage(s), m{r.microbatches} "
                 f"x {r.microbatch} seq; remat={p.recompute}; ZeRO-{zero}; context split {r.cp}")
 
@@ -148,18 +150,6 @@ def _interleaving(layers: int, pp: int, least: int) -> int:
     return best
 
 
-def in_flight(rec, stage: int = 0) -> int:
-    """Microbatches (model-chunk microbatches when interleaved) whose activations device ``stage`` of a
-    pipeline keeps at once: ``min(m, p - s)`` under 1F1B, Megatron-LM's warm-up ``(p - s - 1)·2 + (v - 1)·p
-    + 1`` interleaved, all of them under GPipe."""
-    p, v, m = rec.pp, rec.virtual, rec.microbatches
-    if rec.schedule == "gpipe":
-        return m * v
-    if v > 1:
-        return min(m * v, (p - stage - 1) * 2 + (v - 1) * p + 1)
-    return min(m, p - stage)
-
-
 def screen(rec, hw) -> tuple[float, float]:
     """``(seconds, bytes)``: a candidate's step and its busiest device's memory by arithmetic (module
     docstring), to order candidates before they are planned. Recomputes the forward when the activations of
@@ -183,7 +173,7 @@ def screen(rec, hw) -> tuple[float, float]:
     recompute = "minimal" if weights + optimizer + kept["minimal"] + logits <= hw.memory else "full"
     memory = weights + optimizer + kept[recompute] + logits
 
-    flops = 6 * c.num_params() * rec.batch * c.seq + 6 * c.layers * q * c.seq * rec.batch * c.seq
+    flops = step_flops(dataclasses.replace(rec, convention="maxtext"))  # 6·N·tokens and causal attention
     if recompute == "full":
         flops *= 4 / 3
     rate = hw.accelerator.peak_flops["bf16"] * hw.accelerator.matmul_efficiency["bf16"]

@@ -46,6 +46,9 @@ class BackendProfile:
       async_collectives: collectives run asynchronously (start/done pairs), overlapping compute.
       latency_hiding_scheduler: XLA schedules with the latency-hiding scheduler (which starts from a
         memory-minimising schedule and may keep more alive to overlap collectives).
+      inputs_gathered_at_start: XLA schedules the gather of a step argument (an operand resharded to a larger
+        layout) at the step's start, so the gathered copy lives from there to its last reader; otherwise the
+        gather runs at its first reader, as a memory-minimising schedule places it.
       remat_select_fence: lowering keeps a recompute distinct with a select on an always-true
         predicate, besides the optimization barrier (the backend may expand the barrier before CSE).
       fused_attention: the backend runs attention (scores, mask, softmax, their product with the values, and
@@ -70,6 +73,7 @@ class BackendProfile:
     mixed_precision_dots: bool = True
     async_collectives: bool = False
     latency_hiding_scheduler: bool = False
+    inputs_gathered_at_start: bool = True
     remat_select_fence: bool = False
     fused_attention: bool = False
     calibrate_row: bool = True
@@ -133,6 +137,10 @@ GPU = BackendProfile(
     # overlap compute (docs.jax.dev/en/latest/gpu_performance_tips.html).
     async_collectives=True,
     latency_hiding_scheduler=True,
+    # The latency-hiding scheduler starts from a memory-minimising schedule (see TPU below), which runs an
+    # all-gather just before its first reader, and overlaps it with the compute before that within its memory
+    # limit; XLA:CPU's sequential schedule was measured to gather arguments at the start (memory.py).
+    inputs_gathered_at_start=False,
     # jax.checkpoint relies on optimization_barrier alone on GPU.
     remat_select_fence=False,
     # cuDNN's fused attention (jax.nn.dot_product_attention picks it on GPU; MaxText, NeMo and Megatron

@@ -111,9 +111,14 @@ class Evaluator:
         return jax.lax.with_sharding_constraint(x, self.sharding(spec))
 
     def fence(self, group, env: dict):
-        """All of a recompute group's fences at once: one barrier with the group's anchor."""
+        """All of a recompute group's fences at once: one barrier with the group's anchor.
+
+        The barrier takes its operands as stored and the reshard to the fence's layout runs behind it, so a
+        gather for the recompute (or, for a weight, for the backward that reads the fenced copy) is a
+        collective of its own: XLA cannot merge it with the forward's gather of the same value and keep
+        that gathered copy from the forward to the backward."""
         ops = [self.program.ops[i] for i in group.fences]
-        vals = [self.constrain(env[op.inputs[0]], self.operand_specs.get((op.index, 0))) for op in ops]
+        vals = [env[op.inputs[0]] for op in ops]
         anchor = None if group.anchor is None else env[group.anchor]
         if anchor is not None and not jax.dtypes.issubdtype(anchor.dtype, jax.dtypes.extended):
             *vals, anchor = jax.lax.optimization_barrier((*vals, anchor))
@@ -122,6 +127,7 @@ class Evaluator:
         else:
             vals = jax.lax.optimization_barrier(tuple(vals))
         for op, x in zip(ops, vals, strict=True):
+            x = self.constrain(x, self.operand_specs.get((op.index, 0)))
             env[op.outputs[0]] = self.constrain(x, self.value_specs.get(op.outputs[0]))
 
     def run(self, graph: OpGraph, env: dict):

@@ -371,8 +371,8 @@ def _sweep(order, live: _Liveness) -> tuple[float, int]:
             total -= _hosted(temps, unwritten) if unwritten else 0.0
             if total > best:
                 best, best_n = total, n
-        for v in new:
-            if last.get(v, -1) >= k:
+        for v in new:  # a buffer made and last read by one node (a gather for one reader) dies with it
+            if last.get(v, -1) > k:
                 live_set[v] = size[v]
                 live += size[v]
         for v in dying:
@@ -460,13 +460,16 @@ def on_chip_values(program: CapturedProgram, profile: BackendProfile | None) -> 
 
 
 def _resharded_buffers(program: CapturedProgram, value_specs: dict, operand_specs: dict, mesh,
-                       skip=frozenset()) -> list:
+                       skip=frozenset(), *, at_start: bool = True) -> list:
     """Buffers the plan's resharding collectives write: ``(bytes, op made at or None, op last read at)``.
 
     An operand a reader needs in a larger layout (an all-gather) is a new buffer, shared by
     every top-level reader that needs that layout (XLA merges identical collectives), from the
-    first such reader to the last; one of a program input is gathered at the step's start, as
-    XLA schedules it. Smaller layouts are slices that fuse into the reader."""
+    first such reader to the last; with ``at_start`` (``BackendProfile.inputs_gathered_at_start``) one of a
+    program input is gathered at the step's start, as XLA:CPU schedules it. A remat fence (an
+    ``optimization_barrier``) reads its operand as stored and is resharded behind the barrier
+    (:meth:`autoshard.lower.Evaluator.fence`), so its gather is its own, made there. Smaller layouts are
+    slices that fuse into the reader."""
     position = {op.index: t for t, op in enumerate(program.graph.ops)}
     invars = set(program.graph.invars)
     spans: dict = {}
@@ -474,15 +477,18 @@ def _resharded_buffers(program: CapturedProgram, value_specs: dict, operand_spec
         t = position.get(index)
         if t is None:
             continue
-        x = program.graph.ops[t].inputs[pos]
+        op = program.graph.ops[t]
+        x = op.inputs[pos]
         if not isinstance(x, int) or x in skip:
             continue
         b = value_bytes(program.avals[x], spec, mesh)
         if b <= value_bytes(program.avals[x], value_specs.get(x), mesh):
             continue
-        lo, hi, _ = spans.get((x, spec), (t, t, b))
-        spans[(x, spec)] = (min(lo, t), max(hi, t), b)
-    return [(b, None if x in invars else lo, hi) for (x, _), (lo, hi, b) in spans.items()]
+        key = (x, spec, t) if op.name == "optimization_barrier" else (x, spec)
+        lo, hi, _ = spans.get(key, (t, t, b))
+        spans[key] = (min(lo, t), max(hi, t), b)
+    return [(b, None if at_start and len(key) == 2 and key[0] in invars else lo, hi)
+            for key, (lo, hi, b) in spans.items()]
 
 
 def _fresh_id(size: dict, nodes) -> int:
@@ -678,7 +684,8 @@ def _liveness(program: CapturedProgram, value_specs, mesh, entry: _Entry, *, ope
     scores = on_chip_values(program, profile)
     for v in scores & size.keys():
         size[v] = 0.0
-    extras += _resharded_buffers(program, value_specs, operand_specs, mesh, skip=scores)
+    extras += _resharded_buffers(program, value_specs, operand_specs, mesh, skip=scores,
+                                 at_start=profile.inputs_gathered_at_start)
 
     def scheduled(t):  # a fused op runs inside the next op that is not fused
         return nodes[min(bisect.bisect_left(nodes, t), len(nodes) - 1)]

@@ -302,6 +302,8 @@ def rematerialize(program: CapturedProgram, units) -> tuple[CapturedProgram, tup
     inserts: dict[int, list[Op]] = {}
     groups = []
     redirect_from: dict[int, dict[int, int]] = {}  # insert position -> {old value: new value}
+    refetch_from: dict[int, dict[int, int]] = {}  # insert position -> {argument: its fenced copy}
+    invars = set(program.graph.invars)
 
     def new_value(v):
         avals.append(avals[v])
@@ -332,16 +334,27 @@ def rematerialize(program: CapturedProgram, units) -> tuple[CapturedProgram, tup
         inserts.setdefault(u.insert_at, []).extend(fences + dups)
         redirect_from[u.insert_at] = {**redirect_from.get(u.insert_at, {}),
                                       **{v: rename[v] for v in u.residuals}}
+        refetch_from[u.insert_at] = {**refetch_from.get(u.insert_at, {}),
+                                     **{x: rename[x] for x in u.inputs if x in invars}}
         groups.append(RematGroup(tuple(f.index for f in fences), tuple(d.index for d in dups), u.anchor))
-    # Later backward reads of a residual use its recomputed copy.
+    backward_end = _last_residual_read(program, units)
+    # Later backward reads of a residual use its recomputed copy. Until the last read of a residual (the end of
+    # the backward), reads of a step argument (a weight) use its latest fenced copy too: sharded state is then
+    # gathered again for the backward, as jax.checkpoint re-gathers it, instead of one gathered copy kept from the
+    # forward to the backward (XLA merges identical gathers of one value).
     active: dict[int, int] = {}
+    refetch: dict[int, int] = {}
     new_top = []
     for t, op in enumerate(program.graph.ops):
         if t in inserts:
             new_top.extend(inserts[t])
             active.update(redirect_from[t])
-        if active and any(isinstance(x, int) and x in active for x in op.inputs):
-            op = dataclasses.replace(op, inputs=tuple(active.get(x, x) if isinstance(x, int) else x
+            refetch.update(refetch_from[t])
+        if t > backward_end:
+            refetch = {}
+        view = {**refetch, **active}
+        if view and any(isinstance(x, int) and x in view for x in op.inputs):
+            op = dataclasses.replace(op, inputs=tuple(view.get(x, x) if isinstance(x, int) else x
                                                       for x in op.inputs))
             all_ops[op.index] = op
         new_top.append(op)
@@ -350,6 +363,13 @@ def rematerialize(program: CapturedProgram, units) -> tuple[CapturedProgram, tup
                                      in_paths=program.in_paths, out_paths=program.out_paths, consts=program.consts,
                                      in_roles=program.in_roles)
     return out, tuple(groups)
+
+
+def _last_residual_read(program: CapturedProgram, units) -> int:
+    """The position of the last top-level op that reads a residual of ``units`` (where the backward ends)."""
+    residuals = {v for u in units for v in u.residuals}
+    return max((t for t, op in enumerate(program.graph.ops)
+                if any(isinstance(x, int) and x in residuals for x in op.inputs)), default=-1)
 
 
 def recompute_flops(units) -> float:

@@ -57,7 +57,8 @@ def test_gpu_profile_drops_the_xla_cpu_mechanisms_on_a_conv_net():
     assert GPU == dataclasses.replace(
         CPU, platform="gpu", buffer_alignment=256, library_reductions=frozenset(), conv_layout_copies=False,
         reduce_scatter_as_all_reduce=False, widen_half_precision_collectives=False, mixed_precision_dots=True,
-        async_collectives=True, latency_hiding_scheduler=True, remat_select_fence=False, fused_attention=True,
+        async_collectives=True, latency_hiding_scheduler=True, inputs_gathered_at_start=False,
+        remat_select_fence=False, fused_attention=True,
         calibrate_row=True)
     gpu = _memory("convnet", 16, GPU)
     assert gpu.breakdown["intermediates"] < cpu

@@ -144,6 +144,18 @@ class MeshTarget:
 
         return is_abstract(self.mesh)
 
+    def stands_in(self, request: PlanRequest) -> bool:
+        """Devices standing in for the cluster's chips: the budget is the cluster's (no ``memory_budget``), a
+        chip of another platform than the mesh's devices (an H100 preset on simulated CPU devices). Compiling
+        for these devices measures their backend, not that chip's memory, so plans are checked by their
+        predicted peak, as on an ``AbstractMesh`` (``verify=True`` still compiles the chosen plan)."""
+        from autoshard.backends import profile_for
+
+        hw = getattr(self.cluster, "hardware", None)
+        if request.memory_budget is not None or hw is None or self.abstract:
+            return False
+        return profile_for(hw.accelerator.platform).platform != profile_for(self.mesh.devices.flat[0].platform).platform
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Attempt:
@@ -274,8 +286,9 @@ def predicted_only(request: PlanRequest, on: MeshTarget) -> bool:
     """Whether a plan's memory is checked by its predicted peak, not by compiling its program: on an
     AbstractMesh (no devices to compile for), and for a microbatched pipeline stage (``CapturedProgram.held``),
     which runs as several programs (its microbatch's tasks beside the activations in flight, then its
-    update) whose peaks the prediction models and its one program's compile does not."""
-    return on.abstract or bool(request.program.held)
+    update) whose peaks the prediction models and its one program's compile does not; and on devices that
+    stand in for the cluster's chips (:meth:`MeshTarget.stands_in`)."""
+    return on.abstract or bool(request.program.held) or on.stands_in(request)
 
 
 def run_levers(request: PlanRequest, on: MeshTarget, limit: float | None):
@@ -325,7 +338,9 @@ def shard_lever(request: PlanRequest, on: MeshTarget, limit, previous: Attempt |
 
     def refuse(smallest):
         measured = ("the predicted peak (an AbstractMesh: no compile)" if on.abstract else
-                    "the predicted peak (a pipeline stage's programs)" if request.program.held else "XLA's compiled peak")
+                    "the predicted peak (a pipeline stage's programs)" if request.program.held else
+                    "the predicted peak (devices standing in for the cluster's chips: no compile)"
+                    if on.stands_in(request) else "XLA's compiled peak")
         return InfeasibleError(
             f"no sharding plan fits memory budget {budget:.4g} bytes per device on mesh {on.shape}: the planner's "
             f"memory model says one does, but {measured} of each plan found is higher (the lowest, "
@@ -343,7 +358,7 @@ def shard_lever(request: PlanRequest, on: MeshTarget, limit, previous: Attempt |
 def checked_peak(request: PlanRequest, on: MeshTarget, plan_, budget: float) -> float | None:
     """The peak a sharding-only plan is checked by: XLA's compiled one when the estimate comes within
     ``CHECK_ABOVE`` of ``budget`` (recorded in ``plan.stats["compiled_peak"]``), else None (no compile);
-    the estimate itself on an AbstractMesh (no devices to compile for)."""
+    the estimate itself where nothing is compiled (:func:`predicted_only`)."""
     from autoshard.compile import compiled_peak
 
     if predicted_only(request, on):
@@ -369,8 +384,8 @@ def remat_lever(request: PlanRequest, on: MeshTarget, limit, previous: Attempt) 
             program, request.ties, budget=budget, flops_per_second=on.cluster.flops * on.num_devices,
             check=(lambda p, prog, groups: p.memory.peak_bytes) if predicted_only(request, on) else (
                 lambda p, prog, groups: compiled_peak(prog, p, groups, request.donated)),
-            base=previous, checked_by="the planner's memory estimate (nothing is compiled for an AbstractMesh or a "
-                                      "pipeline stage's programs)" if predicted_only(request, on) else
+            base=previous, checked_by="the planner's memory estimate (nothing is compiled for an AbstractMesh, a "
+                                      "pipeline stage's programs or devices standing in for the cluster's chips)" if predicted_only(request, on) else
                                       "XLA's memory_analysis")
     except InfeasibleError as e:
         return dataclasses.replace(previous, plan=None, error=e)

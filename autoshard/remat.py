@@ -505,10 +505,6 @@ class RematSearch:
         floor = self.attempts[(0, limit)].unconstrained_objective
         best_k = 0 if first is not None else None
         start = 1
-        # Recomputing every segment keeps the least: when even that does not fit, no count does (one plan, where
-        # trying each count in turn planned them all).
-        if best_k is None and self.attempt(len(self.units), limit) is None:
-            return None
         if best_k is None and len(self.units) > BISECT_ABOVE:
             best_k = self._bisect(limit)
             if best_k is None:
@@ -537,7 +533,7 @@ class RematSearch:
         with the count. Where it does not (recomputing the last segments lands at the turnaround) the count
         found fits but a smaller one might too; the search upward from it goes on as for few segments."""
         lo, hi = 0, len(self.units)
-        if self.attempt(hi, limit) is None:  # (planned already by search)
+        if self.attempt(hi, limit) is None:
             return None
         while hi - lo > 1:
             mid = (lo + hi) // 2

@@ -196,3 +196,27 @@ def test_a_gathered_weight_lives_from_its_reader_on_gpu_and_from_the_start_on_cp
 
     assert 4 * full <= temps(CPU) < 5 * full
     assert full <= temps(GPU) < 2 * full
+
+
+def test_simulated_devices_standing_in_for_a_chip_are_checked_by_the_prediction():
+    """CPU devices planned for an H100 cluster with the cluster's memory as the budget: compiling for XLA:CPU says
+    nothing about an H100's memory, so plans are checked by their predicted peak (no whole-program compile while
+    planning). A memory_budget of the user's, or a cluster of the devices' own platform, is still checked by XLA."""
+    import jax
+    import jax.numpy as jnp
+
+    from autoshard.capture import capture_graph
+    from autoshard.driver import MeshTarget, PlanRequest, predicted_only
+
+    program = capture_graph(lambda w, x: jnp.tanh(x @ w), (jnp.ones((8, 8)), jnp.ones((4, 8))))
+    mesh = autoshard.make_mesh((8,), ("data",))
+    assert jax.devices()[0].platform == "cpu"
+    h100 = autoshard.cluster_preset("h100-nvlink")
+
+    def checked_by_prediction(**kwargs):
+        request = PlanRequest(program, mesh=mesh, **kwargs)
+        return predicted_only(request, MeshTarget.create(request, mesh))
+
+    assert checked_by_prediction(cluster=h100)
+    assert not checked_by_prediction(cluster=h100, memory_budget=1e9)
+    assert not checked_by_prediction(cluster=autoshard.cluster_preset("cpu-sim"))

@@ -149,12 +149,12 @@ class MeshTarget:
         chip of another platform than the mesh's devices (an H100 preset on simulated CPU devices). Compiling
         for these devices measures their backend, not that chip's memory, so plans are checked by their
         predicted peak, as on an ``AbstractMesh`` (``verify=True`` still compiles the chosen plan)."""
-        from autoshard.backends import profile_for
+        from autoshard.backends import profile_for, profile_for_mesh
 
         hw = getattr(self.cluster, "hardware", None)
         if request.memory_budget is not None or hw is None or self.abstract:
             return False
-        return profile_for(hw.accelerator.platform).platform != profile_for(self.mesh.devices.flat[0].platform).platform
+        return profile_for(hw.accelerator.platform).platform != profile_for_mesh(self.mesh).platform
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -484,11 +484,11 @@ def _resharded_buffers(program: CapturedProgram, value_specs: dict, operand_spec
         b = value_bytes(program.avals[x], spec, mesh)
         if b <= value_bytes(program.avals[x], value_specs.get(x), mesh):
             continue
-        key = (x, spec, t) if op.name == "optimization_barrier" else (x, spec)
-        lo, hi, _ = spans.get(key, (t, t, b))
-        spans[key] = (min(lo, t), max(hi, t), b)
-    return [(b, None if at_start and len(key) == 2 and key[0] in invars else lo, hi)
-            for key, (lo, hi, b) in spans.items()]
+        fence = t if op.name == "optimization_barrier" else None  # a fence's gather is not shared
+        lo, hi, _ = spans.get((x, spec, fence), (t, t, b))
+        spans[(x, spec, fence)] = (min(lo, t), max(hi, t), b)
+    return [(b, None if at_start and fence is None and x in invars else lo, hi)
+            for (x, _, fence), (lo, hi, b) in spans.items()]
 
 
 def _fresh_id(size: dict, nodes) -> int:

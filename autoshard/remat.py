@@ -342,17 +342,17 @@ def rematerialize(program: CapturedProgram, units) -> tuple[CapturedProgram, tup
     # the backward), reads of a step argument (a weight) use its latest fenced copy too: sharded state is then
     # gathered again for the backward, as jax.checkpoint re-gathers it, instead of one gathered copy kept from the
     # forward to the backward (XLA merges identical gathers of one value).
-    active: dict[int, int] = {}
-    refetch: dict[int, int] = {}
+    # (a residual is made by a unit, never a step argument: the two kinds of redirect share one map)
+    view: dict[int, int] = {}
     new_top = []
     for t, op in enumerate(program.graph.ops):
         if t in inserts:
             new_top.extend(inserts[t])
-            active.update(redirect_from[t])
-            refetch.update(refetch_from[t])
-        if t > backward_end:
-            refetch = {}
-        view = {**refetch, **active}
+            view.update(redirect_from[t])
+            view.update(refetch_from[t])
+        if t == backward_end + 1:  # no recompute is inserted after the backward's end
+            for x in invars:
+                view.pop(x, None)
         if view and any(isinstance(x, int) and x in view for x in op.inputs):
             op = dataclasses.replace(op, inputs=tuple(view.get(x, x) if isinstance(x, int) else x
                                                       for x in op.inputs))

@@ -94,17 +94,25 @@ def batch_inputs(program, tie_outputs=None) -> tuple[int, ...]:
     return tuple(i for i, n in fresh.items() if n == size)
 
 
-def _flows(strategies, k: int, b: int, axis: int, n_out: int) -> list[frozenset[int]]:
-    """Per output, the dimensions that operand ``k``'s dimension ``b`` flows into: those that every
-    communication-free strategy splitting only that dimension over ``axis`` splits over it too."""
-    out: list[frozenset[int]] | None = None
+def _flow_table(strategies) -> dict[tuple[int, int, int], list[frozenset[int]]]:
+    """``(operand k, its dimension b, mesh axis) ->`` per output, the dimensions that ``b`` flows into: those that
+    every communication-free strategy splitting only that dimension over that axis splits over it too.
+
+    One pass over the strategies answers every query of an op (an 80-layer step asks it about 140,000 times, most
+    of them of strategy lists shared between layers)."""
+    table: dict[tuple[int, int, int], list[frozenset[int]]] = {}
     for s in strategies:
-        spec = s.in_specs[k] if k < len(s.in_specs) else None
-        if spec is None or s.comm or spec.dims[b] != (axis,) or any(d for i, d in enumerate(spec.dims) if i != b):
+        if s.comm:
             continue
-        dims = [frozenset(d for d, axes in enumerate(o.dims) if axis in axes) for o in s.out_specs]
-        out = dims if out is None else [x & y for x, y in zip(out, dims, strict=True)]
-    return out if out is not None else [frozenset()] * n_out
+        for k, spec in enumerate(s.in_specs):
+            split = [] if spec is None else [(b, d) for b, d in enumerate(spec.dims) if d]
+            if len(split) != 1 or len(split[0][1]) != 1:
+                continue
+            b, (axis,) = split[0]
+            dims = [frozenset(d for d, axes in enumerate(o.dims) if axis in axes) for o in s.out_specs]
+            key = (k, b, axis)
+            table[key] = dims if key not in table else [x & y for x, y in zip(table[key], dims, strict=True)]
+    return table
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -141,16 +149,21 @@ def batch_roles(program, strategies_of: dict, batch: tuple[int, ...], mesh: Mesh
     def roles_of(x) -> Roles:
         return labels.get(x, Roles()) if isinstance(x, int) else Roles()
 
+    tables: dict[int, dict] = {}  # id of a strategy list (alive in strategies_of throughout) -> its _flow_table
+
     def label_op(op):
         strategies = strategies_of.get(op.index)
         if not strategies:
             return
+        table = tables.get(id(strategies))
+        if table is None:
+            table = tables[id(strategies)] = _flow_table(strategies)
         found = [Roles() for _ in op.outputs]
         for k, x in enumerate(op.inputs):
             roles = roles_of(x)
             for d in sorted(roles.batch | roles.tokens):
                 for a in axes:
-                    for j, dims in enumerate(_flows(strategies, k, d, a, len(op.outputs))):
+                    for j, dims in enumerate(table.get((k, d, a), ())):
                         found[j] = found[j] | (Roles(dims) if d in roles.batch else Roles(tokens=dims))
         for v, roles in zip(op.outputs, found, strict=True):
             if roles:

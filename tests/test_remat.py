@@ -252,6 +252,44 @@ def test_bisection_finds_the_fewest_segments_that_fit_in_log_many_plans():
     assert none_fit.search(1.0, flops_per_second=1e30) is None
 
 
+@pytest.mark.parametrize("coarse_fits", [False, True])
+def test_finer_segments_go_first_when_neither_the_first_nor_every_coarse_segment_fits(coarse_fits):
+    """Coarse segments that each hold several layers: when recomputing the first one and all of them both do not
+    fit, the finer segments are searched first and the coarse counts in between are never planned; when all of
+    them fit, the coarse search runs first as before."""
+    from types import SimpleNamespace
+
+    from autoshard.driver import Attempt
+    from autoshard.remat import FINE_MAX_UNITS
+
+    program, ties, _ = _capture_chain()
+    coarse, fine = find_remat_units(program, ties, 3), find_remat_units(program, ties, FINE_MAX_UNITS)
+    assert len(fine) >= 2 * len(coarse)
+    names = {}
+    for kind, units in (("fine", fine), ("coarse", coarse)):  # coarse last: a program both rewrites give is coarse
+        for k in range(len(units) + 1):
+            names[tuple(op.name for op in rematerialize(program, units[:k])[0].ops)] = (kind, k)
+    planned = []
+
+    def plan_fn(prog, limit):
+        kind, k = names[tuple(op.name for op in prog.ops)]
+        planned.append((kind, k))
+        fits = (kind, k) == ("coarse", len(coarse)) if coarse_fits else kind == "fine" and k >= 5
+        seconds = 1.0 + 0.1 * k
+        plan = SimpleNamespace(cost=SimpleNamespace(objective=seconds, total_seconds=seconds, peak_memory_bytes=90.0))
+        return Attempt(plan=plan if fits else None, error=None if fits else autoshard.InfeasibleError(
+            "over", smallest_memory=200.0), budget_bound=True, unconstrained_objective=seconds)
+
+    plan, choice = choose_remat(plan_fn, program, ties, budget=100.0, flops_per_second=1e30, max_units=3)
+    if coarse_fits:
+        assert (choice.units, choice.num_units) == (len(coarse), len(coarse))
+        assert not any(kind == "fine" for kind, _ in planned), planned
+    else:
+        assert (choice.units, choice.num_units, choice.max_units) == (5, len(fine), FINE_MAX_UNITS)
+        assert ("coarse", 2) not in planned, planned
+        assert planned[:3] == [("coarse", 0), ("coarse", 1), ("coarse", len(coarse))], planned
+
+
 def test_backward_gathers_a_sharded_weight_again_from_its_fence():
     """ZeRO-3 with remat, as jax.checkpoint does it: weights stored split over 8 devices, every matmul reading
     them whole. The backward's reads of a recomputed unit's weights go through the unit's fence, and the gather

@@ -157,6 +157,33 @@ def test_memory_limit_below_smallest_usage():
     assert info.value.smallest_memory == 5.0
 
 
+def test_a_limit_below_every_nodes_least_usage_is_refused_without_a_search(monkeypatch):
+    """Usage adds up node by node: with each node at its least usage over the limit, no choice fits, and the
+    solver says so at once with that peak (the least one: that choice's cost is finite), searching nothing."""
+    solve_module = sys.modules["autoshard.solver.solve"]  # the package's ``solve`` names the function
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("searched a problem that no choice fits")
+
+    monkeypatch.setattr(solve_module, "search_core", no_search)
+    monkeypatch.setattr(solve_module, "search_in_workers", no_search)
+    rng = np.random.default_rng(1)
+    n = 400
+    p = ShardingProblem(
+        node_costs=tuple(rng.random(3) for _ in range(n)),
+        edges=np.array([[i, i + 1] for i in range(n - 1)]),
+        edge_costs=tuple(rng.random((3, 3)) for _ in range(n - 1)),
+        node_memory=tuple(np.array([5.0, 2.0, 3.0]) for _ in range(n)),
+        intervals=np.array([[i, i + 3] for i in range(n)]),
+        memory_limit=5.0,
+    )
+    least = p.peak_memory(np.ones(n, dtype=np.int64))
+    assert least == 6.0
+    with pytest.raises(InfeasibleError, match="below the smallest peak usage 6 ") as info:
+        solve(p, time_limit=30)
+    assert info.value.smallest_memory == least
+
+
 def test_timeout_zero_gives_an_answer():
     rng = np.random.default_rng(0)
     n = 200

@@ -240,7 +240,13 @@ def _solve(problem: ShardingProblem, time_limit: float, seed: int, workers: int 
     if n == 0:
         return _empty_solution(time_limit)
     with_memory = _has_memory(problem)
+    # no choice fits when the least usage does not: refused without a search (_below_least_usage)
+    refusal = _below_least_usage(problem) if with_memory else None
+    if refusal is not None and refusal.exact:
+        raise refusal.error
     red = reduce_problem(problem, with_memory=with_memory, deadline=deadline)
+    if refusal is not None:  # the least-usage choice has an infinite cost: the least peak's MILP names the smallest
+        _raise_infeasible(problem, red, time.perf_counter())
     rows = core_memory_rows(problem, red) if with_memory and red.num_core else None
     stats = dict(red.stats, core_nodes=red.num_core, core_edges=len(red.edges))
     if rows is not None:
@@ -963,6 +969,26 @@ def _raise_infeasible(problem: ShardingProblem, red: Reduction, deadline: float)
     choice = red.expand(core, problem.num_nodes)
     smallest = problem.peak_memory(choice)
     raise _memory_error(problem, smallest, exact=res.status == "optimal")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Refusal:
+    error: InfeasibleError
+    exact: bool  # the least-usage choice has a finite cost: its peak is the smallest
+
+
+def _below_least_usage(problem: ShardingProblem) -> _Refusal | None:
+    """The refusal of a limit below the peak with every node at its least usage, or None.
+
+    Usage adds up node by node (``ShardingProblem.peak_memory``), so no choice uses less than that one at any
+    point, and no search can fit: the remat search's candidates far over the device (Llama-3.1-70B on 256,
+    four times the budget) were searched for the whole time limit. That peak is the smallest one when the
+    choice's cost is finite (else a lower bound, and :func:`_raise_infeasible` names the smallest)."""
+    least = np.array([int(np.argmin(m)) if m.size else 0 for m in problem.node_memory], dtype=np.int64)
+    floor = problem.peak_memory(least)
+    if floor <= problem.memory_limit * (1 + 1e-9):
+        return None
+    return _Refusal(_memory_error(problem, floor, exact=True), bool(np.isfinite(problem.cost(least))))
 
 
 def _memory_error(problem: ShardingProblem, smallest: float, *, exact: bool) -> InfeasibleError:

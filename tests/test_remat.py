@@ -290,6 +290,36 @@ def test_finer_segments_go_first_when_neither_the_first_nor_every_coarse_segment
         assert planned[:3] == [("coarse", 0), ("coarse", 1), ("coarse", len(coarse))], planned
 
 
+def test_bisection_steps_to_where_the_peaks_cross_the_limit():
+    """With the peaks of the planned ends known (a fitting plan's, the smallest an error names), the bisection
+    plans the count where the line between them crosses the limit: peaks that fall evenly with the count are
+    bracketed in three plans, where halving takes seven."""
+    from types import SimpleNamespace
+
+    from autoshard.remat import RematSearch
+
+    planned = []
+
+    def plan_fn(k, limit):
+        planned.append(k)
+        peak = 1000.0 - 15.0 * k
+        fits = peak <= limit
+        plan = SimpleNamespace(cost=SimpleNamespace(objective=1.0 + 0.1 * k, total_seconds=1.0 + 0.1 * k,
+                                                    peak_memory_bytes=peak))
+        return SimpleNamespace(plan=plan if fits else None,
+                               error=None if fits else autoshard.InfeasibleError("over", smallest_memory=peak),
+                               budget_bound=True, unconstrained_objective=1.0 + 0.1 * k)
+
+    class Search(RematSearch):
+        def candidate(self, k):  # plan_fn is handed the count itself
+            return k
+
+    search = Search(plan_fn, None, budget=655.0)
+    search.units = tuple(SimpleNamespace(matmul_flops=1.0) for _ in range(64))
+    assert search.search(655.0, flops_per_second=1e30) == 23
+    assert planned[:4] == [0, 64, 23, 22], planned  # then upward from 23 while a candidate may beat it
+
+
 def test_backward_gathers_a_sharded_weight_again_from_its_fence():
     """ZeRO-3 with remat, as jax.checkpoint does it: weights stored split over 8 devices, every matmul reading
     them whole. The backward's reads of a recomputed unit's weights go through the unit's fence, and the gather

@@ -556,15 +556,16 @@ class RematSearch:
 
         Each step plans the count where the peaks of the two ends, joined by a line, cross ``limit`` (peaks
         fall about evenly with the count: a layer's residuals each), the middle one when a peak is unknown or
-        the step before did not halve the interval (Llama-3.1-70B on 256: 4 plans where halving took 7)."""
+        the two steps before did not halve the bracket (so at most twice as many steps as halving takes).
+        Llama-3.1-70B on 256: 4 plans where halving took 7."""
         lo, hi = 0, len(self.units)
         if self.attempt(hi, limit) is None:
             return None
-        halved = True
+        slow = 0  # steps in a row that did not halve the bracket: at 2, the next one halves it
         while hi - lo > 1:
             mid = (lo + hi) // 2
             ends = self._peak(lo, limit), self._peak(hi, limit)
-            if halved and None not in ends and ends[0] > limit >= ends[1]:
+            if slow < 2 and None not in ends and ends[0] > limit >= ends[1]:
                 cross = lo + (ends[0] - limit) / (ends[0] - ends[1]) * (hi - lo)
                 mid = min(max(round(cross), lo + 1), hi - 1)
             width = hi - lo
@@ -572,7 +573,7 @@ class RematSearch:
                 lo = mid
             else:
                 hi = mid
-            halved = 2 * (hi - lo) <= width + 1
+            slow = 0 if 2 * (hi - lo) <= width + 1 else slow + 1
         return hi
 
     def _peak(self, k: int, limit: float) -> float | None:

@@ -491,6 +491,10 @@ FINER_AT_LEAST = 2
 BISECT_ABOVE = DEFAULT_MAX_UNITS
 """Over more segments than this, the fewest that fit are found by bisection (:meth:`RematSearch._bisect`)."""
 
+SLOW_STEPS = 3
+"""Interpolated steps in a row that may each leave more than half of the bracket before
+:meth:`RematSearch._bisect` halves it (at most this many plus one steps per halving)."""
+
 OBSERVED_FLOOR_SHARE = 0.9
 """The share of the recompute cost per flop seen between planned candidates that :meth:`RematSearch.observed_floor`
 counts on for the next one (a margin for unequal segments and solves stopped by their time limit)."""
@@ -561,11 +565,11 @@ class RematSearch:
         lo, hi = 0, len(self.units)
         if self.attempt(hi, limit) is None:
             return None
-        slow = 0  # steps in a row that did not halve the bracket: at 2, the next one halves it
+        slow = 0  # steps in a row that did not halve the bracket: at SLOW_STEPS, the next one halves it
         while hi - lo > 1:
             mid = (lo + hi) // 2
             ends = self._peak(lo, limit), self._peak(hi, limit)
-            if slow < 2 and None not in ends and ends[0] > limit >= ends[1]:
+            if slow < SLOW_STEPS and None not in ends and ends[0] > limit >= ends[1]:
                 cross = lo + (ends[0] - limit) / (ends[0] - ends[1]) * (hi - lo)
                 mid = min(max(round(cross), lo + 1), hi - 1)
             width = hi - lo

@@ -14,7 +14,7 @@ from autoshard.capture import capture_graph
 from autoshard.driver import MeshTarget, PlanRequest, attempt_sharding
 from autoshard.hlo import memory_stats
 from autoshard.lower import make_flat_function
-from autoshard.remat import choose_remat, find_remat_units, rematerialize
+from autoshard.remat import RematSearch, choose_remat, find_remat_units, rematerialize
 from autoshard.signature import output_ties
 from autoshard.spec import replicated
 from tests.helpers import assert_trees_close, run_steps
@@ -211,7 +211,7 @@ def test_observed_floor_prices_the_next_segment_at_the_least_cost_per_flop_seen(
     its segment's flops at the least cost per recomputed flop seen (times the margin); before that, none."""
     from types import SimpleNamespace
 
-    from autoshard.remat import OBSERVED_FLOOR_SHARE, RematSearch
+    from autoshard.remat import OBSERVED_FLOOR_SHARE
 
     search = RematSearch(None, None, budget=1.0)
     search.units = tuple(SimpleNamespace(matmul_flops=f) for f in (10.0, 10.0, 20.0, 10.0))
@@ -223,31 +223,41 @@ def test_observed_floor_prices_the_next_segment_at_the_least_cost_per_flop_seen(
     assert search.observed_floor(3, 2.0) == -np.inf  # another limit's candidates say nothing here
 
 
+class _CountSearch(RematSearch):
+    """A remat search whose ``plan_fn`` is handed the count itself (no program rewritten)."""
+
+    def candidate(self, k):
+        return k
+
+
+def _count_attempt(k: int, fits: bool, peak: float | None = None):
+    """An Attempt-like answer for count ``k``: its plan (cost growing with ``k``, peak ``peak``) or an error naming
+    ``peak`` as the smallest."""
+    from types import SimpleNamespace
+
+    seconds = 1.0 + 0.1 * k
+    plan = SimpleNamespace(cost=SimpleNamespace(objective=seconds, total_seconds=seconds, peak_memory_bytes=peak))
+    return SimpleNamespace(plan=plan if fits else None,
+                           error=None if fits else autoshard.InfeasibleError("over", smallest_memory=peak),
+                           budget_bound=True, unconstrained_objective=seconds)
+
+
 def test_bisection_finds_the_fewest_segments_that_fit_in_log_many_plans():
     """Over many segments the search bisects for the fewest that fit, then goes upward while a candidate may
     still beat it; far fewer plans than one per count."""
     from types import SimpleNamespace
 
-    from autoshard.remat import RematSearch
-
     planned = []
 
     def plan_fn(k, limit):
         planned.append(k)
-        fits = k >= 23
-        plan = SimpleNamespace(cost=SimpleNamespace(objective=1.0 + 0.1 * k, total_seconds=1.0 + 0.1 * k))
-        return SimpleNamespace(plan=plan if fits else None, error=None if fits else autoshard.InfeasibleError("over"),
-                               budget_bound=True, unconstrained_objective=1.0 + 0.1 * k)
+        return _count_attempt(k, k >= 23)
 
-    class Search(RematSearch):
-        def candidate(self, k):  # plan_fn is handed the count itself
-            return k
-
-    search = Search(plan_fn, None, budget=1.0)
+    search = _CountSearch(plan_fn, None, budget=1.0)
     search.units = tuple(SimpleNamespace(matmul_flops=1.0) for _ in range(64))
     assert search.search(1.0, flops_per_second=1e30) == 23
     assert len(set(planned)) <= 10, planned
-    none_fit = Search(lambda k, limit: plan_fn(-1 if k else 0, limit), None, budget=1.0)
+    none_fit = _CountSearch(lambda k, limit: plan_fn(-1 if k else 0, limit), None, budget=1.0)
     none_fit.units = search.units
     assert none_fit.search(1.0, flops_per_second=1e30) is None
 
@@ -296,25 +306,14 @@ def test_bisection_steps_to_where_the_peaks_cross_the_limit():
     bracketed in three plans, where halving takes seven."""
     from types import SimpleNamespace
 
-    from autoshard.remat import RematSearch
-
     planned = []
 
     def plan_fn(k, limit):
         planned.append(k)
         peak = 1000.0 - 15.0 * k
-        fits = peak <= limit
-        plan = SimpleNamespace(cost=SimpleNamespace(objective=1.0 + 0.1 * k, total_seconds=1.0 + 0.1 * k,
-                                                    peak_memory_bytes=peak))
-        return SimpleNamespace(plan=plan if fits else None,
-                               error=None if fits else autoshard.InfeasibleError("over", smallest_memory=peak),
-                               budget_bound=True, unconstrained_objective=1.0 + 0.1 * k)
+        return _count_attempt(k, peak <= limit, peak)
 
-    class Search(RematSearch):
-        def candidate(self, k):  # plan_fn is handed the count itself
-            return k
-
-    search = Search(plan_fn, None, budget=655.0)
+    search = _CountSearch(plan_fn, None, budget=655.0)
     search.units = tuple(SimpleNamespace(matmul_flops=1.0) for _ in range(64))
     assert search.search(655.0, flops_per_second=1e30) == 23
     assert planned[:4] == [0, 64, 23, 22], planned  # then upward from 23 while a candidate may beat it

@@ -213,8 +213,9 @@ def search(rec, *, time_limit: float = 2.0, log=None) -> Choice:
     """autoshard's configuration for ``rec`` (module docstring).
 
     Plans, in the screen's order, the best candidate of each kind (:func:`_diverse`), the next ones of a kind
-    whose best is over the memory (:data:`KIND_RETRIES`), then the neighbours of the fastest that fits (one of pipeline, tensor, context degree or FSDP changed; any microbatching),
-    moving to a neighbour whenever it is faster, up to :data:`MAX_EVALUATE` plans.
+    whose best is refused or over the memory (:data:`KIND_RETRIES`), then the neighbours of the fastest that
+    fits (one of pipeline, tensor, context degree or FSDP changed; any microbatching), moving to a neighbour
+    whenever it is faster, up to :data:`MAX_EVALUATE` plans.
 
     Raises:
       autoshard.InfeasibleError: no candidate that the screen admits is planned within the device's memory;
@@ -253,7 +254,7 @@ def search(rec, *, time_limit: float = 2.0, log=None) -> Choice:
     firsts = _diverse(fitting)[:EVALUATE]
     for cand in firsts:
         evaluate(cand)
-    for cand in firsts:  # a kind whose best by the screen is over the memory: its next ones, in the screen's order
+    for cand in firsts:  # a kind whose best is refused or over the memory: its next ones, in the screen's order
         for _ in range(KIND_RETRIES):
             pred = done.get(id(cand))
             if (pred is not None and pred.peak_bytes <= hw.memory) or len(done) >= MAX_EVALUATE:

@@ -240,12 +240,13 @@ def _solve(problem: ShardingProblem, time_limit: float, seed: int, workers: int 
     if n == 0:
         return _empty_solution(time_limit)
     with_memory = _has_memory(problem)
-    # no choice fits when the least usage does not: refused without a search (_below_least_usage)
-    refusal = _below_least_usage(problem) if with_memory else None
-    if refusal is not None and refusal.exact:
-        raise refusal.error
+    # no choice fits when the least usage does not: refused without a search (_least_usage_peak)
+    least, choice = _least_usage_peak(problem) if with_memory else (0.0, None)
+    refused = with_memory and least > problem.memory_limit * (1 + 1e-9)
+    if refused and np.isfinite(problem.cost(choice)):  # that choice is the least peak itself
+        raise _memory_error(problem, least, exact=True)
     red = reduce_problem(problem, with_memory=with_memory, deadline=deadline)
-    if refusal is not None:  # the least-usage choice has an infinite cost: the least peak's MILP names the smallest
+    if refused:  # the least-usage choice has an infinite cost: the least peak's MILP names the smallest
         _raise_infeasible(problem, red, time.perf_counter())
     rows = core_memory_rows(problem, red) if with_memory and red.num_core else None
     stats = dict(red.stats, core_nodes=red.num_core, core_edges=len(red.edges))
@@ -971,24 +972,16 @@ def _raise_infeasible(problem: ShardingProblem, red: Reduction, deadline: float)
     raise _memory_error(problem, smallest, exact=res.status == "optimal")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Refusal:
-    error: InfeasibleError
-    exact: bool  # the least-usage choice has a finite cost: its peak is the smallest
-
-
-def _below_least_usage(problem: ShardingProblem) -> _Refusal | None:
-    """The refusal of a limit below the peak with every node at its least usage, or None.
+def _least_usage_peak(problem: ShardingProblem) -> tuple[float, np.ndarray]:
+    """The peak with every node at its least usage, and that choice.
 
     Usage adds up node by node (``ShardingProblem.peak_memory``), so no choice uses less than that one at any
-    point, and no search can fit: the remat search's candidates far over the device (Llama-3.1-70B on 256,
-    four times the budget) were searched for the whole time limit. That peak is the smallest one when the
-    choice's cost is finite (else a lower bound, and :func:`_raise_infeasible` names the smallest)."""
+    point: a limit below it admits no choice, and no search is needed (the remat search's candidates far over
+    the device, Llama-3.1-70B on 256 at four times the budget, were searched for the whole time limit). The
+    peak is the smallest one when the choice's cost is finite, else a lower bound (:func:`_raise_infeasible`
+    names the smallest)."""
     least = np.array([int(np.argmin(m)) if m.size else 0 for m in problem.node_memory], dtype=np.int64)
-    floor = problem.peak_memory(least)
-    if floor <= problem.memory_limit * (1 + 1e-9):
-        return None
-    return _Refusal(_memory_error(problem, floor, exact=True), bool(np.isfinite(problem.cost(least))))
+    return problem.peak_memory(least), least
 
 
 def _memory_error(problem: ShardingProblem, smallest: float, *, exact: bool) -> InfeasibleError:

@@ -230,6 +230,30 @@ def graph_ops(graph: OpGraph) -> tuple[Op, ...]:
     return tuple(found[i] for i in sorted(found))
 
 
+def op_spans(graph: OpGraph) -> tuple[dict[int, tuple[int, int]], int]:
+    """``(op index -> (first, last) position, end)``: the time line of the solver's memory row.
+
+    Ops count from 1 in program order; a scan takes one position to start (its inputs read, its outputs
+    allocated) and then one per op of its body, in the body's order (nested bodies the same way), so a
+    body's values are seen live only as long as within one iteration, as :mod:`autoshard.memory`'s
+    estimate sees them, not all at once. ``end`` is the position after the last op. A body shared by two
+    scans (remat duplicates a scan, keeping its body) takes the later scan's positions."""
+    spans: dict[int, tuple[int, int]] = {}
+    t = 0
+
+    def walk(g: OpGraph) -> None:
+        nonlocal t
+        for op in g.ops:
+            t += 1
+            first = t
+            if op.body is not None:
+                walk(op.body)
+            spans[op.index] = (first, t)
+
+    walk(graph)
+    return spans, t + 1
+
+
 def check_program(program: CapturedProgram) -> None:
     """:meth:`CapturedProgram.validate`: raise :class:`InvalidProgramError` at the first broken invariant."""
     from autoshard.roles import ROLES

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 
+from autoshard.capture import op_spans
 from autoshard.compile import HOST_MEMORY_KIND as MEMORY_KIND  # noqa: F401  (the memory kind of offloaded leaves)
 from autoshard.errors import InfeasibleError
 from autoshard.roles import program_roles
@@ -69,18 +70,20 @@ def device_intervals(program, offloaded, ties: dict[int, int]) -> dict[int, tupl
 
     An offloaded input is copied in before its first use and dropped after its last; its
     replacement exists on the device from the op that makes it until its last reader, then
-    moves out. Positions count ops from 1, as :func:`autoshard.planner.liveness` does.
+    moves out. Positions are :func:`autoshard.capture.op_spans`'s, as :func:`autoshard.planner.liveness`'s.
     """
+    spans, _ = op_spans(program.graph)
     first: dict[int, int] = {}
     last: dict[int, int] = {}
     made: dict[int, int] = {}
-    for t, op in enumerate(program.graph.ops, start=1):
+    for op in program.graph.ops:
+        a, b = spans[op.index]
         for x in op.inputs:
             if isinstance(x, int):
-                first.setdefault(x, t)
-                last[x] = t
+                first.setdefault(x, a)
+                last[x] = b
         for v in op.outputs:
-            made[v] = t
+            made[v] = a
     out = {}
     for o, i in ties.items():
         if i not in offloaded:

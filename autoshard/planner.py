@@ -22,7 +22,7 @@ import warnings
 
 import numpy as np
 
-from autoshard.capture import CapturedProgram, Const, Op
+from autoshard.capture import CapturedProgram, Const, Op, op_spans
 from autoshard.cost import Collective, CostModel
 from autoshard.intent import indivisible_batch, respect_batch_axes, splitting_axes
 from autoshard.solver import ShardingProblem
@@ -550,12 +550,13 @@ def _value_bytes(aval, spec: ShardingSpec, mesh) -> float:
 
 
 def liveness(program: CapturedProgram, donated_inputs=()) -> dict[int, tuple[int, int]]:
-    """Half-open live interval of every value, over top-level op positions.
+    """Half-open live interval of every value, over :func:`autoshard.capture.op_spans`'s positions.
 
-    Inputs live from 0; non-donated inputs until the end (the caller keeps them).
-    Values inside a scan body live at the scan's position only."""
-    ops = program.graph.ops
-    end_t = len(ops) + 1
+    Inputs live from 0; non-donated inputs until the end (the caller keeps them). A value lives from the
+    first position of the op that makes it to the last of its last reader. Inside a scan body: the body's
+    inputs (the carry and this iteration's slices) and outputs live through the whole scan, the rest from
+    their op to their last reader within the body."""
+    spans, end_t = op_spans(program.graph)
     start, end = {}, {}
     for i, v in enumerate(program.graph.invars):
         start[v] = 0
@@ -563,28 +564,23 @@ def liveness(program: CapturedProgram, donated_inputs=()) -> dict[int, tuple[int
     for v in program.consts:
         start[v], end[v] = 0, end_t
 
-    def mark_body(graph, t):
+    def mark(graph) -> None:
         for op in graph.ops:
+            first, last = spans[op.index]
             for v in op.outputs:
-                start[v], end[v] = t, t + 1
+                start[v] = first
+                end.setdefault(v, last + 1)
             for x in op.inputs:
                 if isinstance(x, int):
-                    end[x] = max(end.get(x, t + 1), t + 1)
+                    end[x] = max(end.get(x, last + 1), last + 1)
             if op.body is not None:
-                mark_body(op.body, t)
-        for v in graph.invars:
-            start.setdefault(v, t)
-            end[v] = max(end.get(v, t + 1), t + 1)
+                mark(op.body)
+                for v in (*op.body.invars, *op.body.outvars):
+                    if isinstance(v, int):
+                        start[v] = first
+                        end[v] = max(end.get(v, last + 1), last + 1)
 
-    for t, op in enumerate(ops, start=1):
-        for v in op.outputs:
-            start[v] = t
-            end.setdefault(v, t + 1)
-        for x in op.inputs:
-            if isinstance(x, int):
-                end[x] = max(end.get(x, t + 1), t + 1)
-        if op.body is not None:
-            mark_body(op.body, t)
+    mark(program.graph)
     for x in program.graph.outvars:
         if isinstance(x, int):
             end[x] = end_t
@@ -767,7 +763,8 @@ def _in_flight_interval(program: CapturedProgram) -> tuple[int, int] | None:
 def _first_reads(program: CapturedProgram) -> dict[int, int]:
     """Held value (``CapturedProgram.held``) -> the position of its first top-level reader (:func:`liveness`'s
     positions), for those that have one."""
-    position = {op.index: t for t, op in enumerate(program.graph.ops, start=1)}
+    spans, _ = op_spans(program.graph)
+    position = {op.index: spans[op.index][0] for op in program.graph.ops}
     first = {}
     for v in program.held:
         at = [position[u] for u, _ in program.uses.get(v, ()) if u in position]
@@ -792,7 +789,7 @@ def _memory(merged, program, root_of, sizes, *, mesh, table: _SpecTable, donated
     whole interval, which can only overestimate."""
     graph = merged.graph
     live = liveness(program, donated_inputs)
-    end_t = len(program.graph.ops) + 1
+    _, end_t = op_spans(program.graph)
     for v in aliased_in:  # the replacement is written into this buffer at the end
         live[v] = (0, end_t)
     if offloaded:

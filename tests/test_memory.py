@@ -220,3 +220,30 @@ def test_simulated_devices_standing_in_for_a_chip_are_checked_by_the_prediction(
     assert checked_by_prediction(cluster=h100)
     assert not checked_by_prediction(cluster=h100, memory_budget=1e9)
     assert not checked_by_prediction(cluster=autoshard.cluster_preset("cpu-sim"))
+
+
+def test_the_memory_row_counts_a_scan_bodys_values_as_one_iteration_keeps_them():
+    """A scan body's intermediates live one after another within an iteration, as XLA's while loop keeps them: the
+    solver's row says about what XLA compiled (it charged every body value at once before: 2.9x here)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    def step(x, w):
+        def body(h, wl):
+            for _ in range(8):
+                h = jnp.tanh(h @ wl)
+            return h, jnp.sum(h)
+
+        return jax.lax.scan(body, x, w)
+
+    x, w = jax.ShapeDtypeStruct((4096, 256), jnp.float32), jax.ShapeDtypeStruct((8, 256, 256), jnp.float32)
+    sharded = autoshard.parallelize(step, mesh=autoshard.make_mesh((8,), ("data",)), cluster=alpha_beta_h100(),
+                                    progress=None)
+    plan = sharded.plan(x, w)
+    compiled = memory_stats(sharded.lower(x, w).compile())["peak"]
+    assert plan.stats["solver_peak"] <= 1.3 * compiled
+    xs = jax.random.normal(jax.random.key(0), x.shape) / 16
+    ws = jax.random.normal(jax.random.key(1), w.shape) / 16
+    for got, want in zip(jax.tree.leaves(sharded(xs, ws)), jax.tree.leaves(jax.jit(step)(xs, ws)), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

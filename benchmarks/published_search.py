@@ -139,7 +139,9 @@ def _microbatchings(rec, hw, shape: dict) -> list:
     replicas = rec.batch // shape["dp"]
     ranks = shape["fsdp"]
     per_rank = replicas // ranks
-    base = dataclasses.replace(rec, virtual=1, schedule="1f1b", recompute="auto", zero1="auto", **shape)
+    # the row's own recomputation is not read: "auto" starts from the matmuls' results kept (predict)
+    base = dataclasses.replace(rec, cfg=dataclasses.replace(rec.cfg, remat="minimal"), virtual=1, schedule="1f1b",
+                               recompute="auto", zero1="auto", **shape)
     if shape["pp"] > 1:
         flat = dataclasses.replace(base, microbatches=per_rank, microbatch=ranks)
         vs = {_interleaving(rec.cfg.layers, shape["pp"], least) for least in MIN_CHUNK_LAYERS} - {1}

@@ -84,16 +84,18 @@ def test_autoshard_candidates_use_only_the_model_batch_hardware_and_devices(rows
 
     nemo = P.reconstruct(rows[2])
     other = P.dataclasses.replace(nemo, tp=8, pp=1, cp=1, dp=8, fsdp=1, virtual=1, microbatches=8, microbatch=2,
-                                  recompute="full", zero1="yes")
+                                  recompute="full", zero1="yes", cfg=P.dataclasses.replace(nemo.cfg, remat="full"))
     hw = hardware_preset(nemo.hardware)
     got = S.candidates(nemo, hw)
-    assert [S.screen(c, hw) for c in got] == [S.screen(c, hw) for c in S.candidates(other, hw)]
+    theirs = S.candidates(other, hw)
+    assert [S.screen(c, hw) for c in got] == [S.screen(c, hw) for c in theirs]
+    assert [c.cfg for c in got] == [c.cfg for c in theirs]  # the row's recomputation is not inherited either
     assert len(got) > 10
     for c in got:
         assert c.pp * c.dp * c.fsdp * c.cp * c.tp == nemo.n
         assert c.microbatch * c.microbatches * c.dp == nemo.batch
         assert nemo.cfg.heads % c.tp == 0 and c.tp <= 8  # within an NVLink node
-        assert c.recompute == "auto" and c.zero1 == "auto"
+        assert c.recompute == "auto" and c.zero1 == "auto" and c.cfg.remat == "minimal"
     shapes = {(c.pp, c.dp, c.fsdp, c.cp, c.tp, c.virtual) for c in got}
     assert (1, 1, 64, 1, 1, 1) in shapes  # ZeRO-3 over every device
     assert (4, 2, 1, 2, 4, 5) in shapes  # the practitioner's 4-D layout with an interleaved pipeline

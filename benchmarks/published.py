@@ -335,13 +335,16 @@ def _plan(fun, args, mesh, cluster, hint, time_limit: float, budget: float = 1e1
     return step.plan(*args)
 
 
-def _own_budget(cfg, stage, hw, devices: int) -> float:
+def own_budget(rec: Reconstruction, cfg, stage, hw) -> float:
     """The device memory a stage program may use when autoshard lays it out itself: the device's, less the
-    fp32 master weights and AdamW moments (12 bytes a parameter) split over all the stage's devices."""
-    return hw.memory - 12 * _stage_param_count(cfg, stage) / devices
+    fp32 master weights and AdamW moments (12 bytes a parameter) of the device's model chunks, split over all
+    the stage's devices and, where ZeRO-1 may be chosen (``zero1`` not ``"no"``), over the data replicas too
+    (:func:`pipeline_peak` then decides it)."""
+    devices = rec.fsdp * rec.cp * rec.tp * (rec.dp if rec.zero1 != "no" else 1)
+    return hw.memory - 12 * stage_param_count(cfg, stage) * rec.virtual / devices
 
 
-def _stage_param_count(cfg, stage) -> int:
+def stage_param_count(cfg, stage) -> int:
     """Elements of ``stage``'s parameters."""
     import jax
 
@@ -491,7 +494,7 @@ def predict(rec: Reconstruction, *, time_limit: float = 2.0, own_layouts: bool =
     """Plan the row's stages with autoshard and compose its step (see the module docstring).
 
     ``own_layouts``: no hints; autoshard lays out every stage program itself on the ``(fsdp, context,
-    tensor)`` mesh, under the device's memory less the optimizer state (:func:`_own_budget`). A stage that
+    tensor)`` mesh, under the device's memory less the optimizer state (:func:`own_budget`). A stage that
     fits no budget without recomputation is planned with it (``recompute="auto"``); one that fits neither
     raises :class:`autoshard.InfeasibleError`.
     """
@@ -519,7 +522,7 @@ def predict(rec: Reconstruction, *, time_limit: float = 2.0, own_layouts: bool =
 
     def plans_for(cfg):
         return {name: plan_stage(rec, cfg, stage, mesh, cluster, time_limit,
-                                 budget=_own_budget(cfg, stage, hw, inner) if own_layouts else None)
+                                 budget=own_budget(rec, cfg, stage, hw) if own_layouts else None)
                 for name, stage in kinds}
 
     cfg = rec.cfg
@@ -602,7 +605,7 @@ def _update_seconds(rec: Reconstruction, cfg, stage, mesh, cluster, time_limit: 
     args = (master, stage_params(cfg, stage, jnp.bfloat16), {"mu": master, "nu": master})
     if not own:
         return _plan(update, args, mesh, cluster, hints(rec, master, {}), time_limit).cost.total_seconds
-    count = _stage_param_count(cfg, stage)
+    count = stage_param_count(cfg, stage)
     budget = 1.25 * (28 * count / math.prod(mesh.axis_sizes) + 4 * count)  # a quarter over, for transients
     return _plan(update, args, mesh, cluster, {}, time_limit, budget).cost.total_seconds
 

@@ -72,10 +72,12 @@ class Choice:
     seconds: float
 
     def line(self) -> str:
-        """The plan in one line: mesh, stages, microbatches, recomputation, ZeRO level, context split."""
+        """The plan in one line: mesh, stages (and model chunks a device when interleaved), microbatches,
+        recomputation, ZeRO level, context split."""
         r, p = self.rec, self.prediction
         zero = "3" if r.fsdp > 1 else ("1" if p.zero1 else "0")
-        return (f"pp{r.pp} x dp{r.dp} x (fsdp{r.fsdp}, cp{r.cp}, tp{r.tp}); {r.pp} stage(s), m{r.microbatches} "
+        stages = f"{r.pp} stage(s)" + (f" interleaved x{r.virtual}" if r.virtual > 1 else "")
+        return (f"pp{r.pp} x dp{r.dp} x (fsdp{r.fsdp}, cp{r.cp}, tp{r.tp}); {stages}, m{r.microbatches} "
                 f"x {r.microbatch} seq; remat={p.recompute}; ZeRO-{zero}; context split {r.cp}")
 
 

@@ -224,7 +224,7 @@ def test_simulated_devices_standing_in_for_a_chip_are_checked_by_the_prediction(
 
 def test_the_memory_row_counts_a_scan_bodys_values_as_one_iteration_keeps_them():
     """A scan body's intermediates live one after another within an iteration, as XLA's while loop keeps them: the
-    solver's row says about what XLA compiled (it charged every body value at once before: 2.9x here)."""
+    solver's row says about what XLA compiled (it charged every body value at once before: 2.7x here)."""
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -23,7 +23,7 @@ from autoshard.spec import MeshInfo
 def _mesh_context(mesh):
     """Trace and run under autoshard's Auto-axis mesh: the caller may be inside ``jax.set_mesh`` of an
     Explicit mesh, under which ``with_sharding_constraint`` (the plan's pins) is an assertion."""
-    if mesh is None:
+    if mesh is None or isinstance(mesh, int):  # no mesh yet, or a device count: the planner picks the shape
         return contextlib.nullcontext()
     if isinstance(mesh, jax.sharding.AbstractMesh):  # planning only: no devices to set
         return jax.sharding.use_abstract_mesh(mesh)
@@ -117,7 +117,7 @@ def _capture(fun, abstract, in_paths, mesh, *, leaves=(), explicit=None):
             with _mesh_context(mesh):
                 return capture_graph(fun, abstract, in_paths=in_paths)
         except (ValueError, RuntimeError) as e:
-            if mesh is not None or not any(m in str(e) for m in _NEEDS_A_MESH):
+            if (mesh is not None and not isinstance(mesh, int)) or not any(m in str(e) for m in _NEEDS_A_MESH):
                 raise
         with _mesh_context(make_mesh((len(jax.devices()), 1), ("data", "model"))):
             return capture_graph(fun, abstract, in_paths=in_paths)
@@ -180,7 +180,7 @@ class Parallelized:
 
     # ---- planning ----------------------------------------------------------------------------------
     def _build(self, call: BoundCall, abstract) -> CompiledStep | AccumulatedStep:
-        from autoshard.cluster import is_abstract, make_mesh, resolve_mesh
+        from autoshard.cluster import is_abstract, is_device_count, make_mesh, resolve_mesh
         from autoshard.explicit import user_mesh
         from autoshard.precision import with_precision
 
@@ -188,9 +188,13 @@ class Parallelized:
         timings = {}
         t0 = time.perf_counter()
         mesh, hints, local = resolve_mesh(o.mesh), o.hints, None
+        chosen = mesh is None or is_device_count(mesh)  # the planner chooses the mesh's shape
         if jax.process_count() > 1:  # each process passes its slice of the batch: plan the global one
             from autoshard import distributed
 
+            if is_device_count(mesh):
+                raise MeshError(f"mesh={mesh} (a device count) plans on AbstractMeshes, which a multi-process job "
+                                "cannot run. Fix: mesh=None (all processes' devices), or a concrete mesh.")
             if mesh is None:
                 mesh = make_mesh((jax.process_count(), jax.local_device_count()), ("data", "model"))
             local = distributed.ProcessLocalArgs.for_call(mesh, o.batch_argnums, call, abstract)
@@ -199,8 +203,8 @@ class Parallelized:
         explicit = user_mesh(leaves)
         program = _capture(with_precision(call.pure_function(), o.precision, mesh), abstract,
                            call.in_paths(abstract), mesh, leaves=leaves, explicit=explicit)
-        axis_names = _candidate_axis_names(explicit) if mesh is None else ("data", "model")
-        fixed = _program_mesh(program) if mesh is None else None
+        axis_names = _candidate_axis_names(explicit) if chosen else ("data", "model")
+        fixed = _program_mesh(program) if chosen else None
         if fixed is not None:  # a shard_map fixes the mesh
             mesh = resolve_mesh(fixed)
         timings["capture"] = time.perf_counter() - t0
@@ -223,7 +227,8 @@ class Parallelized:
                 plan = solve()
             except InfeasibleError as e:
                 # Hints pin the full-batch program only: a split step would silently drop them.
-                if e.smallest_memory is None or o.unsupported("accumulated") or is_abstract(mesh):
+                if (e.smallest_memory is None or o.unsupported("accumulated") or is_abstract(mesh)
+                        or is_device_count(mesh)):
                     raise  # (accumulation runs several programs, which an AbstractMesh cannot)
                 return self._accumulated(call, e)
         plan = dataclasses.replace(plan, in_tree=jax.tree_util.tree_structure(abstract),
@@ -271,10 +276,14 @@ class Parallelized:
                 f"{saved.fingerprint} != {program.fingerprint()}): the function or the argument shapes changed. "
                 "Fix: re-plan with parallelize(...) without plan=, and save the new plan."
             )
-        from autoshard.cluster import resolve_mesh
+        from autoshard.cluster import is_device_count, resolve_mesh
 
         mesh = resolve_mesh(self.options.mesh)
-        if mesh is not None and MeshInfo.from_mesh(mesh) != saved.mesh_info:
+        if is_device_count(mesh):
+            if mesh != saved.mesh_info.size:
+                raise PlanError(f"the saved plan is for {saved.mesh_info.size} devices, and parallelize(mesh={mesh}) "
+                                f"asks for {mesh}. Fix: mesh={saved.mesh_info.size}, or re-plan without plan=.")
+        elif mesh is not None and MeshInfo.from_mesh(mesh) != saved.mesh_info:
             raise PlanError("the saved plan's mesh differs from parallelize(mesh=...)")
         return saved
 
@@ -447,8 +456,8 @@ def plan_program(program, *, mesh=None, cluster=None, memory_budget=None, hints=
                  time_limit=10.0, timings=None, tie_layers="auto", progress=None, remat=False, profile=None,
                  axis_names=("data", "model")):
     """Plan a captured program: :func:`autoshard.driver.plan` of a :class:`~autoshard.driver.PlanRequest`
-    made of these options. With ``mesh=None``, every 2-D factorization of all devices over ``axis_names`` is
-    tried."""
+    made of these options. With ``mesh=None`` (all devices) or a device count (``mesh=256``: ``AbstractMesh`` es),
+    the shapes of :func:`autoshard.cluster.candidate_meshes` are tried."""
     from autoshard.driver import PlanRequest, plan
 
     return plan(PlanRequest(program, mesh=mesh, cluster=cluster, memory_budget=memory_budget, hints=dict(hints or {}),

@@ -44,6 +44,8 @@ __all__ = [
     "ALL_TO_ALL_PENALTY",
     "PRESETS",
     "ClusterSpec",
+    "SEARCH_AXES",
+    "candidate_meshes",
     "cluster_preset",
     "ensure_auto_mesh",
     "is_abstract",
@@ -534,6 +536,8 @@ def resolve_mesh(mesh):
       one are predictions; running them needs a concrete mesh of that shape.
     - None: the ambient mesh of ``with jax.set_mesh(mesh):`` (its Auto view), or None when there is
       none (then the planner chooses a mesh over all devices).
+    - An int: a device count, returned as it is: the planner chooses the mesh's shape among
+      :func:`candidate_meshes` of that many devices, as ``AbstractMesh`` es (planning only).
 
     Raises:
       MeshError: an axis is Manual (inside ``shard_map``), or ``mesh`` is not a mesh.
@@ -545,9 +549,14 @@ def resolve_mesh(mesh):
         if ambient is None or getattr(ambient, "empty", False) or not getattr(ambient, "axis_names", ()):
             return None
         mesh = ambient
+    if is_device_count(mesh):
+        if mesh < 1:
+            raise MeshError(f"mesh={mesh!r}: a device count must be positive. Fix: mesh=256 plans for 256 devices.")
+        return int(mesh)
     if not isinstance(mesh, jax.sharding.Mesh | jax.sharding.AbstractMesh):
         raise MeshError(f"mesh={mesh!r} is not a jax.sharding.Mesh. Fix: pass autoshard.make_mesh(shape, names), "
-                        "a jax.make_mesh(...) mesh, or a jax.sharding.AbstractMesh to plan without devices.")
+                        "a jax.make_mesh(...) mesh, a jax.sharding.AbstractMesh to plan without devices, or a "
+                        "device count (mesh=256) to have the planner choose the shape.")
     auto = jax.sharding.AxisType.Auto
     types = tuple(getattr(mesh, "axis_types", ()) or ())
     if all(t == auto for t in types):
@@ -561,6 +570,69 @@ def resolve_mesh(mesh):
         return jax.sharding.AbstractMesh(tuple(mesh.axis_sizes), tuple(mesh.axis_names),
                                          axis_types=(auto,) * len(mesh.axis_names))
     return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=(auto,) * len(mesh.axis_names))
+
+
+def is_device_count(mesh) -> bool:
+    """Whether ``mesh`` is a device count (an int, not a bool): the planner chooses the shape
+    (:func:`candidate_meshes`) and plans on ``AbstractMesh`` es of that many devices."""
+    return isinstance(mesh, int | np.integer) and not isinstance(mesh, bool)
+
+
+SEARCH_AXES = ("data", "fsdp", "tensor")
+"""The axis names of the 3-D meshes :func:`candidate_meshes` tries over several nodes (MaxText's names)."""
+
+SEARCH_TENSOR_MAX = 16
+"""The largest tensor-parallel degree :func:`candidate_meshes` tries (a TPU slice's span may be thousands)."""
+
+
+def candidate_meshes(num_devices: int, cluster=None, *, axis_names: Sequence[str] = ("data", "model"),
+                     abstract: bool = False) -> list:
+    """The meshes the planner tries when it chooses the shape (``mesh=None``, or a device count).
+
+    Over several nodes (more devices than the innermost link tier's group: an 8-GPU NVLink node, or
+    ``ClusterSpec.nodes``), the shapes a practitioner tries: ``(nodes, node / t, t)`` over
+    :data:`SEARCH_AXES`, for every power-of-two tensor degree ``t`` up to the node (and
+    :data:`SEARCH_TENSOR_MAX`). The planner picks every array's layout over any subset of the axes, so each
+    of these covers data parallelism, ZeRO-3 over all devices (``data`` and ``fsdp`` together), hybrid
+    sharding (``fsdp`` within a node, replicated across nodes) and tensor parallelism within the node:
+    every 2-D ``(data, model)`` shape with the model axis inside a node, and the 3-D ones MaxText and
+    Megatron-LM configure. Within one node, or on a cluster without link tiers (``cpu-sim``): every 2-D
+    factorization over ``axis_names``.
+
+    Args:
+      num_devices: the devices to factor.
+      cluster: the :class:`ClusterSpec` whose hardware names the node size; None: one node.
+      axis_names: the two names of the 2-D candidates (a model written for an Explicit mesh keeps its
+        names, and then only 2-D shapes are tried).
+      abstract: ``AbstractMesh`` es (planning only) instead of meshes over ``jax.devices()``.
+
+    Example:
+        >>> [m.axis_sizes for m in candidate_meshes(64, cluster_preset("h100-nvlink"), abstract=True)]
+        [(8, 8, 1), (8, 4, 2), (8, 2, 4), (8, 1, 8)]
+    """
+    import jax
+
+    n = int(num_devices)
+    span = _node_span(cluster, n)
+    if span is not None and 1 < span < n and n % span == 0 and tuple(axis_names) == ("data", "model"):
+        tensor = [t for t in (2 ** k for k in range(n.bit_length())) if span % t == 0 and t <= SEARCH_TENSOR_MAX]
+        shapes, names = [(n // span, span // t, t) for t in tensor], SEARCH_AXES
+    else:
+        shapes, names = [(a, n // a) for a in range(1, n + 1) if n % a == 0], tuple(axis_names)
+    if abstract:
+        auto = (jax.sharding.AxisType.Auto,) * len(names)
+        return [jax.sharding.AbstractMesh(s, names, axis_types=auto) for s in shapes]
+    return [make_mesh(s, names) for s in shapes]
+
+
+def _node_span(cluster, num_devices: int) -> int | None:
+    """Devices in one group of ``cluster``'s innermost link tier for ``num_devices``, or None (one tier)."""
+    if cluster is None:
+        return None
+    if cluster.nodes is not None:
+        return cluster.inner_span(num_devices)
+    tiers = getattr(cluster.hardware, "tiers", ())
+    return tiers[0].span if len(tiers) > 1 else None
 
 
 def is_abstract(mesh) -> bool:

@@ -61,7 +61,8 @@ class PlanRequest:
 
     Attributes:
       program: the captured step.
-      mesh: the mesh (Auto axes); None: every 2-D factorization of all devices over ``("data", "model")``.
+      mesh: the mesh (Auto axes); None: all devices, or an int: that many devices (``AbstractMesh`` es), with the
+        shape chosen among :func:`autoshard.cluster.candidate_meshes`.
       cluster: the :class:`~autoshard.ClusterSpec`; None: the platform's preset.
       memory_budget: bytes per device; None: the cluster's memory.
       hints: ``{path regex: PartitionSpec}`` pinning argument leaves.
@@ -76,7 +77,7 @@ class PlanRequest:
       timings: seconds of the passes before planning (capture), copied into each plan's stats.
       profile: the :class:`~autoshard.backends.BackendProfile` of the backend that compiles the plan;
         None: the platform of the mesh's devices (:func:`autoshard.backends.profile_for_mesh`).
-      axis_names: the two axis names of the candidate meshes when ``mesh`` is None (the names of the
+      axis_names: the two axis names of 2-D candidate meshes when ``mesh`` is None (the names of the
         Explicit mesh a model was written for, so its annotations apply: :mod:`autoshard.explicit`).
     """
 
@@ -97,13 +98,18 @@ class PlanRequest:
     axis_names: tuple[str, str] = ("data", "model")
 
     def meshes(self) -> list:
-        """The candidate meshes: the request's, or every 2-D factorization of the devices over ``axis_names``."""
-        from autoshard.cluster import make_mesh
+        """The candidate meshes: the request's, or :func:`autoshard.cluster.candidate_meshes` of all devices
+        (``mesh=None``) or of a device count (``AbstractMesh`` es), for the request's cluster."""
+        from autoshard.cluster import candidate_meshes, cluster_preset, is_device_count, preset_for_devices
 
-        if self.mesh is not None:
+        if self.mesh is not None and not is_device_count(self.mesh):
             return [self.mesh]
-        n = len(jax.devices())
-        return [make_mesh((a, n // a), tuple(self.axis_names)) for a in range(1, n + 1) if n % a == 0]
+        abstract = self.mesh is not None
+        cluster = self.cluster
+        if cluster is None:  # the preset each candidate gets (default_cluster)
+            cluster = cluster_preset("h100-nvlink") if abstract else preset_for_devices(jax.devices()[:1])
+        n = int(self.mesh) if abstract else len(jax.devices())
+        return candidate_meshes(n, cluster, axis_names=self.axis_names, abstract=abstract)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -120,6 +126,9 @@ class MeshTarget:
     """The solver's memory row holds predicted peaks to ``budget * row_scale``: the model's peak over
     XLA's compiled one on this mesh (:func:`calibrated_row_scale`); 1 until a lever chain fails. Every
     compiled check still compares with the budget itself."""
+    incumbent: float | None = None
+    """The objective of the best plan on another candidate mesh (:func:`plan`): the remat search plans no count
+    whose floor reaches it (``choose_remat(incumbent=...)``). None: nothing to beat."""
 
     @classmethod
     def create(cls, request: PlanRequest, mesh, report=lambda stage: None) -> MeshTarget:
@@ -215,10 +224,16 @@ def plan(request: PlanRequest):
             done[0] += 1
 
     report("captured")
-    best, infeasible = None, []
-    for mesh in meshes:
+    targets = [MeshTarget.create(request, mesh, report) for mesh in meshes]
+    firsts, infeasible = screen_meshes(request, targets) if len(targets) > 1 else ({}, [])
+    best, skipped = None, 0
+    for on in sorted(firsts, key=lambda t: firsts[t].unconstrained_objective) if firsts else targets:
+        if best is not None and needs_levers(firsts[on]) and firsts[on].unconstrained_objective >= best.cost.objective:
+            skipped += 1  # its remat search could not beat the best plan: it costs at least this objective
+            continue
         try:
-            p = plan_on_mesh(request, MeshTarget.create(request, mesh, report))
+            target = on if best is None else dataclasses.replace(on, incumbent=best.cost.objective)
+            p = plan_on_mesh(request, target, first=firsts.get(on))
         except InfeasibleError as e:  # another factorization may fit the memory budget
             if len(meshes) == 1:
                 raise
@@ -226,6 +241,9 @@ def plan(request: PlanRequest):
             continue
         if best is None or p.cost.total_seconds < best.cost.total_seconds:  # the simulated step ranks meshes
             best = p
+    if best is not None and len(meshes) > 1:
+        best = dataclasses.replace(best, stats={**best.stats, "meshes_tried": len(meshes),
+                                                "meshes_pruned": skipped})
     if best is None:  # report the mesh that comes closest
         raise min(infeasible, key=lambda e: math.inf if e.smallest_memory is None else e.smallest_memory)
     if request.progress is not None:
@@ -241,19 +259,45 @@ def plan(request: PlanRequest):
     return dataclasses.replace(best, replan=replan)
 
 
-def plan_on_mesh(request: PlanRequest, on: MeshTarget):
+def screen_meshes(request: PlanRequest, targets: list) -> tuple[dict, list]:
+    """Each candidate mesh's first sharding attempt (the sharding lever's, under the budget), before any mesh
+    runs its other levers: ``({target: Attempt}, [InfeasibleError])``, the errors of meshes whose constraints
+    admit no plan at all.
+
+    :func:`plan` runs the levers on the meshes in the order of these attempts' objectives without a budget, and
+    skips a mesh whose attempt leaves the other levers work (:func:`needs_levers`) when its objective without a
+    budget is no less than the best plan's (a plan under the budget, remat included, costs at least that: the
+    same floor as the remat search's, which prunes but does not prove, the solves being time-limited). A model
+    that fits unbound everywhere is planned once per mesh, as before; one that needs remat runs the remat
+    search only on the meshes that may still win."""
+    firsts, infeasible = {}, []
+    for on in targets:
+        try:
+            firsts[on] = attempt_sharding(request, on, request.memory_budget, remat_split=request.remat)
+        except InfeasibleError as e:
+            infeasible.append(e)
+    return firsts, infeasible
+
+
+def needs_levers(first: Attempt) -> bool:
+    """Whether a mesh's first sharding attempt leaves the other levers work: nothing fits, or the budget bound."""
+    return not first.fits or first.budget_bound
+
+
+def plan_on_mesh(request: PlanRequest, on: MeshTarget, *, first: Attempt | None = None):
     """Plan on one mesh: the levers in order, and no plan whose compiled peak exceeds the budget.
 
     Each lever checks its own plans (:func:`shard_lever`, :mod:`autoshard.remat`, :mod:`autoshard.offload`):
     a plan the check finds over the budget is re-planned under a shrunk one, and when that fails too the
     next lever tries. When none fits and the memory row over-predicts (:func:`calibrated_row_scale`), the
-    levers run once more with the row scaled."""
+    levers run once more with the row scaled. ``first``: the sharding lever's first attempt on ``on``, when
+    :func:`screen_meshes` made it already."""
 
-    def levers(target):  # limit None: the cluster's memory, named so in errors
-        return run_levers(request, target, request.memory_budget)
+    def levers(target, given=None):  # limit None: the cluster's memory, named so in errors
+        return run_levers(request, target, request.memory_budget, first=given)
 
     try:
-        return levers(on)
+        return levers(on, first)
     except InfeasibleError as failed:
         scale = None if failed.smallest_memory is None else calibrated_row_scale(request, on)
         if scale is None or scale <= ROW_SCALE_MIN:
@@ -291,7 +335,7 @@ def predicted_only(request: PlanRequest, on: MeshTarget) -> bool:
     return on.abstract or bool(request.program.held) or on.stands_in(request)
 
 
-def run_levers(request: PlanRequest, on: MeshTarget, limit: float | None):
+def run_levers(request: PlanRequest, on: MeshTarget, limit: float | None, *, first: Attempt | None = None):
     """The memory levers in order under ``limit``: each sees the previous one's :class:`Attempt`.
 
     When none fits, the error raised is, among those whose peak a plan's check measured
@@ -299,7 +343,7 @@ def run_levers(request: PlanRequest, on: MeshTarget, limit: float | None):
     earlier lever that nearly fit (remat compiled at 4.60 MB against a 4.59 MB budget, offload at
     5.88 MB), so the fix it names is the smallest budget known to work. A solver-row bound is not
     compared with a compiled peak; without a checked one the last lever's error stands."""
-    attempt, errors = None, []
+    attempt, errors = first, []  # the sharding lever's own first attempt, when made already
     for lever in LEVERS:
         attempt = lever(request, on, limit, attempt)
         if attempt.error is not None and attempt.error not in errors:
@@ -322,10 +366,11 @@ def shard_lever(request: PlanRequest, on: MeshTarget, limit, previous: Attempt |
 
     The plan is checked (:func:`checked_peak`); one over the budget is planned again under a budget shrunk
     by the ratio, at most twice (:func:`autoshard.compile.fit_compiled`). When none fits, the Attempt holds
-    the checked error, and the next levers (remat, offload) try under the same budget."""
+    the checked error, and the next levers (remat, offload) try under the same budget. ``previous``, the first
+    lever's, is this lever's own first attempt when :func:`screen_meshes` made it (else None)."""
     from autoshard.compile import fit_compiled
 
-    first = attempt_sharding(request, on, limit, remat_split=request.remat)
+    first = previous if previous is not None else attempt_sharding(request, on, limit, remat_split=request.remat)
     budget = limit if limit is not None else on.budget
     if not first.fits or budget is None:
         return first
@@ -384,7 +429,7 @@ def remat_lever(request: PlanRequest, on: MeshTarget, limit, previous: Attempt) 
             program, request.ties, budget=budget, flops_per_second=on.cluster.flops * on.num_devices,
             check=(lambda p, prog, groups: p.memory.peak_bytes) if predicted_only(request, on) else (
                 lambda p, prog, groups: compiled_peak(prog, p, groups, request.donated)),
-            base=previous, checked_by="the planner's memory estimate (nothing is compiled for an AbstractMesh, a "
+            base=previous, incumbent=on.incumbent, checked_by="the planner's memory estimate (nothing is compiled for an AbstractMesh, a "
                                       "pipeline stage's programs or devices standing in for the cluster's chips)" if predicted_only(request, on) else
                                       "XLA's memory_analysis")
     except InfeasibleError as e:

@@ -73,8 +73,11 @@ class Options:
     and ending with a fix. ``memory_budget`` is stored in bytes; the argnums and argnames are tuples.
 
     Attributes:
-      mesh: a ``jax.sharding.Mesh`` with Auto axes (see :func:`autoshard.make_mesh`). None: all devices,
-        and the planner picks the 2-D shape among the factorizations of the device count.
+      mesh: a ``jax.sharding.Mesh`` with Auto axes (see :func:`autoshard.make_mesh`), or an ``AbstractMesh``
+        (planning only). None: all devices, and the planner picks the shape among
+        :func:`autoshard.cluster.candidate_meshes` (2-D within a node; over several nodes, MaxText's
+        ``("data", "fsdp", "tensor")`` with data across nodes). An int: that many devices, planned as
+        ``AbstractMesh`` es of those shapes (``step.plan(...)`` only; run the plan on a concrete mesh of its shape).
         In a multi-process job, None is ``(jax.process_count(), jax.local_device_count())`` over
         ``("data", "model")``.
       cluster: an :class:`autoshard.ClusterSpec`; None picks a preset for the devices' platform.
@@ -305,6 +308,9 @@ def _check_types(o: Options, problems: list) -> None:
 
 UNSUPPORTED: dict[str, dict[str, tuple[Callable[[Options], bool], str]]] = {
     "pipelined": {
+        "mesh": (lambda o: isinstance(o.mesh, int) and not isinstance(o.mesh, bool),
+                 "as a device count: the pipeline search takes the mesh it divides into stages. Fix: "
+                 "mesh=jax.sharding.AbstractMesh(shape, names) of that many devices."),
         "plan": (lambda o: o.plan is not None,
                  "(a saved Plan) is one program's layouts, and a microbatched or pipelined step runs several. "
                  "Fix: drop plan=, or run without num_microbatches/pipeline."),

@@ -391,7 +391,7 @@ def apply_remat(program: CapturedProgram, choice: RematChoice | None, ties=None)
 
 def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float, flops_per_second: float,
                  max_units: int = DEFAULT_MAX_UNITS, check=None, check_rounds: int = 2, base=None,
-                 checked_by: str = "XLA's memory_analysis"):
+                 checked_by: str = "XLA's memory_analysis", incumbent: float | None = None):
     """Pass 3: the remat set and sharding plan of least predicted step time within the budget.
 
     ``plan_fn(program, budget) -> Attempt`` (:class:`autoshard.driver.Attempt`) plans a program
@@ -434,12 +434,17 @@ def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float,
     ratio, at most ``check_rounds`` times. ``checked_by`` says what ``check`` measures, for the error (the
     predicted peak where there is nothing to compile: an AbstractMesh).
 
+    ``incumbent``: the objective of a plan found elsewhere (another candidate mesh). Counts whose floor reaches
+    it are not planned; when no smaller count fits, the search ends with an
+    :class:`~autoshard.errors.InfeasibleError` that names no memory (``smallest_memory`` None: no other lever
+    should try). Llama-3.1-70B on 256 devices: a second mesh's search of 10 whole-step solves ends after one.
+
     Returns:
       ``(plan, choice)``; ``choice`` is None when remat was not considered.
     """
     from autoshard.errors import InfeasibleError
 
-    search = RematSearch(plan_fn, program, budget, base)
+    search = RematSearch(plan_fn, program, budget, base, incumbent)
     first = search.attempt(0, budget, program)
     if first is not None and not search.attempts[(0, budget)].budget_bound:
         return first, None
@@ -449,12 +454,8 @@ def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float,
             raise search.errors[(0, budget)]
         return first, None
     rounds = check_rounds if check is not None else 0
-    queue, errors = [(search, max_units)], {}
-    # When the first coarse segment and all of them both do not fit, the finer search goes first.
-    fine = _finer_search(search, program, ties, max_units) if search.attempt(1, budget) is None else None
-    if fine is not None:
-        hopeless = search.attempt(len(search.units), budget) is None
-        queue.insert(0 if hopeless else 1, (fine, FINE_MAX_UNITS))
+    queue, fine = _search_order(search, program, ties, max_units, flops_per_second)
+    errors = {}
     while queue:
         s, most = queue.pop(0)
         try:
@@ -470,13 +471,28 @@ def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float,
     raise errors.get(fine) or errors[search]
 
 
+def _search_order(search: RematSearch, program: CapturedProgram, ties, max_units: int, flops_per_second: float):
+    """``([(search, most units)], finer search or None)``: the searches :func:`choose_remat` runs, in order. When
+    the first coarse segment and all of them both do not fit (or cannot beat the incumbent), the finer search
+    goes first."""
+    budget, queue = search.budget, [(search, max_units)]
+    coarse = search.useful(1, budget, flops_per_second)
+    fine = (_finer_search(search, program, ties, max_units)
+            if not coarse or search.attempt(1, budget) is None else None)
+    if fine is not None:
+        hopeless = (not search.useful(len(search.units), budget, flops_per_second)
+                    or search.attempt(len(search.units), budget) is None)
+        queue.insert(0 if hopeless else 1, (fine, FINE_MAX_UNITS))
+    return queue, fine
+
+
 def _finer_search(search: RematSearch, program: CapturedProgram, ties, max_units: int) -> RematSearch | None:
     """A search over finer segments (``FINE_MAX_UNITS``) sharing ``search``'s plan without remat, or None when that
     does not give ``FINER_AT_LEAST`` times as many segments."""
     finer = find_remat_units(program, ties, FINE_MAX_UNITS) if max_units < FINE_MAX_UNITS else ()
     if len(finer) < FINER_AT_LEAST * len(search.units):
         return None
-    fine = RematSearch(search.plan_fn, program, search.budget, search.attempts[(0, search.budget)])
+    fine = RematSearch(search.plan_fn, program, search.budget, search.attempts[(0, search.budget)], search.incumbent)
     fine.units = finer
     return fine
 
@@ -503,12 +519,31 @@ counts on for the next one (a margin for unequal segments and solves stopped by 
 class RematSearch:
     """The state of :func:`choose_remat`: every (units, limit) planned, its plan and its error."""
 
-    def __init__(self, plan_fn, program: CapturedProgram, budget: float, base=None):
-        self.plan_fn, self.program, self.budget = plan_fn, program, budget
+    def __init__(self, plan_fn, program: CapturedProgram, budget: float, base=None, incumbent: float | None = None):
+        self.plan_fn, self.program, self.budget, self.incumbent = plan_fn, program, budget, incumbent
         self.attempts: dict[tuple, object] = {} if base is None else {(0, budget): base}
         self.plans: dict[tuple, object] = {}
         self.errors: dict[tuple, object] = {}
         self.units: tuple[RematUnit, ...] = ()
+
+    def floor(self, k: int, limit: float, flops_per_second: float) -> float:
+        """No plan of the first ``k`` units recomputed costs less: the plan without remat and without a budget,
+        plus their matmuls on all devices at full speed (see :func:`choose_remat`)."""
+        return (self.attempts[(0, limit)].unconstrained_objective
+                + sum(u.matmul_flops for u in self.units[:k]) / flops_per_second)
+
+    def useful(self, k: int, limit: float, flops_per_second: float) -> bool:
+        """Whether candidate ``k`` may beat the incumbent (always, without one)."""
+        return self.incumbent is None or self.floor(k, limit, flops_per_second) < self.incumbent
+
+    def beaten(self, limit: float):
+        """The error of a search that the incumbent ended: no count that may beat it fits."""
+        from autoshard.errors import InfeasibleError
+
+        return InfeasibleError(
+            f"rematerialisation cannot beat the plan found on another mesh (objective {self.incumbent:.4g}): "
+            f"every count that might fits no plan under {limit:.4g} bytes per device, or costs more by its "
+            "floor.")
 
     def attempt(self, k: int, limit: float, prog=None):
         """The plan of the first ``k`` units recomputed, under ``limit`` (None when nothing fits)."""
@@ -527,17 +562,18 @@ class RematSearch:
         first = self.attempt(0, limit, self.program)
         # The floor: no candidate beats the plan without remat and without a budget, plus its
         # recomputed matmuls at full speed on every device.
-        floor = self.attempts[(0, limit)].unconstrained_objective
         best_k = 0 if first is not None else None
         start = 1
         if best_k is None and len(self.units) > BISECT_ABOVE:
-            best_k = self._bisect(limit)
+            useful = [k for k in range(1, len(self.units) + 1) if self.useful(k, limit, flops_per_second)]
+            best_k = self._bisect(limit, useful[-1]) if useful else None
             if best_k is None:
                 return None
             start = best_k + 1
         for k in range(start, len(self.units) + 1):
-            bound = max(floor + sum(u.matmul_flops for u in self.units[:k]) / flops_per_second,
-                        self.observed_floor(k, limit))
+            bound = max(self.floor(k, limit, flops_per_second), self.observed_floor(k, limit))
+            if self.incumbent is not None and bound >= self.incumbent:
+                break
             if best_k is not None and bound >= plans[(best_k, limit)].cost.objective:
                 break
             p = self.attempt(k, limit)
@@ -550,8 +586,9 @@ class RematSearch:
         """The program with the first ``k`` units recomputed (what ``plan_fn`` plans for ``k``)."""
         return rematerialize(self.program, self.units[:k])[0]
 
-    def _bisect(self, limit: float) -> int | None:
-        """The fewest segments whose recompute fits ``limit``, by bisection (None when all of them do not fit).
+    def _bisect(self, limit: float, most: int) -> int | None:
+        """The fewest segments whose recompute fits ``limit``, by bisection over ``1..most`` (None when ``most``
+        does not fit: the count that may still beat the incumbent, else all of them).
 
         Over many segments (``BISECT_ABOVE``), planning every count in turn costs a plan of the whole program
         each (20-25 s for Llama-3.1-70B on 256): bisection plans ``log2`` of them, taking fitting to grow
@@ -562,7 +599,7 @@ class RematSearch:
         fall about evenly with the count: a layer's residuals each), the middle one when a peak is unknown or
         the ``SLOW_STEPS`` steps before did not halve the bracket. Llama-3.1-70B on 256: 55, 51, 50, 49 of 55
         where halving planned 55, 27, 41, 48, 51, 49, 50."""
-        lo, hi = 0, len(self.units)
+        lo, hi = 0, most
         if self.attempt(hi, limit) is None:
             return None
         slow = 0  # steps in a row that did not halve the bracket: at SLOW_STEPS, the next one halves it
@@ -616,6 +653,8 @@ class RematSearch:
 
         def search(limit):
             k = self.search(limit, flops_per_second)
+            if k is None and self.incumbent is not None:
+                raise self.beaten(limit)
             if k is None:
                 errors = self.errors
                 smallest = min(e.smallest_memory for e in errors.values() if e.smallest_memory is not None)

@@ -58,6 +58,7 @@ class Row:
     family: str = "gpt"  # benchmarks.models family
     axes: tuple[str, ...] = ("data", "model")  # the mesh's axis names, as the row's users name them
     seq: int | None = None  # the sequence length, when not the config's
+    choose_shape: bool = False  # mesh=<device count>: the planner chooses the shape (candidate_meshes)
 
     @property
     def devices(self) -> int:
@@ -74,11 +75,14 @@ ROWS = (
     # issue 45: Llama-3.1-70B as EasyLM writes it, MaxText's 256-GPU shape: batch 512 x 8,192 on (2, 16, 8)
     Row("llama3-70B-256", "llama3-70b", 512, 1, (2, 16, 8), pipeline=False, family="llama",
         axes=("data", "fsdp", "tensor")),
+    # the same step with mesh=256: the planner chooses the shape among autoshard.cluster.candidate_meshes
+    Row("llama3-70B-256-any", "llama3-70b", 512, 1, (256,), pipeline=False, family="llama", choose_shape=True),
     # GPT-3's batch (1536 x 2048 tokens) in microbatches of 2 sequences (Megatron-LM runs 175B at 1; this step
     # traces differently at batch 1, so 2 is the smallest that captures)
     Row("175B-1024", "175B", 1536, 768, (128, 8)),
 )
-TARGETS_S = {"39B-64": 60.0, "39B-64-flat": 60.0, "llama3-8B-8": 30.0, "llama3-70B-256": 60.0, "175B-1024": 300.0}
+TARGETS_S = {"39B-64": 60.0, "39B-64-flat": 60.0, "llama3-8B-8": 30.0, "llama3-70B-256": 60.0, "175B-1024": 300.0,
+             "llama3-70B-256-any": 300.0}
 RSS_FLOOR_GB, RSS_RATIO = 8.0, 1.3  # issue 45: planner RSS <= max(8 GB, 1.3 x jax.jit's trace-and-lower RSS)
 
 
@@ -103,7 +107,8 @@ def plan_row(row: Row) -> dict:
     cluster = autoshard.cluster_preset(row.cluster)
     options = dict(num_microbatches=row.microbatches, pipeline=autoshard.PipelineOptions(num_stages="auto")) \
         if row.pipeline else {}
-    step = autoshard.parallelize(spec.train_step, mesh=AbstractMesh(row.mesh, row.axes), cluster=cluster,
+    mesh = row.devices if row.choose_shape else AbstractMesh(row.mesh, row.axes)
+    step = autoshard.parallelize(spec.train_step, mesh=mesh, cluster=cluster,
                                  progress=None, donate_argnums=(0,), **options)
     t0 = time.perf_counter()
     try:
@@ -119,7 +124,9 @@ def plan_row(row: Row) -> dict:
         return out
     if not row.pipeline:
         st = plan.stats
-        out.update(capture_s=st.get("timings", {}).get("capture", 0.0), stages=1, stage_meshes=[list(row.mesh)],
+        out.update(capture_s=st.get("timings", {}).get("capture", 0.0), stages=1,
+                   stage_meshes=[list(plan.mesh_info.shape)], mesh_names=list(plan.mesh_info.names),
+                   meshes_tried=st.get("meshes_tried"), meshes_pruned=st.get("meshes_pruned"),
                    step_ms=plan.cost.total_seconds * 1e3, peak_bytes=plan.memory.peak_bytes,
                    remat=None if plan.remat is None else f"{plan.remat.units}/{plan.remat.num_units}",
                    offloaded=len(plan.offloaded))

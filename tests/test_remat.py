@@ -319,6 +319,33 @@ def test_bisection_steps_to_where_the_peaks_cross_the_limit():
     assert planned[:4] == [0, 64, 23, 22], planned  # then upward from 23 while a candidate may beat it
 
 
+def test_an_incumbent_from_another_mesh_caps_the_counts_planned():
+    """With a plan from another mesh to beat, the bisection starts at the most segments whose floor (the objective
+    without remat and budget, plus their matmuls at full speed) is under it; when that count does not fit, the
+    search ends after that one plan, with an error that names no memory (no other lever should try)."""
+    from types import SimpleNamespace
+
+    units = tuple(SimpleNamespace(matmul_flops=1.0) for _ in range(64))
+    planned = []
+
+    def plan_fn(k, limit):
+        planned.append(k)
+        return _count_attempt(k, k >= 23)
+
+    # floors: 1.0 (the plan without remat, unconstrained) + k / 10 flop/s; the incumbent 4.05 caps k at 30
+    search = _CountSearch(plan_fn, None, budget=1.0, incumbent=4.05)
+    search.units = units
+    assert search.search(1.0, flops_per_second=10.0) == 23
+    assert max(planned) == 30 and 64 not in planned, planned
+    planned.clear()
+    beaten = _CountSearch(plan_fn, None, budget=1.0, incumbent=3.05)  # caps k at 20, which does not fit
+    beaten.units = units
+    assert beaten.search(1.0, flops_per_second=10.0) is None
+    assert planned == [0, 20], planned
+    error = beaten.beaten(1.0)
+    assert error.smallest_memory is None and "another mesh" in str(error)
+
+
 def test_backward_gathers_a_sharded_weight_again_from_its_fence():
     """ZeRO-3 with remat, as jax.checkpoint does it: weights stored split over 8 devices, every matmul reading
     them whole. The backward's reads of a recomputed unit's weights go through the unit's fence, and the gather

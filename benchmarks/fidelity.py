@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -42,14 +43,17 @@ class Row:
     name: str
     config: str
     batch: int
-    mesh: tuple[int, int]
+    mesh: tuple[int, ...]
     kind: str = "single"
     microbatches: int = 1
     cluster: str = "h100-nvlink"
+    family: str = "gpt"  # benchmarks.models family
+    axes: tuple[str, ...] = ("data", "model")  # a single row's mesh axis names
+    seq: int | None = None  # the sequence length, when not the config's
 
     @property
     def devices(self) -> int:
-        return self.mesh[0] * self.mesh[1]   # a stage row: enough for any stage of its plan
+        return math.prod(self.mesh)   # a stage row: enough for any stage of its plan
 
 
 ROWS = (
@@ -58,6 +62,8 @@ ROWS = (
     Row("6.7B-16", "6.7B", 16, (2, 8)),
     Row("6.7B-32", "6.7B", 32, (4, 8)),
     Row("39B-stage", "39B", 64, (8, 8), kind="stage", microbatches=8),
+    # issue 45: Llama-3-8B as EasyLM writes it (bf16 compute), batch 8 x 4,096, on EasyLM's (1, 8, 1) mesh
+    Row("llama3-8B-8", "llama3-8b", 8, (1, 8, 1), family="llama", axes=("dp", "fsdp", "mp"), seq=4096),
 )
 
 
@@ -80,11 +86,10 @@ def single_row(row: Row) -> dict:
     import jax
 
     import autoshard
-    from benchmarks.models import get_model
 
-    spec = get_model("gpt", row.config, row.batch)
+    spec = _model(row)
     state, batch = spec.abstract_state(), spec.abstract_batch()
-    mesh = autoshard.make_mesh(row.mesh, ("data", "model"), devices=jax.devices()[:row.devices])
+    mesh = autoshard.make_mesh(row.mesh, row.axes, devices=jax.devices()[:row.devices])
     step = autoshard.parallelize(spec.train_step, mesh=mesh, cluster=autoshard.cluster_preset(row.cluster),
                                  donate_argnums=(0,), progress=None)
     t0 = time.perf_counter()
@@ -94,6 +99,16 @@ def single_row(row: Row) -> dict:
     out = {"plan_s": t1 - t0, "compile_s": time.perf_counter() - t1, "what": "whole step"}
     out.update(_step_times(plan, compiled, mesh, row.cluster))
     return _ratios(out, plan.cost.peak_memory_bytes, compiled, plan)
+
+
+def _model(row: Row):
+    """The row's :class:`~benchmarks.models.ModelSpec` (its config, with the row's sequence length if it has one)."""
+    from benchmarks.models import get_model, gpt, llama
+
+    if row.seq is None:
+        return get_model(row.family, row.config, row.batch)
+    module = {"gpt": gpt, "llama": llama}[row.family]
+    return module.build(dataclasses.replace(module.CONFIGS[row.config], seq_len=row.seq), row.batch)
 
 
 def _step_times(plan, compiled, mesh, cluster: str) -> dict:

@@ -144,6 +144,25 @@ def test_collective_bytes_follow_the_dtype():
     assert bf16.bytes == fp32.bytes / 2 == 2 * 2**20
 
 
+def test_a_bf16_dots_partial_sums_are_reduced_in_f32_on_cpu():
+    """A dot whose contracting dimension is split leaves partial sums to all-reduce; XLA:CPU promotes a bf16
+    all-reduce to f32 (its reduction computation ``*.clone_promoted``), so the plan prices it at 4 bytes an
+    element there, as it compiles."""
+    def layer(w, x):
+        return jnp.tanh(x @ w)
+
+    m = autoshard.make_mesh((8,), ("model",))
+    w, x = jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((16, 2048), jnp.bfloat16)
+    # The contracting dimension split on both operands: the small product is a partial sum over the mesh, far
+    # cheaper to all-reduce than the weight to gather.
+    step = autoshard.parallelize(layer, mesh=m, hints={r"\[0\]": P("model", None), r"\[1\]": P(None, "model")})
+    plan = step.plan(w, x)
+    compiled = step.lower(w, x).compile()
+    check = plan.verify(compiled)
+    assert check.compiled.get("all-reduce") == 16 * 2048 * 4  # the product, f32, whole on every device
+    assert check.predicted == check.compiled
+
+
 def test_unknown_precision_is_a_clear_error():
     with pytest.raises(autoshard.InputError, match=r"precision='fp8' is not supported.*precision='bf16'"):
         autoshard.parallelize(lambda x: x, precision="fp8")

@@ -73,6 +73,13 @@ class RuleContext:
         return self.cost.compute_time(flops / shards)
 
     def collective(self, kind: str, axes, nbytes: float) -> tuple[float, Collective]:
+        """The seconds and record of one collective of ``nbytes`` per device that this op's strategy makes.
+        A reduction of a 2-byte float result (a bf16 dot's partial sums) moves 4-byte floats on a backend that
+        widens half-precision collectives (XLA:CPU promotes the all-reduce to f32:
+        ``CostModel.widen_half_precision``), as the reshards' bytes are widened there."""
+        if (self.cost.widen_half_precision and kind in ("all-reduce", "reduce-scatter") and self.out_dtypes
+                and itemsize(self.out_dtypes[0]) == 2):
+            nbytes = 2 * nbytes
         c = Collective(kind, tuple(sorted(axes)), float(nbytes))
         return self.cost.collective_time(c), c
 

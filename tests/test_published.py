@@ -146,3 +146,30 @@ def test_own_layouts_budget_the_optimizer_state_of_every_chunk_split_as_zero1_ma
     assert P.own_budget(rec, rec.cfg, stage, hw) == pytest.approx(hw.memory - 12 * count * 3 / 32)
     no_zero = P.dataclasses.replace(rec, zero1="no")
     assert P.own_budget(no_zero, rec.cfg, stage, hw) == pytest.approx(hw.memory - 12 * count * 3 / 8)
+
+
+def test_when_the_screen_undercounts_memory_the_search_moves_below_what_was_over(rows, monkeypatch):
+    """The screen's memory count is coarse: where every plan of the fastest configurations is over the device,
+    the search goes on with configurations the screen puts below the least of those that were over, and finds one
+    that fits. The plans are stood in for by a line in the screen's memory below which they fit (no solve)."""
+    from types import SimpleNamespace
+
+    from autoshard.perf import hardware_preset
+    from benchmarks import published_search as S
+
+    rec = P.reconstruct(rows[2])  # NeMo's Llama3-70B on 64 H100s, 8k tokens
+    hw = hardware_preset(rec.hardware)
+    screened = {id(c): S.screen(c, hw) for c in S.candidates(rec, hw)}
+    line = sorted(m for _, m in screened.values())[len(screened) // 10]  # a tenth of the candidates fit
+    planned = []
+
+    def predict(cand, *, time_limit, own_layouts):
+        seconds, mem = S.screen(cand, hw)
+        planned.append(mem)
+        peak = 0.5 * hw.memory if mem < line else 2 * hw.memory
+        return SimpleNamespace(step_s=seconds, peak_bytes=peak, recompute="minimal", zero1=False)
+
+    monkeypatch.setattr(P, "predict", predict)
+    choice = S.search(rec)
+    assert choice.prediction.peak_bytes <= hw.memory
+    assert len(planned) <= S.MAX_EVALUATE  # (before: none of the 20 planned fitted)

@@ -23,7 +23,9 @@ from autoshard.spec import MeshInfo
 def _mesh_context(mesh):
     """Trace and run under autoshard's Auto-axis mesh: the caller may be inside ``jax.set_mesh`` of an
     Explicit mesh, under which ``with_sharding_constraint`` (the plan's pins) is an assertion."""
-    if mesh is None or isinstance(mesh, int):  # no mesh yet, or a device count: the planner picks the shape
+    from autoshard.cluster import is_device_count
+
+    if mesh is None or is_device_count(mesh):  # no mesh yet, or a device count: the planner picks the shape
         return contextlib.nullcontext()
     if isinstance(mesh, jax.sharding.AbstractMesh):  # planning only: no devices to set
         return jax.sharding.use_abstract_mesh(mesh)
@@ -105,7 +107,7 @@ def _capture(fun, abstract, in_paths, mesh, *, leaves=(), explicit=None):
     context or the one the arguments ``leaves`` are placed on) is traced under that mesh, its arguments typed
     as placed, and read as the user's intent (:mod:`autoshard.explicit`)."""
     from autoshard.capture import capture_graph, exception_location
-    from autoshard.cluster import make_mesh
+    from autoshard.cluster import is_device_count, make_mesh
     from autoshard.explicit import typed_arguments
 
     try:
@@ -117,7 +119,7 @@ def _capture(fun, abstract, in_paths, mesh, *, leaves=(), explicit=None):
             with _mesh_context(mesh):
                 return capture_graph(fun, abstract, in_paths=in_paths)
         except (ValueError, RuntimeError) as e:
-            if (mesh is not None and not isinstance(mesh, int)) or not any(m in str(e) for m in _NEEDS_A_MESH):
+            if (mesh is not None and not is_device_count(mesh)) or not any(m in str(e) for m in _NEEDS_A_MESH):
                 raise
         with _mesh_context(make_mesh((len(jax.devices()), 1), ("data", "model"))):
             return capture_graph(fun, abstract, in_paths=in_paths)

@@ -100,14 +100,13 @@ class PlanRequest:
     def meshes(self) -> list:
         """The candidate meshes: the request's, or :func:`autoshard.cluster.candidate_meshes` of all devices
         (``mesh=None``) or of a device count (``AbstractMesh`` es), for the request's cluster."""
-        from autoshard.cluster import candidate_meshes, cluster_preset, is_device_count, preset_for_devices
+        from autoshard.cluster import candidate_meshes, is_device_count
 
         if self.mesh is not None and not is_device_count(self.mesh):
             return [self.mesh]
         abstract = self.mesh is not None
-        cluster = self.cluster
-        if cluster is None:  # the preset each candidate gets (default_cluster)
-            cluster = cluster_preset("h100-nvlink") if abstract else preset_for_devices(jax.devices()[:1])
+        # the preset each candidate gets (default_cluster)
+        cluster = self.cluster if self.cluster is not None else _preset_for(None if abstract else jax.devices()[:1])
         n = int(self.mesh) if abstract else len(jax.devices())
         return candidate_meshes(n, cluster, axis_names=self.axis_names, abstract=abstract)
 
@@ -197,11 +196,16 @@ def default_cluster(mesh):
     """The :class:`~autoshard.ClusterSpec` preset for the mesh's devices: by ``device_kind`` (an H200 gets
     ``h200``), ``cpu-sim`` on CPU; an ``AbstractMesh`` has no devices to ask, so ``h100-nvlink``, as the GPU
     backend profile."""
-    from autoshard.cluster import cluster_preset, is_abstract, preset_for_devices
+    from autoshard.cluster import is_abstract
 
-    if is_abstract(mesh):
-        return cluster_preset("h100-nvlink")
-    return preset_for_devices(mesh.devices.flat[:1])
+    return _preset_for(None if is_abstract(mesh) else mesh.devices.flat[:1])
+
+
+def _preset_for(devices):
+    """The preset of :func:`default_cluster` for ``devices``; None: no devices to ask (an ``AbstractMesh``)."""
+    from autoshard.cluster import cluster_preset, preset_for_devices
+
+    return cluster_preset("h100-nvlink") if devices is None else preset_for_devices(devices)
 
 
 # ---- the passes ----------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from autoshard.cluster import is_device_count
 from autoshard.errors import InputError
 
 PROGRESS_KINDS = ("auto", "tqdm", "rich")
@@ -308,7 +309,7 @@ def _check_types(o: Options, problems: list) -> None:
 
 UNSUPPORTED: dict[str, dict[str, tuple[Callable[[Options], bool], str]]] = {
     "pipelined": {
-        "mesh": (lambda o: isinstance(o.mesh, int) and not isinstance(o.mesh, bool),
+        "mesh": (lambda o: is_device_count(o.mesh),
                  "as a device count: the pipeline search takes the mesh it divides into stages. Fix: "
                  "mesh=jax.sharding.AbstractMesh(shape, names) of that many devices."),
         "plan": (lambda o: o.plan is not None,

@@ -255,7 +255,7 @@ def search(rec, *, time_limit: float = 2.0, log=None) -> Choice:
             log(f"    {_shape(cand)}: {pred.step_s:.4g} s/step, {pred.peak_bytes / 1e9:.1f} GB, {pred.recompute}")
         if pred.peak_bytes > hw.memory:
             if state["over"] is None or pred.peak_bytes < state["over"][0]:
-                state["over"] = (pred.peak_bytes, f"{pred.peak_bytes / 2**30:.1f} GiB at {_shape(cand)}", cand)
+                state["over"] = (pred.peak_bytes, f"{pred.peak_bytes / 2**30:.1f} GiB at {_shape(cand)}")
         elif state["best"] is None or pred.step_s < state["best"][1].step_s:
             state["best"] = (cand, pred)
 

@@ -416,7 +416,9 @@ def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float,
     The search tries ``k = 1, 2, ...`` in turn (the peak is not monotone in ``k``: recomputing
     the last segments lands right at the turnaround, on top of everything kept), and stops
     once a floor (the unconstrained optimum without remat, plus the first ``k`` segments'
-    matmuls on all devices at full speed) reaches the best plan found. The floor is exact
+    matmuls on all devices at full speed) reaches the best plan found, or once the best count's plan is
+    not bound by the budget (its unconstrained optimum fits: recomputing more only adds work; Llama-3.1-70B on
+    256 planned three counts more, about 16 s each, that differed from it by the solver's noise alone). The floor is exact
     for the recompute's compute time; it treats the reshards the redirected backward reads
     pay as free, so it prunes, it does not prove. Once consecutive candidates are planned, the
     cost per recomputed flop they show tightens it (``RematSearch.observed_floor``).
@@ -426,7 +428,9 @@ def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float,
     recomputes 10 layers at once, which alone can be over the device. Where finer segments exist and recomputing
     every coarse one does not fit, the finer search runs first and the coarse counts only when it finds nothing
     (their peak is not monotone in the count, so a smaller one may still fit): Llama-3.1-70B on 256 planned all
-    8 coarse counts, about 20 s each, for nothing; now counts 1 and 8.
+    8 coarse counts, about 20 s each, for nothing; now count 1 only. When the first coarse segment does not fit,
+    the finer search goes first, without asking whether every coarse one would (a finer count recomputes no
+    more than a coarse one that frees as much).
 
     ``check(plan, program, groups) -> bytes``, when given, compiles the chosen candidate and
     returns XLA's peak per device. When that exceeds ``budget`` (XLA's schedule keeps more
@@ -473,16 +477,14 @@ def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float,
 
 def _search_order(search: RematSearch, program: CapturedProgram, ties, max_units: int, flops_per_second: float):
     """``([(search, most units)], finer search or None)``: the searches :func:`choose_remat` runs, in order. When
-    the first coarse segment and all of them both do not fit (or cannot beat the incumbent), the finer search
-    goes first."""
+    the first coarse segment does not fit (or cannot beat the incumbent) and finer ones exist, the finer search
+    goes first; the coarse counts run only when it finds nothing."""
     budget, queue = search.budget, [(search, max_units)]
     coarse = search.useful(1, budget, flops_per_second)
     fine = (_finer_search(search, program, ties, max_units)
             if not coarse or search.attempt(1, budget) is None else None)
     if fine is not None:
-        hopeless = (not search.useful(len(search.units), budget, flops_per_second)
-                    or search.attempt(len(search.units), budget) is None)
-        queue.insert(0 if hopeless else 1, (fine, FINE_MAX_UNITS))
+        queue.insert(0, (fine, FINE_MAX_UNITS))
     return queue, fine
 
 
@@ -557,7 +559,8 @@ class RematSearch:
         return got.plan
 
     def search(self, limit: float, flops_per_second: float) -> int | None:
-        """The best ``k`` under ``limit``, or None when no candidate fits."""
+        """The best ``k`` under ``limit``, or None when no candidate fits: the fastest plan (``total_seconds``)
+        of every count planned that fits, the bisection's included."""
         plans = self.plans
         first = self.attempt(0, limit, self.program)
         # The floor: no candidate beats the plan without remat and without a budget, plus its
@@ -571,6 +574,8 @@ class RematSearch:
                 return None
             start = best_k + 1
         for k in range(start, len(self.units) + 1):
+            if best_k is not None and not self.attempts[(best_k, limit)].budget_bound:
+                break  # the best count's plan is its unconstrained optimum: more recompute only adds cost
             bound = max(self.floor(k, limit, flops_per_second), self.observed_floor(k, limit))
             if self.incumbent is not None and bound >= self.incumbent:
                 break
@@ -580,7 +585,9 @@ class RematSearch:
             # candidates are ranked by their decoded plans' simulated steps (PlanCost.total_seconds)
             if p is not None and (best_k is None or p.cost.total_seconds < plans[(best_k, limit)].cost.total_seconds):
                 best_k = k
-        return best_k
+        # the bisection's larger fitting counts too: a time-limited solve may have found a faster plan there
+        fitting = [j for (j, lim), p in plans.items() if lim == limit and p is not None]
+        return min(fitting, key=lambda j: (plans[(j, limit)].cost.total_seconds, j), default=best_k)
 
     def candidate(self, k: int) -> CapturedProgram:
         """The program with the first ``k`` units recomputed (what ``plan_fn`` plans for ``k``)."""

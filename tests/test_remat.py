@@ -242,6 +242,54 @@ def _count_attempt(k: int, fits: bool, peak: float | None = None):
                            budget_bound=True, unconstrained_objective=seconds)
 
 
+def test_the_search_stops_at_a_count_whose_plan_the_budget_does_not_bind():
+    """A fitting count whose plan is its unconstrained optimum (not budget-bound) ends the upward search: more
+    recompute frees memory that buys nothing. Stand-ins whose objectives fall with the count (a time-limited
+    solver's noise) would otherwise be planned one after another; while the budget binds they still are."""
+    from types import SimpleNamespace
+
+    def run(bound_from):
+        planned = []
+
+        def plan_fn(k, limit):
+            planned.append(k)
+            got = _count_attempt(k, k >= 3)
+            seconds = 2.0 - 0.01 * k
+            if got.plan is not None:
+                got.plan.cost = SimpleNamespace(objective=seconds, total_seconds=seconds, peak_memory_bytes=None)
+            got.budget_bound, got.unconstrained_objective = k >= bound_from, 1.0
+            return got
+
+        search = _CountSearch(plan_fn, None, budget=1.0)
+        search.units = tuple(SimpleNamespace(matmul_flops=1.0) for _ in range(6))
+        return search.search(1.0, flops_per_second=1e30), planned
+
+    assert run(bound_from=99) == (3, [0, 1, 2, 3])  # from count 3 on, the unconstrained optimum fits
+    assert run(bound_from=0) == (6, [0, 1, 2, 3, 4, 5, 6])
+
+
+def test_the_fastest_fitting_plan_is_chosen_the_bisections_included():
+    """The bisection plans larger counts on its way to the fewest that fit; when a time-limited solve found a
+    faster plan at one of them, that plan is the answer, at no extra solve."""
+    from types import SimpleNamespace
+
+    planned = []
+
+    def plan_fn(k, limit):
+        planned.append(k)
+        got = _count_attempt(k, k >= 23)
+        if got.plan is not None:
+            seconds = 1.0 if k == 64 else 2.0
+            got.plan.cost = SimpleNamespace(objective=seconds, total_seconds=seconds, peak_memory_bytes=None)
+        got.budget_bound = False
+        return got
+
+    search = _CountSearch(plan_fn, None, budget=1.0)
+    search.units = tuple(SimpleNamespace(matmul_flops=1.0) for _ in range(64))
+    assert search.search(1.0, flops_per_second=1e30) == 64
+    assert 23 in planned and max(planned) == 64 and len(planned) <= 9, planned  # bisection only: not budget-bound
+
+
 def test_bisection_finds_the_fewest_segments_that_fit_in_log_many_plans():
     """Over many segments the search bisects for the fewest that fit, then goes upward while a candidate may
     still beat it; far fewer plans than one per count."""
@@ -263,10 +311,10 @@ def test_bisection_finds_the_fewest_segments_that_fit_in_log_many_plans():
 
 
 @pytest.mark.parametrize("coarse_fits", [False, True])
-def test_finer_segments_go_first_when_neither_the_first_nor_every_coarse_segment_fits(coarse_fits):
-    """Coarse segments that each hold several layers: when recomputing the first one and all of them both do not
-    fit, the finer segments are searched first and the coarse counts in between are never planned; when all of
-    them fit, the coarse search runs first as before."""
+def test_finer_segments_go_first_when_the_first_coarse_segment_does_not_fit(coarse_fits):
+    """Coarse segments that each hold several layers: when recomputing the first one does not fit, the finer
+    segments are searched first and the coarse counts after the first are never planned; when no finer count
+    fits (a stand-in: recomputing every segment fits only in coarse ones), the coarse search runs after it."""
     from types import SimpleNamespace
 
     from autoshard.driver import Attempt
@@ -293,11 +341,12 @@ def test_finer_segments_go_first_when_neither_the_first_nor_every_coarse_segment
     plan, choice = choose_remat(plan_fn, program, ties, budget=100.0, flops_per_second=1e30, max_units=3)
     if coarse_fits:
         assert (choice.units, choice.num_units) == (len(coarse), len(coarse))
-        assert not any(kind == "fine" for kind, _ in planned), planned
+        assert planned.index(("fine", len(fine))) < planned.index(("coarse", len(coarse))), planned
     else:
         assert (choice.units, choice.num_units, choice.max_units) == (5, len(fine), FINE_MAX_UNITS)
         assert ("coarse", 2) not in planned, planned
-        assert planned[:3] == [("coarse", 0), ("coarse", 1), ("coarse", len(coarse))], planned
+        assert planned[:2] == [("coarse", 0), ("coarse", 1)] and planned[2][0] == "fine", planned
+        assert ("coarse", len(coarse)) not in planned, planned
 
 
 def test_bisection_steps_to_where_the_peaks_cross_the_limit():

@@ -416,21 +416,17 @@ def choose_remat(plan_fn, program: CapturedProgram, ties=None, *, budget: float,
     The search tries ``k = 1, 2, ...`` in turn (the peak is not monotone in ``k``: recomputing
     the last segments lands right at the turnaround, on top of everything kept), and stops
     once a floor (the unconstrained optimum without remat, plus the first ``k`` segments'
-    matmuls on all devices at full speed) reaches the best plan found, or once the best count's plan is
-    not bound by the budget (its unconstrained optimum fits: recomputing more only adds work; Llama-3.1-70B on
-    256 planned three counts more, about 16 s each, that differed from it by the solver's noise alone). The floor is exact
+    matmuls on all devices at full speed) reaches the best plan found, or once the best count's plan is its
+    unconstrained optimum (not budget-bound: recomputing more only adds work). The floor is exact
     for the recompute's compute time; it treats the reshards the redirected backward reads
     pay as free, so it prunes, it does not prove. Once consecutive candidates are planned, the
     cost per recomputed flop they show tightens it (``RematSearch.observed_floor``).
 
     When no count fits, the search runs again over finer segments (``FINE_MAX_UNITS``, when that at least
     doubles them), bisecting for the fewest that fit (:meth:`RematSearch._bisect`): an 80-layer model cut in 8
-    recomputes 10 layers at once, which alone can be over the device. Where finer segments exist and recomputing
-    every coarse one does not fit, the finer search runs first and the coarse counts only when it finds nothing
-    (their peak is not monotone in the count, so a smaller one may still fit): Llama-3.1-70B on 256 planned all
-    8 coarse counts, about 20 s each, for nothing; now count 1 only. When the first coarse segment does not fit,
-    the finer search goes first, without asking whether every coarse one would (a finer count recomputes no
-    more than a coarse one that frees as much).
+    recomputes 10 layers at once, which alone can be over the device. Where finer segments exist and the first
+    coarse one does not fit, the finer search runs first and the other coarse counts only when it finds nothing:
+    Llama-3.1-70B on 256 planned all 8 coarse counts, about 20 s each, for nothing.
 
     ``check(plan, program, groups) -> bytes``, when given, compiles the chosen candidate and
     returns XLA's peak per device. When that exceeds ``budget`` (XLA's schedule keeps more

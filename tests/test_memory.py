@@ -120,6 +120,33 @@ def test_a_binding_budget_leaves_the_search_under_it_most_of_the_time():
             assert sol.stats["time_limit"] >= 0.5 * limit > PROBE_SHARE * limit
 
 
+def test_a_longer_free_solve_over_the_budget_makes_it_bind_and_the_budgeted_search_runs(monkeypatch):
+    """The probe's plan fits but is far from the best (a time-limited probe), and the longer free solve finds a
+    cheaper one over the budget: the budget binds after all, and the budgeted search gets the probe's time after
+    it, its plan returned when cheaper than the probe's (stand-in solves; Llama-3.1-70B on (32, 2, 4): a probe at
+    objective 1,747 under the budget, the free optimum at 19.3 over it)."""
+    import types
+
+    import autoshard.solver
+    from autoshard.driver import solve_under_budget
+
+    calls = []
+
+    def fake_solve(problem, *, time_limit, seed=0):
+        calls.append((problem.memory_limit, seed, time_limit))
+        cost, peak = {0: (1747.0, 50.0), 1: (19.3, 200.0)}[seed] if problem.memory_limit is None else (19.8, 90.0)
+        return types.SimpleNamespace(cost=cost, peak_memory=peak, optimal=False, feasible=True)
+
+    monkeypatch.setattr(autoshard.solver, "solve", fake_solve)
+    problem = dataclasses.make_dataclass("Problem", [("memory_limit", float)])(100.0)
+    request = types.SimpleNamespace(time_limit=10.0)
+    sol, free, bound, error, _ = solve_under_budget(request, None, types.SimpleNamespace(problem=problem), 100.0, None)
+    assert error is None and bound is True and free == 19.3
+    assert sol.cost == 19.8 and sol.peak_memory <= 100.0
+    assert [c[:2] for c in calls] == [(None, 0), (None, 1), (100.0, 0)]
+    assert calls[2][2] >= 0.5 * request.time_limit  # the probe's time after it
+
+
 def _free_and_budgeted(budget_of, family="gpt", config="tiny", batch=64, shape=(2, 4), **kwargs):
     """The plan without a budget of a model on an AbstractMesh, and the plan under ``budget_of(free)``."""
     import jax

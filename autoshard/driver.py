@@ -611,10 +611,11 @@ def solve_under_budget(request: PlanRequest, on: MeshTarget, built, budget, limi
                 sol = more
             elif more.cost < sol.cost:
                 # A cheaper unconstrained plan over the budget: it binds after all. The probe's plan fits, but
-                # may be far from the best that does; the budgeted search gets the probe's time after it.
+                # may be far from the best that does; the budgeted search gets the probe's time after it, its
+                # plan kept when it fits by the estimate as well (the calibrated row may admit more).
                 over = peak_of(more) if peak_of is not None else None
                 bound = _budgeted(built.problem, budget, _calibration(more, over), max(left, 1.0))
-                sol = bound if bound is not None and bound.feasible and bound.cost < sol.cost else sol
+                sol = bound if bound is not None and bound.feasible and fits(bound) and bound.cost < sol.cost else sol
                 return sol, free_objective, True, None, 1.0
         return sol, free_objective, False, None, 1.0
     calibration = _calibration(sol, estimate)

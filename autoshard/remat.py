@@ -50,6 +50,7 @@ class RematUnit:
       flops: the recomputed flops (unsharded; elementwise ops count one per element).
       matmul_flops: the part of ``flops`` in contractions (a lower bound on what the planner prices).
       source: ``file:line`` of the segment's first and last ops, for reports.
+      residual_bytes: the residuals' bytes, unsharded (what recomputing the unit frees, before fusion and layout).
     """
 
     ops: tuple[int, ...]
@@ -60,6 +61,7 @@ class RematUnit:
     flops: float
     matmul_flops: float
     source: str
+    residual_bytes: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -261,8 +263,9 @@ class _Forward:
         flops = sum(op_flops(op, avals) for op in rec)
         matmul = sum(op_flops(op, avals) for op in rec if op_info(op.name).contraction)
         source = f"{rec[0].source()}..{rec[-1].source()}"
+        freed = float(sum(math.prod(avals[v].shape) * np.dtype(avals[v].dtype).itemsize for v in residuals))
         return RematUnit(tuple(op.index for op in rec), tuple(residuals), tuple(inputs), insert_at, anchor,
-                         flops, matmul, source)
+                         flops, matmul, source, freed)
 
 
 def _anchor(consumer: Op, produced_by, forward, pos, insert_at) -> int | None:
@@ -495,6 +498,14 @@ def _finer_search(search: RematSearch, program: CapturedProgram, ties, max_units
     return fine
 
 
+def _nearest(sorted_values, x: float) -> int:
+    """The index of the value of ``sorted_values`` (ascending) nearest ``x`` (the lower one on a tie)."""
+    k = int(np.searchsorted(sorted_values, x))
+    if k == len(sorted_values) or (k > 0 and x - sorted_values[k - 1] <= sorted_values[k] - x):
+        return k - 1
+    return k
+
+
 FINE_MAX_UNITS = 64
 """When no count of the default segments (``DEFAULT_MAX_UNITS``) fits, :func:`choose_remat` searches again over at
 most this many (one per layer for most models up to 64 layers)."""
@@ -598,20 +609,26 @@ class RematSearch:
         with the count. Where it does not (recomputing the last segments lands at the turnaround) the count
         found fits but a smaller one might too; the search upward from it goes on as for few segments.
 
-        Each step plans the count where the peaks of the two ends, joined by a line, cross ``limit`` (peaks
-        fall about evenly with the count: a layer's residuals each), the middle one when a peak is unknown or
-        the ``SLOW_STEPS`` steps before did not halve the bracket. Llama-3.1-70B on 256: 55, 51, 50, 49 of 55
-        where halving planned 55, 27, 41, 48, 51, 49, 50."""
+        Each step plans the count where the peaks of the two ends, joined by a line over the residual bytes
+        the counts free (``RematUnit.residual_bytes``; over the count where no unit has them), cross ``limit``,
+        the middle one when a peak is unknown or the ``SLOW_STEPS`` steps before did not halve the bracket.
+        Peaks fall with the bytes freed, not the count: Llama-3.1-70B's segments alternate between freeing
+        29 and 17 TB and its last two (the final norm, the logits) free a few, so a line over the count misplaces
+        steps. On (2, 16, 8) the bisection plans 55, 49, 50 (over the count: 55, 51, 50, 49); on (32, 2, 4)
+        it crawled up from 41 in six refused plans of 8 s."""
         lo, hi = 0, most
         if self.attempt(hi, limit) is None:
             return None
+        weights = [getattr(u, "residual_bytes", 0.0) for u in self.units]
+        freed = np.concatenate([[0.0], np.cumsum(weights if min(weights, default=0.0) > 0 else
+                                                 np.ones(len(weights)))])  # freed[k]: what the first k units free
         slow = 0  # steps in a row that did not halve the bracket: at SLOW_STEPS, the next one halves it
         while hi - lo > 1:
             mid = (lo + hi) // 2
             ends = self._peak(lo, limit), self._peak(hi, limit)
             if slow < SLOW_STEPS and None not in ends and ends[0] > limit >= ends[1]:
-                cross = lo + (ends[0] - limit) / (ends[0] - ends[1]) * (hi - lo)
-                mid = min(max(round(cross), lo + 1), hi - 1)
+                target = freed[lo] + (ends[0] - limit) / (ends[0] - ends[1]) * (freed[hi] - freed[lo])
+                mid = min(max(_nearest(freed, target), lo + 1), hi - 1)
             width = hi - lo
             if self.attempt(mid, limit) is None:
                 lo = mid

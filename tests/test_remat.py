@@ -290,6 +290,32 @@ def test_the_fastest_fitting_plan_is_chosen_the_bisections_included():
     assert 23 in planned and max(planned) == 64 and len(planned) <= 9, planned  # bisection only: not budget-bound
 
 
+def test_bisection_steps_by_the_residual_bytes_the_counts_free():
+    """Segments that free unequal bytes (the last few of a language model: the final norm, the logits): the line
+    between the ends' peaks is drawn over the bytes freed, so the fewest that fit are bracketed in two plans after
+    the ends, where a line over the count (what the units give without their bytes) takes five."""
+    from types import SimpleNamespace
+
+    freed = [10.0] * 50 + [30.0] * 2 + [0.5] * 3
+
+    def planned_by(weighted: bool):
+        planned = []
+
+        def plan_fn(k, limit):
+            planned.append(k)
+            peak = 100.0 + sum(freed[k:])
+            return _count_attempt(k, peak <= limit, peak)
+
+        search = _CountSearch(plan_fn, None, budget=110.0)
+        search.units = tuple(SimpleNamespace(matmul_flops=1.0, residual_bytes=b if weighted else 0.0) for b in freed)
+        return search.search(110.0, flops_per_second=1e30), planned
+
+    fewest, planned = planned_by(True)
+    assert fewest == 52 and planned[:4] == [0, 55, 52, 51], planned
+    fewest, planned = planned_by(False)
+    assert fewest == 52 and planned[:7] == [0, 55, 54, 53, 52, 26, 51], planned
+
+
 def test_bisection_finds_the_fewest_segments_that_fit_in_log_many_plans():
     """Over many segments the search bisects for the fewest that fit, then goes upward while a candidate may
     still beat it; far fewer plans than one per count."""

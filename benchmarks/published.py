@@ -566,18 +566,22 @@ def predict(rec: Reconstruction, *, time_limit: float = 2.0, own_layouts: bool =
                             transfer=transfer if rec.pp > 1 else 0.0)
     sizes = dict(enumerate(shape))
     biggest = max(plans.values(), key=lambda p: _local_param_bytes(p.backward_plan, sizes))
-    grad_bytes = _local_param_bytes(biggest.backward_plan, sizes) * rec.virtual
+    local = _local_param_bytes(biggest.backward_plan, sizes) * rec.virtual
+    share = 2 * _param_count(biggest.backward_plan) * rec.virtual / inner
     # the gradients' reduction over the data replicas, once per step: an all-reduce, or with ZeRO-1 a
-    # reduce-scatter and, after the update of each replica's share, an all-gather of the new bf16 weights
+    # reduce-scatter and, after the update of each replica's share, an all-gather of the new bf16 weights. With
+    # autoshard's own layouts the masters are split over every device of the stage (pipeline_peak), so a device
+    # reduces only its share of the gradients, a slice of what it holds (a layout that keeps the embedding
+    # whole on every device would otherwise reduce all of it over the replicas)
+    grad_bytes = share if own_layouts else local
     if zero1:
         dp_reduce = 2 * collective_seconds_on(hw, "all-gather", grad_bytes, group=rec.dp, span=rec.dp * inner)
     else:
         dp_reduce = collective_seconds_on(hw, "all-reduce", grad_bytes, group=rec.dp, span=rec.dp * inner)
     if own_layouts:  # the updated bf16 weights gathered from the split masters into the stages' layouts
-        spread = inner * grad_bytes / (2 * _param_count(biggest.backward_plan) * rec.virtual)
+        spread = local / share
         if spread > 1.01:
-            dp_reduce += collective_seconds_on(hw, "all-gather", grad_bytes, group=max(round(spread), 2),
-                                               span=inner)
+            dp_reduce += collective_seconds_on(hw, "all-gather", local, group=max(round(spread), 2), span=inner)
     # the update: planned on the device that holds the most parameters
     stage = dict(kinds)["first" if chunks > 1 else "only"]
     update_s = _update_seconds(rec, cfg, stage, mesh, cluster, time_limit, own_layouts) * rec.virtual / (

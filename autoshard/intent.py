@@ -271,8 +271,9 @@ def splitting_axes(mesh: MeshInfo) -> tuple[int, ...]:
 
 def indivisible_batch(program, tie_outputs, mesh: MeshInfo) -> tuple[str, ...]:
     """Paths of the batch inputs whose batch size no axis that may split it (:func:`splitting_axes`)
-    divides: they are not split."""
+    divides: they are not split. A batch of one sequence is not among them: there is no batch to split (a
+    long-context step splits the sequence, over a context axis or any other)."""
     sizes = [mesh.shape[a] for a in splitting_axes(mesh)]
     return tuple(program.in_paths[i] for i in batch_inputs(program, tie_outputs)
-                 if sizes and all(_shape(program, program.graph.invars[i])[0] % n for n in sizes))
+                 if sizes and (b := _shape(program, program.graph.invars[i])[0]) > 1 and all(b % n for n in sizes))
 

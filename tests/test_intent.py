@@ -186,6 +186,19 @@ def test_an_indivisible_batch_is_named_in_one_warning():
     assert sum("divisible by no mesh axis" in str(w.message) for w in record) == 1
 
 
+def test_a_batch_of_one_sequence_is_not_warned_about():
+    """One sequence per step (long context) has no batch to split: no warning says every device runs it whole."""
+    import warnings
+
+    step_fn, state = _mlp_step()
+    batch = {"x": jnp.ones((1, 64)), "y": jnp.ones((1, 8))}
+    mesh = autoshard.make_mesh((2, 4), ("data", "model"))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        autoshard.parallelize(step_fn, mesh=mesh, cluster=CPU, progress=None).plan(state, batch)
+    assert not [w for w in record if "is not split" in str(w.message)]
+
+
 def test_a_batch_only_a_model_axis_divides_is_named_too():
     step_fn, state = _mlp_step()
     batch = {"x": jnp.ones((2, 64)), "y": jnp.ones((2, 8))}

@@ -576,8 +576,9 @@ def solve_under_budget(request: PlanRequest, on: MeshTarget, built, budget, limi
     probe's row over its estimate (see ``ROW_CALIBRATION``).
 
     The budget binds when the probe is over it, and also when a longer free solve finds a cheaper plan over it
-    (then the probe's plan is returned: Llama-3.1-70B on (32, 2, 4) with 52 of 55 segments recomputed, a probe
-    at objective 1,747 under the budget, the longer solve's 19.3 over it).
+    (then the budgeted search runs with the probe's time again; the probe's plan stays when it finds nothing
+    cheaper that fits: Llama-3.1-70B on (32, 4, 2) with 52 of 55 segments recomputed, a probe at objective 1,747
+    under the budget, the longer solve's 19.3 over it, the budgeted search's 19.2 under it).
 
     Returns ``(solution, unconstrained objective, whether the budget bound, error, calibration)``; the
     error (and no solution) when the memory row admits no plan; ``calibration`` is the factor the row's

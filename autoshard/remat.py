@@ -614,8 +614,8 @@ class RematSearch:
         the middle one when a peak is unknown or the ``SLOW_STEPS`` steps before did not halve the bracket.
         Peaks fall with the bytes freed, not the count: Llama-3.1-70B's segments alternate between freeing
         29 and 17 TB and its last two (the final norm, the logits) free a few, so a line over the count misplaces
-        steps. On (2, 16, 8) the bisection plans 55, 49, 50 (over the count: 55, 51, 50, 49); on (32, 2, 4)
-        it crawled up from 41 in six refused plans of 8 s."""
+        steps. On (2, 16, 8) the bisection plans 55, 49, 50 (over the count: 55, 51, 50, 49). It halves where the
+        fitting end's estimate is over ``limit`` (a plan the row admits; (32, 2, 4): 195 GB at 50 of 55)."""
         lo, hi = 0, most
         if self.attempt(hi, limit) is None:
             return None

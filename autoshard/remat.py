@@ -33,6 +33,7 @@ import math
 import numpy as np
 
 from autoshard.capture import CapturedProgram, Op, OpGraph
+from autoshard.memory import value_bytes
 from autoshard.strategies import op_flops, op_info
 
 
@@ -263,7 +264,7 @@ class _Forward:
         flops = sum(op_flops(op, avals) for op in rec)
         matmul = sum(op_flops(op, avals) for op in rec if op_info(op.name).contraction)
         source = f"{rec[0].source()}..{rec[-1].source()}"
-        freed = float(sum(math.prod(avals[v].shape) * np.dtype(avals[v].dtype).itemsize for v in residuals))
+        freed = sum(value_bytes(avals[v], None, None) for v in residuals)  # typed keys too (flax's dropout)
         return RematUnit(tuple(op.index for op in rec), tuple(residuals), tuple(inputs), insert_at, anchor,
                          flops, matmul, source, freed)
 

@@ -290,6 +290,31 @@ def test_the_fastest_fitting_plan_is_chosen_the_bisections_included():
     assert 23 in planned and max(planned) == 64 and len(planned) <= 9, planned  # bisection only: not budget-bound
 
 
+def test_typed_keys_among_the_residuals_are_counted_in_the_bytes_a_unit_frees():
+    """A checkpointed dropout (flax's ``nn.remat`` over a layer with a typed key) keeps the key for its backward:
+    a residual whose dtype numpy cannot read. The units are found, and their bytes count it (8 bytes a key)."""
+
+    def layer(w, x, key):
+        h = jnp.tanh(x @ w)
+        return jnp.where(jax.random.bernoulli(key, 0.9, h.shape), h / 0.9, 0.0)
+
+    def step(params, batch):
+        def loss(p):
+            x = batch["x"]
+            for w, k in zip(p, jax.random.split(batch["key"], len(p)), strict=True):
+                x = jax.checkpoint(layer)(w, x, k)
+            return jnp.mean(x ** 2)
+        value, grads = jax.value_and_grad(loss)(params)
+        return [w - 0.1 * g for w, g in zip(params, grads, strict=True)], {"loss": value}
+
+    params = [0.1 * jnp.ones((16, 16)) for _ in range(4)]
+    program = capture_graph(step, (params, {"x": jnp.ones((8, 16)), "key": jax.random.key(0)}))
+    units = find_remat_units(program, {i: i for i in range(4)})
+    keys = [v for u in units for v in u.residuals if jax.dtypes.issubdtype(program.avals[v].dtype, jax.dtypes.prng_key)]
+    assert keys and all(u.residual_bytes > 0 for u in units)
+    assert units[0].residual_bytes == sum(8 if v in keys else program.avals[v].size * 4 for v in units[0].residuals)
+
+
 def test_bisection_steps_by_the_residual_bytes_the_counts_free():
     """Segments that free unequal bytes (the last few of a language model: the final norm, the logits): the line
     between the ends' peaks is drawn over the bytes freed, so the fewest that fit are bracketed in two plans after

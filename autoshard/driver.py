@@ -164,6 +164,19 @@ class MeshTarget:
             return False
         return profile_for(hw.accelerator.platform).platform != profile_for_mesh(self.mesh).platform
 
+    def profile(self, request: PlanRequest):
+        """The :class:`~autoshard.backends.BackendProfile` a plan on this mesh is estimated and priced with: the
+        user's (``PlanRequest.profile``); the cluster's chip's when the devices stand in for it
+        (:meth:`stands_in`: the budget is that chip's memory, so the estimate held to it is that chip's backend's,
+        not the stand-ins'; GPT-39B on 64 simulated CPU devices for H100s was estimated as XLA:CPU builds it,
+        scores written out and collectives in f32, 150 GB where the H100 estimate is 76); else the devices'
+        platform's. The lowering still follows the devices that run it (:func:`autoshard.lower.make_flat_function`)."""
+        from autoshard.backends import profile_for, resolve_profile
+
+        if request.profile is None and self.stands_in(request):
+            return profile_for(self.cluster.hardware.accelerator.platform)
+        return resolve_profile(request.profile, self.mesh, self.cluster)
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Attempt:
@@ -487,14 +500,13 @@ def attempt_sharding(request: PlanRequest, on: MeshTarget, limit, *, program=Non
     Raises:
       InfeasibleError: the constraints (pins, forbidden strategies) admit no plan at all.
     """
-    from autoshard.backends import resolve_profile
     from autoshard.cost import CostModel
     from autoshard.planner import build_problem, enumerate_strategies, merge_followers
 
     program = request.program if program is None else program
     budget = limit if limit is not None else on.budget
     row = None if budget is None else budget * on.row_scale
-    profile = resolve_profile(request.profile, on.mesh, on.cluster)
+    profile = on.profile(request)
     cost = CostModel.create(on.info, on.cluster, profile=profile)
     run = _Passes(dict(request.timings), on)
     sgraph = run("strategies", enumerate_strategies, program, cost, pinned=on.pinned, donated=request.donated,
@@ -671,7 +683,6 @@ class _Solved:
 
 def _decoded_memory(request: PlanRequest, on: MeshTarget, solved: _Solved):
     """``(decoded, out_specs, MemoryEstimate)`` of a solved problem: the model's peak is what a plan reports."""
-    from autoshard.backends import resolve_profile
     from autoshard.memory import estimate_memory
     from autoshard.planner import decode
 
@@ -691,7 +702,7 @@ def _decoded_memory(request: PlanRequest, on: MeshTarget, solved: _Solved):
     # a gradient kept unreduced over a pipeline's microbatches holds its partial sums' size (Plan.deferred)
     memory = estimate_memory(program, dec.value_specs, on.info, donated=request.donated, out_specs=out_specs,
                              ties=request.ties, offloaded=solved.offloaded, operand_specs=dec.operand_specs,
-                             reduced=reduced, profile=resolve_profile(request.profile, on.mesh, on.cluster),
+                             reduced=reduced, profile=on.profile(request),
                              held_specs=dec.deferred)
     return dec, out_specs, memory
 

@@ -122,8 +122,11 @@ def main(argv=None) -> int:
     rows, base_peak = [], None
     for frac in [float(f) for f in args.fractions.split(",")]:
         budget = None if base_peak is None else frac * base_peak
+        # the estimate is compared with XLA:CPU's compiled peak: the CPU backend's, also for the budget-free
+        # row (whose simulated devices would otherwise stand in for the preset's chips)
         step = autoshard.parallelize(spec.train_step, mesh=mesh, cluster=cluster, memory_budget=budget,
                                      donate_argnums=(0,), progress=None, remat=not args.no_remat,
+                                     profile=autoshard.backends.CPU,
                                      solver_time_limit=args.solver_time,
                                      accumulate=False)  # one program per budget, measured by step.lower
         row = {"budget": budget, "fraction": frac}

@@ -249,6 +249,31 @@ def test_simulated_devices_standing_in_for_a_chip_are_checked_by_the_prediction(
     assert not checked_by_prediction(cluster=autoshard.cluster_preset("cpu-sim"))
 
 
+def test_simulated_devices_standing_in_for_a_chip_are_estimated_for_its_backend():
+    """The budget of stand-in devices is the chip's memory, so a plan's estimate (and the solver's row) is that chip's
+    backend's, as on an AbstractMesh: GPT-39B on 64 simulated CPU devices for H100s was estimated as XLA:CPU builds
+    it (attention scores written out, collectives in f32), 150 GB against the H100's 76, and recomputed every layer.
+    A budget of the user's is checked by compiling for the devices, so their backend's estimate stays."""
+    import jax.numpy as jnp
+
+    from autoshard.backends import CPU, GPU, TPU
+    from autoshard.capture import capture_graph
+    from autoshard.driver import MeshTarget, PlanRequest
+
+    program = capture_graph(lambda w, x: jnp.tanh(x @ w), (jnp.ones((8, 8)), jnp.ones((4, 8))))
+    mesh = autoshard.make_mesh((8,), ("data",))
+
+    def profile(**kwargs):
+        request = PlanRequest(program, mesh=mesh, **kwargs)
+        return MeshTarget.create(request, mesh).profile(request)
+
+    assert profile(cluster=autoshard.cluster_preset("h100-nvlink")) is GPU
+    assert profile(cluster=autoshard.cluster_preset("tpu-v5e")).platform == "tpu"
+    assert profile(cluster=autoshard.cluster_preset("h100-nvlink"), memory_budget=1e9) is CPU
+    assert profile(cluster=autoshard.cluster_preset("cpu-sim")) is CPU
+    assert profile(cluster=autoshard.cluster_preset("h100-nvlink"), profile=TPU) is TPU
+
+
 def test_the_memory_row_counts_a_scan_bodys_values_as_one_iteration_keeps_them():
     """A scan body's intermediates live one after another within an iteration, as XLA's while loop keeps them: the
     solver's row says about what XLA compiled (it charged every body value at once before: 2.7x here)."""

@@ -11,6 +11,10 @@ for presets named after GPUs and TPUs (``h100-nvlink``, ``tpu-v5e``) on simulate
 and XLA:CPU compiles what they measure. The preset prices compute and links; the profile models
 the compiler that builds the program, so it comes from ``mesh.devices`` (CPU there), and a plan's
 predicted memory is checked against the ``memory_analysis()`` of the program XLA actually built.
+One exception: devices that stand in for the preset's chips (no ``memory_budget``, so the budget is
+that chip's memory: :meth:`autoshard.driver.MeshTarget.stands_in`) are planned with the chip's
+profile (:meth:`~autoshard.driver.MeshTarget.profile`), as an ``AbstractMesh`` is; the lowering
+still follows the devices. A comparison with XLA:CPU's compile there passes ``profile=CPU``.
 
 Each rule below says what it follows. The CPU profile reproduces, exactly, the estimate that was
 measured against XLA:CPU (``python -m benchmarks.memory_gap``); the GPU and TPU profiles start

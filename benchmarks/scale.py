@@ -26,7 +26,9 @@ nothing sharded). The table gives both processes' peak resident memory (``ru_max
 included) and their ratio; the goal is planner RSS <= max(8 GB, 1.3 x jax.jit's).
 
 Rows whose name ends in ``-flat`` plan without pipeline options (one program, the memory levers alone:
-sharding, remat, offload), as a user who passes only a mesh does.
+sharding, remat, offload), as a user who passes only a mesh does. The ``-concrete`` row plans the same step
+on a concrete mesh of that many simulated CPU devices (its process gets ``XLA_FLAGS`` for them), which stand in
+for the preset's chips: nothing is compiled, and the plan is estimated for the chip's backend.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class Row:
     axes: tuple[str, ...] = ("data", "model")  # the mesh's axis names, as the row's users name them
     seq: int | None = None  # the sequence length, when not the config's
     choose_shape: bool = False  # mesh=<device count>: the planner chooses the shape (candidate_meshes)
+    concrete: bool = False  # a concrete mesh of that many simulated CPU devices (standing in for the preset's chips)
 
     @property
     def devices(self) -> int:
@@ -69,6 +72,8 @@ ROWS = (
     Row("39B-64", "39B", 64, 8, (8, 8)),
     # issue 45's one-click case: the same model and mesh with no pipeline options
     Row("39B-64-flat", "39B", 64, 1, (8, 8), pipeline=False),
+    # and its second case: the same step on 64 concrete simulated CPU devices, which stand in for the H100s
+    Row("39B-64-concrete", "39B", 64, 1, (8, 8), pipeline=False, concrete=True),
     # issue 45: Llama-3-8B as EasyLM writes it (bf16 compute, fp32 AdamW), batch 8 x 4,096, on EasyLM's mesh names
     Row("llama3-8B-8", "llama3-8b", 8, 1, (1, 8, 1), pipeline=False, family="llama", axes=("dp", "fsdp", "mp"),
         seq=4096),
@@ -81,7 +86,7 @@ ROWS = (
     # traces differently at batch 1, so 2 is the smallest that captures)
     Row("175B-1024", "175B", 1536, 768, (128, 8)),
 )
-TARGETS_S = {"39B-64": 60.0, "39B-64-flat": 60.0, "llama3-8B-8": 30.0, "llama3-70B-256": 60.0, "175B-1024": 300.0,
+TARGETS_S = {"39B-64": 60.0, "39B-64-flat": 60.0, "39B-64-concrete": 60.0, "llama3-8B-8": 30.0, "llama3-70B-256": 60.0, "175B-1024": 300.0,
              "llama3-70B-256-any": 300.0}
 RSS_FLOOR_GB, RSS_RATIO = 8.0, 1.3  # issue 45: planner RSS <= max(8 GB, 1.3 x jax.jit's trace-and-lower RSS)
 
@@ -107,7 +112,10 @@ def plan_row(row: Row) -> dict:
     cluster = autoshard.cluster_preset(row.cluster)
     options = dict(num_microbatches=row.microbatches, pipeline=autoshard.PipelineOptions(num_stages="auto")) \
         if row.pipeline else {}
-    mesh = row.devices if row.choose_shape else AbstractMesh(row.mesh, row.axes)
+    if row.concrete:
+        mesh = autoshard.make_mesh(row.mesh, row.axes)
+    else:
+        mesh = row.devices if row.choose_shape else AbstractMesh(row.mesh, row.axes)
     step = autoshard.parallelize(spec.train_step, mesh=mesh, cluster=cluster,
                                  progress=None, donate_argnums=(0,), **options)
     t0 = time.perf_counter()
@@ -169,7 +177,9 @@ def in_process(kind: str, row: Row) -> dict:
     """Run :func:`plan_row` (``kind="plan"``) or :func:`trace_and_lower` (``"jit"``) for ``row`` in a fresh Python
     process, so that its peak RSS is its own; the result gains ``{kind}_rss_gb``. A process that dies (killed
     for memory, say) gives ``{kind}_error`` with its exit status and last lines."""
-    env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "--xla_force_host_platform_device_count=8")}
+    flags = (f"--xla_force_host_platform_device_count={row.devices}" if row.concrete
+             else os.environ.get("XLA_FLAGS", "--xla_force_host_platform_device_count=8"))
+    env = {**os.environ, "XLA_FLAGS": flags}
     done = subprocess.run([sys.executable, "-m", "benchmarks.scale", "--child", kind, "--rows", row.name],
                           env=env, capture_output=True, text=True)
     lines = done.stdout.strip().splitlines()
@@ -203,7 +213,7 @@ def _num(r: dict, key: str, fmt: str) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'row':<12} {'devices':>7} {'plan s':>7} {'target':>6} {'capture':>7} {'layers':>7} {'DP':>5} "
+    head = (f"{'row':<15} {'devices':>7} {'plan s':>7} {'target':>6} {'capture':>7} {'layers':>7} {'DP':>5} "
             f"{'stages':>6} {'plans':>5} {'stages x mesh':<22} {'step ms':>9} {'peak GiB':>8} {'fits':<4} "
             f"{'plan RSS':>8} {'jit RSS':>7} {'ratio':>5} {'RSS ok':<6}")
     lines = [head]
@@ -212,14 +222,14 @@ def table(rows: list[dict]) -> str:
                f"{'-' if r.get('rss_within') is None else 'yes' if r['rss_within'] else 'no':<6}")
         failed = r.get("error") or r.get("plan_error")
         if failed:
-            lines.append(f"{r['row']:<12} {r['devices']:>7} {_num(r, 'plan_s', '7.1f')} {_num(r, 'target_s', '6.0f')} "
+            lines.append(f"{r['row']:<15} {r['devices']:>7} {_num(r, 'plan_s', '7.1f')} {_num(r, 'target_s', '6.0f')} "
                          f"{'':>7} {'':>7} {'':>5} {'':>6} {'':>5} {'no plan':<22} {'':>9} {'':>8} {'no':<4} {rss}  "
                          f"{failed[:160]}")
             continue
         shapes = f"{r['stages']} x " + ",".join("x".join(map(str, m)) for m in dict.fromkeys(map(tuple, r["stage_meshes"])))
         if r.get("remat"):
             shapes += f" remat {r['remat']}"
-        lines.append(f"{r['row']:<12} {r['devices']:>7} {r['plan_s']:>7.1f} {_num(r, 'target_s', '6.0f')} "
+        lines.append(f"{r['row']:<15} {r['devices']:>7} {r['plan_s']:>7.1f} {_num(r, 'target_s', '6.0f')} "
                      f"{r['capture_s']:>7.1f} {_num(r, 'layer_plans_s', '7.1f')} {_num(r, 'stage_dp_s', '5.1f')} "
                      f"{_num(r, 'stage_plans_s', '6.1f')} {_num(r, 'layer_plans', '5d')} {shapes:<22} "
                      f"{r['step_ms']:>9.1f} {r['peak_bytes'] / 2**30:>8.1f} {'yes' if r['fits'] else 'no':<4} {rss}")

@@ -442,7 +442,10 @@ def remat_lever(request: PlanRequest, on: MeshTarget, limit, previous: Attempt) 
     budget = limit if limit is not None else on.budget
     try:
         plan_, choice = choose_remat(
-            lambda prog, lim: attempt_sharding(request, on, lim, program=prog, remat_split=True),
+            # a candidate (not the program itself, whose unconstrained objective floors the others) far
+            # from fitting is refused without its probe
+            lambda prog, lim: attempt_sharding(request, on, lim, program=prog, remat_split=True,
+                                               refuse_early=prog is not program),
             program, request.ties, budget=budget, flops_per_second=on.cluster.flops * on.num_devices,
             check=(lambda p, prog, groups: p.memory.peak_bytes) if predicted_only(request, on) else (
                 lambda p, prog, groups: compiled_peak(prog, p, groups, request.donated)),
@@ -487,12 +490,14 @@ LEVERS = (shard_lever, remat_lever, offload_lever)
 
 
 def attempt_sharding(request: PlanRequest, on: MeshTarget, limit, *, program=None, offloaded=(),
-                     remat_split=False) -> Attempt:
+                     remat_split=False, refuse_early=False) -> Attempt:
     """One sharding plan: strategies, follower merging, layer tying, the problem, the solve, the decode.
 
     ``program`` (default the request's) may be a rewritten one (remat candidates); ``offloaded``
     lists argument leaves kept in host memory; ``limit`` overrides the budget (None: the target's);
-    ``remat_split`` merges and ties as the remat search needs (see ``MERGE_SHRINK``).
+    ``remat_split`` merges and ties as the remat search needs (see ``MERGE_SHRINK``); ``refuse_early``: a
+    budget the memory row cannot reach is refused before the unconstrained probe, whose objective the attempt
+    then does not have (``unconstrained_objective`` is NaN; see :func:`solve_under_budget`).
 
     Returns:
       An :class:`Attempt`: the plan, or the :class:`InfeasibleError` of a budget no plan meets.
@@ -522,7 +527,8 @@ def attempt_sharding(request: PlanRequest, on: MeshTarget, limit, *, program=Non
         return _decoded_memory(request, on, dataclasses.replace(solved, sol=s))[2].peak_bytes
 
     sol, free_objective, budget_bound, error, calibration = run(
-        "solve", solve_under_budget, request, on, built, row, limit, peak_of=peak_of if profile.calibrate_row else None)
+        "solve", solve_under_budget, request, on, built, row, limit, peak_of=peak_of if profile.calibrate_row else None,
+        refuse_early=refuse_early)
     if error is not None:
         return Attempt(error=error, budget_bound=True, unconstrained_objective=free_objective)
     plan_ = run("decode", _decoded_plan, request, on, dataclasses.replace(solved, sol=sol),
@@ -576,7 +582,8 @@ ROW_CALIBRATION = 1.5
 larger ratio means a program the estimate does not schedule as the row does, and is not trusted."""
 
 
-def solve_under_budget(request: PlanRequest, on: MeshTarget, built, budget, limit, *, peak_of=None):
+def solve_under_budget(request: PlanRequest, on: MeshTarget, built, budget, limit, *, peak_of=None,
+                       refuse_early=False):
     """Solve without the memory row first: it is much faster, and when its answer fits the budget it is
     also the constrained optimum. Only otherwise solve again with the budget (see ``PROBE_SHARE``).
 
@@ -592,16 +599,26 @@ def solve_under_budget(request: PlanRequest, on: MeshTarget, built, budget, limi
     cheaper that fits: Llama-3.1-70B on (32, 4, 2) with 52 of 55 segments recomputed, a probe at objective 1,747
     under the budget, the longer solve's 19.3 over it, the budgeted search's 19.2 under it).
 
+    ``refuse_early``: when the row's least peak (:func:`autoshard.solver.least_peak`) is over the most the row's
+    limit can be raised to (``ROW_CALIBRATION`` times the budget; the budget itself without ``peak_of``), no plan
+    fits whatever the probe says, and the budget is refused before it (NaN for the unconstrained objective). The
+    remat search's candidates far from fitting cost a probe and its estimate each (2-4 s of 7-8 s for
+    Llama-3.1-70B on 256, whose first coarse segment leaves 535 GB against 86).
+
     Returns ``(solution, unconstrained objective, whether the budget bound, error, calibration)``; the
     error (and no solution) when the memory row admits no plan; ``calibration`` is the factor the row's
     limit was multiplied by (1 when none)."""
-    from autoshard.solver import solve
+    from autoshard.solver import least_peak, solve
 
     t = time.perf_counter()
     free = dataclasses.replace(built.problem, memory_limit=None)
     if budget is None:
         sol = solve(free, time_limit=request.time_limit)
         return sol, float(sol.cost), False, None, 1.0
+    if refuse_early:
+        least = least_peak(built.problem)
+        if least > budget * (ROW_CALIBRATION if peak_of is not None else 1.0) * (1 + 1e-9):
+            return None, math.nan, True, _refused(on, budget, limit, least), 1.0
 
     def fits(s):
         return s.peak_memory <= budget or (peak_of is not None and peak_of(s) <= budget)
@@ -639,18 +656,23 @@ def solve_under_budget(request: PlanRequest, on: MeshTarget, built, budget, limi
     except InfeasibleError as e:
         if e.smallest_memory is None:
             raise
-        smallest = e.smallest_memory / calibration
-        origin = "memory_budget" if limit is not None else f"the memory of ClusterSpec {on.cluster.name!r}"
-        return None, free_objective, budget_bound, InfeasibleError(
-            f"no plan fits {origin}={budget:.4g} bytes per device on mesh {on.shape}; the smallest peak the "
-            f"solver found is {smallest:.4g} bytes. Fix: raise memory_budget to at least "
-            f"{smallest:.4g}, or use more devices.", smallest_memory=smallest), calibration
+        return None, free_objective, budget_bound, _refused(on, budget, limit, e.smallest_memory / calibration), \
+            calibration
     if not sol.feasible:
         return None, free_objective, budget_bound, InfeasibleError(
             f"the solver found no plan under {budget:.4g} bytes per device within {request.time_limit:g} s "
             f"(best peak {sol.peak_memory / calibration:.4g}). Fix: raise memory_budget or solver_time_limit.",
             smallest_memory=sol.peak_memory / calibration), calibration
     return sol, free_objective, budget_bound, None, calibration
+
+
+def _refused(on: MeshTarget, budget: float, limit, smallest: float) -> InfeasibleError:
+    """The error of a budget the memory row admits no plan under; ``smallest`` is the least peak it reaches."""
+    origin = "memory_budget" if limit is not None else f"the memory of ClusterSpec {on.cluster.name!r}"
+    return InfeasibleError(
+        f"no plan fits {origin}={budget:.4g} bytes per device on mesh {on.shape}; the smallest peak the "
+        f"solver found is {smallest:.4g} bytes. Fix: raise memory_budget to at least "
+        f"{smallest:.4g}, or use more devices.", smallest_memory=smallest)
 
 
 def _calibration(sol, estimate) -> float:

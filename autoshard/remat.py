@@ -655,7 +655,8 @@ class RematSearch:
         more (a recomputed segment is its ops at the plan's sharding, at the rate its shapes get), so at
         scale that floor never pruned (Llama-3-8B on 8: every candidate after the first that fit was planned,
         three solves more for nothing). The rate seen between candidates is what recompute cost there."""
-        free = {j: a.unconstrained_objective for (j, lim), a in self.attempts.items() if lim == limit}
+        free = {j: a.unconstrained_objective for (j, lim), a in self.attempts.items()
+                if lim == limit and math.isfinite(a.unconstrained_objective)}  # NaN: refused without a probe
         rates = [(free[j] - free[j - 1]) / self.units[j - 1].matmul_flops
                  for j in range(1, k) if j in free and j - 1 in free and self.units[j - 1].matmul_flops > 0]
         if k - 1 not in free or not rates or min(rates) <= 0:

@@ -147,6 +147,46 @@ def test_a_longer_free_solve_over_the_budget_makes_it_bind_and_the_budgeted_sear
     assert calls[2][2] >= 0.5 * request.time_limit  # the probe's time after it
 
 
+def test_a_candidate_whose_least_row_is_over_every_limit_is_refused_before_its_probe(monkeypatch):
+    """``refuse_early``: the row's least peak over ROW_CALIBRATION times the budget (the most a probe's calibration
+    raises the limit to) refuses the budget without the probe or its estimate (2-4 s of a refused remat candidate of
+    Llama-3.1-70B on 256); under it, or without ``refuse_early`` (the program itself, whose unconstrained objective
+    floors the remat search), the probe runs as before. Stand-in solves."""
+    import math
+    import types
+
+    import autoshard.solver
+    from autoshard.driver import ROW_CALIBRATION, solve_under_budget
+    from autoshard.errors import InfeasibleError
+
+    calls, least = [], {"peak": 0.0}
+
+    def fake_solve(problem, *, time_limit, seed=0):
+        calls.append(problem.memory_limit)
+        if problem.memory_limit is not None and least["peak"] > problem.memory_limit:
+            raise InfeasibleError("refused", smallest_memory=least["peak"])
+        return types.SimpleNamespace(cost=20.0, peak_memory=least["peak"], optimal=True, feasible=True)
+
+    monkeypatch.setattr(autoshard.solver, "solve", fake_solve)
+    monkeypatch.setattr(autoshard.solver, "least_peak", lambda problem: least["peak"])
+    on = types.SimpleNamespace(cluster=types.SimpleNamespace(name="h100"), shape={"data": 8})
+    built = types.SimpleNamespace(problem=dataclasses.make_dataclass("Problem", [("memory_limit", float)])(100.0))
+    request = types.SimpleNamespace(time_limit=10.0)
+
+    def run(peak, **kwargs):
+        calls.clear()
+        least["peak"] = peak
+        return solve_under_budget(request, on, built, 100.0, None, peak_of=lambda s: s.peak_memory, **kwargs)
+
+    sol, free, bound, error, _ = run(1.01 * ROW_CALIBRATION * 100.0, refuse_early=True)
+    assert sol is None and bound and math.isnan(free) and calls == []
+    assert error.smallest_memory == pytest.approx(1.01 * ROW_CALIBRATION * 100.0)
+    sol, free, bound, error, _ = run(1.01 * ROW_CALIBRATION * 100.0)
+    assert sol is None and free == 20.0 and calls[0] is None  # probed first
+    sol, free, bound, error, _ = run(0.99 * ROW_CALIBRATION * 100.0, refuse_early=True)
+    assert calls[0] is None and free == 20.0  # the probe's calibration may admit it: probed
+
+
 def _free_and_budgeted(budget_of, family="gpt", config="tiny", batch=64, shape=(2, 4), **kwargs):
     """The plan without a budget of a model on an AbstractMesh, and the plan under ``budget_of(free)``."""
     import jax

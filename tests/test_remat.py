@@ -221,6 +221,9 @@ def test_observed_floor_prices_the_next_segment_at_the_least_cost_per_flop_seen(
     assert search.observed_floor(3, 1.0) == pytest.approx(1.8 + OBSERVED_FLOOR_SHARE * 0.03 * 20.0)
     assert search.observed_floor(4, 1.0) == -np.inf  # candidate 3 not planned
     assert search.observed_floor(3, 2.0) == -np.inf  # another limit's candidates say nothing here
+    # a candidate refused before its probe has no unconstrained objective (NaN): it says nothing either
+    search.attempts[(2, 1.0)] = SimpleNamespace(unconstrained_objective=float("nan"))
+    assert search.observed_floor(3, 1.0) == -np.inf
 
 
 class _CountSearch(RematSearch):

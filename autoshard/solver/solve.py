@@ -972,6 +972,12 @@ def _raise_infeasible(problem: ShardingProblem, red: Reduction, deadline: float)
     raise _memory_error(problem, smallest, exact=res.status == "optimal")
 
 
+def least_peak(problem: ShardingProblem) -> float:
+    """A lower bound on the memory row's peak of any choice of ``problem`` (every node at its least usage): a
+    ``memory_limit`` below it is refused by :func:`solve` without a search. ``problem`` needs its memory rows."""
+    return float(_least_usage_peak(problem)[0])
+
+
 def _least_usage_peak(problem: ShardingProblem) -> tuple[float, np.ndarray]:
     """The peak with every node at its least usage, and that choice.
 

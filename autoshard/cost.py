@@ -9,6 +9,7 @@ Costs are seconds on one device. A collective is priced by
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -234,8 +235,11 @@ def _tiles(dims, shape) -> list:
     return out
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _nested(fine, coarse, shape) -> bool:
-    """Whether every device's tile under ``fine`` lies inside its own tile under ``coarse``."""
+    """Whether every device's tile under ``fine`` lies inside its own tile under ``coarse`` (per-dimension axis
+    tuples and the mesh's shape, all tuples). Memoised: a layout pair recurs for every array shape that moves
+    between them (an 80-layer step on a 3-axis mesh asks it 43,000 times, of a few hundred pairs)."""
     for f, c, nf, nc in zip(_tiles(fine, shape), _tiles(coarse, shape),
                             [math.prod(shape[a] for a in x) for x in fine],
                             [math.prod(shape[a] for a in x) for x in coarse], strict=True):

@@ -71,12 +71,15 @@ def batch_inputs(program, tie_outputs=None) -> tuple[int, ...]:
     The step must carry state (some output replaces an input: the train state). Then every
     top-level argument none of whose leaves is carried holds the batch, and its leaves whose
     leading dimension is the batch size (the commonest leading size among those arguments' leaves)
-    are the batch. A step that carries nothing gives no way to tell its batch from its parameters,
-    and a program that is not a user's step (a pipeline stage's, without ``in_tree``) has no
-    arguments to read: then none."""
+    are the batch. Only leaves whose role is ``"input"`` (:mod:`autoshard.roles`) count: weights passed
+    beside the batch (fp8 copies of a stage's stacked matmul weights, whose leading size is the layer
+    count) are named so with ``parallelize(..., state_roles={path_regex: "parameter"})``. A step that
+    carries nothing gives no way to tell its batch from its parameters, and a program that is not a
+    user's step (a pipeline stage's, without ``in_tree``) has no arguments to read: then none."""
     carried = set((tie_outputs or {}).values())
     if not carried or program.in_tree is None:
         return ()
+    roles = program.in_roles
     fresh, offset = {}, 0
     for arg in program.in_tree.children():
         leaves = range(offset, offset + arg.num_leaves)
@@ -85,7 +88,7 @@ def batch_inputs(program, tie_outputs=None) -> tuple[int, ...]:
             continue
         for i in leaves:
             shape = _shape(program, program.graph.invars[i])
-            if shape:
+            if shape and (not roles or roles[i] == "input"):
                 fresh[i] = shape[0]
     if not fresh:
         return ()

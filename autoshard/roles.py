@@ -17,7 +17,8 @@ A leaf's role is the first that applies:
 4. ``rng_key``: a typed PRNG key (``jax.dtypes.prng_key`` dtype);
 5. carried (tied to an output that replaces it with a new value): ``parameter`` when floating
    point, else ``other`` (step counters);
-6. ``input``: read, not carried (the batch).
+6. ``input``: read, not carried (the batch: :func:`autoshard.intent.batch_inputs` reads it from these
+   leaves only, so weights passed beside the batch are named ``"parameter"`` with ``state_roles``).
 
 A parameter named ``mu_proj`` is a parameter: no rule looks for substrings of names.
 """

@@ -327,11 +327,17 @@ class StagePlans:
     residuals: float = 0.0
 
 
+# The fp8 copies of a stage's matmul weights ride in its inputs beside the microbatch; they are weights, and their
+# leading size (the stage's layer count) is not the batch's (autoshard.intent reads the batch from "input" leaves).
+FP8_ROLES = {r"\['fp8'\]": "parameter"}
+
+
 def _plan(fun, args, mesh, cluster, hint, time_limit: float, budget: float = 1e18):
     import autoshard
 
     step = autoshard.parallelize(fun, mesh=mesh, cluster=cluster, hints=hint, progress=None,
-                                 solver_time_limit=time_limit, remat=False, memory_budget=budget)
+                                 solver_time_limit=time_limit, remat=False, memory_budget=budget,
+                                 state_roles=FP8_ROLES)
     return step.plan(*args)
 
 

@@ -209,6 +209,27 @@ def test_a_batch_only_a_model_axis_divides_is_named_too():
     assert not x or x[0] is None, f"the batch went onto {x[0]}, which is not a batch axis"
 
 
+def test_weights_passed_beside_the_batch_are_told_apart_by_their_role():
+    """Three stacked weight copies (leading size 3, the layer count) ride in the batch argument beside x and y (16
+    rows): the commonest leading size among the batch argument's leaves would take the copies for the batch.
+    ``state_roles`` names them parameters, and the batch is x and y again, which 8 devices divide (a pipeline
+    stage's fp8 weight copies in benchmarks.published)."""
+    import warnings
+
+    step_fn, state = _mlp_step()
+    batch = {"x": jnp.ones((16, 64)), "y": jnp.ones((16, 8)), "w8": {k: jnp.ones((3, 64, 64)) for k in "abc"}}
+    mesh = autoshard.make_mesh((2, 4), ("data", "model"))
+    with pytest.warns(autoshard.AutoshardWarning, match=r"size 3 in \[1\]\['w8'\]\['a'\]"):
+        autoshard.parallelize(step_fn, mesh=mesh, cluster=CPU, progress=None).plan(state, batch)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        plan = autoshard.parallelize(step_fn, mesh=mesh, cluster=CPU, progress=None,
+                                     state_roles={r"\['w8'\]": "parameter"}).plan(state, batch)
+    assert not [w for w in record if "is not split" in str(w.message)]
+    roles = dict(zip(plan.in_paths, plan.in_roles, strict=True))
+    assert roles["[1]['w8']['a']"] == "parameter" and roles["[1]['x']"] == "input"
+
+
 # ---- plan.explain --------------------------------------------------------------------------------
 def _small_plan(**kw):
     step_fn, state = _mlp_step()

@@ -522,16 +522,25 @@ def attempt_sharding(request: PlanRequest, on: MeshTarget, limit, *, program=Non
     built = run("problem", build_problem, merged, program, cost, memory_limit=row, ties=ties,
                 donated_inputs=request.donated, carried=request.ties, offloaded=offloaded)
     solved = _Solved(program, sgraph, built, cost, None, tuple(offloaded))
+    decoded = {}  # id(solution) -> (solution, its _decoded_memory): the plan reuses its fit check's decode
+
+    def decode(s):
+        got = decoded.get(id(s))
+        if got is None or got[0] is not s:
+            got = decoded[id(s)] = (s, _decoded_memory(request, on, dataclasses.replace(solved, sol=s)))
+        return got[1]
 
     def peak_of(s):  # the model's estimate of a solution's peak
-        return _decoded_memory(request, on, dataclasses.replace(solved, sol=s))[2].peak_bytes
+        return decode(s)[2].peak_bytes
 
     sol, free_objective, budget_bound, error, calibration = run(
         "solve", solve_under_budget, request, on, built, row, limit, peak_of=peak_of if profile.calibrate_row else None,
         refuse_early=refuse_early)
     if error is not None:
         return Attempt(error=error, budget_bound=True, unconstrained_objective=free_objective)
+    made = decoded.get(id(sol))
     plan_ = run("decode", _decoded_plan, request, on, dataclasses.replace(solved, sol=sol),
+                decoded=made[1] if made is not None and made[0] is sol else None,
                 stats={"timings": run.timings, "nodes": built.problem.num_nodes, "edges": built.problem.num_edges,
                        "graph_nodes": len(sgraph.nodes), "eqns": program.num_eqns, "solver": dict(sol.stats),
                        "optimal": sol.optimal, "memory_budget": budget, "budget_bound": budget_bound,
@@ -729,13 +738,14 @@ def _decoded_memory(request: PlanRequest, on: MeshTarget, solved: _Solved):
     return dec, out_specs, memory
 
 
-def _decoded_plan(request: PlanRequest, on: MeshTarget, solved: _Solved, *, stats: dict):
-    """The :class:`~autoshard.Plan` of a solved problem: specs, collectives, predicted cost and memory."""
+def _decoded_plan(request: PlanRequest, on: MeshTarget, solved: _Solved, *, stats: dict, decoded=None):
+    """The :class:`~autoshard.Plan` of a solved problem: specs, collectives, predicted cost and memory.
+    ``decoded``: the solution's :func:`_decoded_memory`, when made already (a fit check estimated it)."""
     from autoshard.plan import Plan, PlanCost
     from autoshard.roles import program_roles
 
     program, sgraph, sol, offloaded = solved.program, solved.sgraph, solved.sol, solved.offloaded
-    dec, out_specs, memory = _decoded_memory(request, on, solved)
+    dec, out_specs, memory = _decoded_memory(request, on, solved) if decoded is None else decoded
     in_specs = tuple(dec.value_specs[v] for v in program.graph.invars)
     ties = request.ties
     comm_bytes = sum(c.bytes * k for c, k in dec.collectives)

@@ -608,26 +608,21 @@ def solve_under_budget(request: PlanRequest, on: MeshTarget, built, budget, limi
     cheaper that fits: Llama-3.1-70B on (32, 4, 2) with 52 of 55 segments recomputed, a probe at objective 1,747
     under the budget, the longer solve's 19.3 over it, the budgeted search's 19.2 under it).
 
-    ``refuse_early``: when the row's least peak (:func:`autoshard.solver.least_peak`) is over the most the row's
-    limit can be raised to (``ROW_CALIBRATION`` times the budget; the budget itself without ``peak_of``), no plan
-    fits whatever the probe says, and the budget is refused before it (NaN for the unconstrained objective). The
-    remat search's candidates far from fitting cost a probe and its estimate each (2-4 s of 7-8 s for
-    Llama-3.1-70B on 256, whose first coarse segment leaves 535 GB against 86).
+    ``refuse_early``: a budget out of the row's reach (:func:`_out_of_reach`) is refused before the probe.
 
     Returns ``(solution, unconstrained objective, whether the budget bound, error, calibration)``; the
     error (and no solution) when the memory row admits no plan; ``calibration`` is the factor the row's
     limit was multiplied by (1 when none)."""
-    from autoshard.solver import least_peak, solve
+    from autoshard.solver import solve
 
     t = time.perf_counter()
     free = dataclasses.replace(built.problem, memory_limit=None)
     if budget is None:
         sol = solve(free, time_limit=request.time_limit)
         return sol, float(sol.cost), False, None, 1.0
-    if refuse_early:
-        least = least_peak(built.problem)
-        if least > budget * (ROW_CALIBRATION if peak_of is not None else 1.0) * (1 + 1e-9):
-            return None, math.nan, True, _refused(on, budget, limit, least), 1.0
+    least = _out_of_reach(built.problem, budget, calibrated=peak_of is not None) if refuse_early else None
+    if least is not None:
+        return None, math.nan, True, _refused(on, budget, limit, least), 1.0
 
     def fits(s):
         return s.peak_memory <= budget or (peak_of is not None and peak_of(s) <= budget)
@@ -673,6 +668,18 @@ def solve_under_budget(request: PlanRequest, on: MeshTarget, built, budget, limi
             f"(best peak {sol.peak_memory / calibration:.4g}). Fix: raise memory_budget or solver_time_limit.",
             smallest_memory=sol.peak_memory / calibration), calibration
     return sol, free_objective, budget_bound, None, calibration
+
+
+def _out_of_reach(problem, budget: float, *, calibrated: bool) -> float | None:
+    """The memory row's least peak (:func:`autoshard.solver.least_peak`) when it is over the most the row's limit
+    can be raised to (``ROW_CALIBRATION`` times ``budget`` where a probe calibrates the row, else ``budget``), so
+    that no plan fits whatever a probe says; else None. The remat search's candidates far from fitting cost a
+    probe and its estimate each otherwise (2-4 s of 7-8 s for Llama-3.1-70B on 256, whose first coarse segment
+    leaves 535 GB against 86). Such a refusal has no unconstrained objective (NaN)."""
+    from autoshard.solver import least_peak
+
+    least = least_peak(problem)
+    return least if least > budget * (ROW_CALIBRATION if calibrated else 1.0) * (1 + 1e-9) else None
 
 
 def _refused(on: MeshTarget, budget: float, limit, smallest: float) -> InfeasibleError:

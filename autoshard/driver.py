@@ -522,13 +522,14 @@ def attempt_sharding(request: PlanRequest, on: MeshTarget, limit, *, program=Non
     built = run("problem", build_problem, merged, program, cost, memory_limit=row, ties=ties,
                 donated_inputs=request.donated, carried=request.ties, offloaded=offloaded)
     solved = _Solved(program, sgraph, built, cost, None, tuple(offloaded))
-    decoded = {}  # id(solution) -> (solution, its _decoded_memory): the plan reuses its fit check's decode
+    # id(solution) -> (the solution, kept alive so that its id stays its own; its _decoded_memory): the plan
+    # reuses its fit check's decode
+    decoded = {}
 
     def decode(s):
-        got = decoded.get(id(s))
-        if got is None or got[0] is not s:
-            got = decoded[id(s)] = (s, _decoded_memory(request, on, dataclasses.replace(solved, sol=s)))
-        return got[1]
+        if id(s) not in decoded:
+            decoded[id(s)] = (s, _decoded_memory(request, on, dataclasses.replace(solved, sol=s)))
+        return decoded[id(s)][1]
 
     def peak_of(s):  # the model's estimate of a solution's peak
         return decode(s)[2].peak_bytes
@@ -538,9 +539,8 @@ def attempt_sharding(request: PlanRequest, on: MeshTarget, limit, *, program=Non
         refuse_early=refuse_early)
     if error is not None:
         return Attempt(error=error, budget_bound=True, unconstrained_objective=free_objective)
-    made = decoded.get(id(sol))
     plan_ = run("decode", _decoded_plan, request, on, dataclasses.replace(solved, sol=sol),
-                decoded=made[1] if made is not None and made[0] is sol else None,
+                decoded=decoded.get(id(sol), (None, None))[1],
                 stats={"timings": run.timings, "nodes": built.problem.num_nodes, "edges": built.problem.num_edges,
                        "graph_nodes": len(sgraph.nodes), "eqns": program.num_eqns, "solver": dict(sol.stats),
                        "optimal": sol.optimal, "memory_budget": budget, "budget_bound": budget_bound,

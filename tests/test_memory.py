@@ -187,6 +187,29 @@ def test_a_candidate_whose_least_row_is_over_every_limit_is_refused_before_its_p
     assert calls[0] is None and free == 20.0  # the probe's calibration may admit it: probed
 
 
+def test_a_remat_candidate_predicted_over_its_limit_does_not_fit_where_the_prediction_is_the_check(monkeypatch):
+    """A remat candidate's plan predicted over the limit (a time-limited solve's answer that its memory row admits:
+    Llama-3.1-70B on (32, 2, 4), 2.3x the budget) does not fit where the prediction is the check (an
+    AbstractMesh), so the bisection does not take it for a count that fits; where XLA's compile checks plans, the
+    compile decides as before. Stand-in plans."""
+    import types
+
+    import autoshard.driver as driver
+
+    plan = types.SimpleNamespace(memory=types.SimpleNamespace(peak_bytes=230.0))
+    monkeypatch.setattr(driver, "attempt_sharding", lambda request, on, limit, **kw: driver.Attempt(
+        plan, None, True, 21.0))
+    request = types.SimpleNamespace(program=types.SimpleNamespace(held=()))  # a whole step, not a pipeline stage
+    abstract = types.SimpleNamespace(abstract=True, shape={"data": 8}, stands_in=lambda request: False)
+    concrete = types.SimpleNamespace(abstract=False, shape={"data": 8}, stands_in=lambda request: False)
+
+    got = driver.remat_candidate(request, abstract, object(), 100.0)
+    assert got.plan is None and got.error.smallest_memory == 230.0 and got.unconstrained_objective == 21.0
+    assert "memory_budget" in str(got.error)
+    assert driver.remat_candidate(request, abstract, object(), 300.0).plan is plan  # under the limit: fits
+    assert driver.remat_candidate(request, concrete, object(), 100.0).plan is plan  # the compile will check it
+
+
 def _free_and_budgeted(budget_of, family="gpt", config="tiny", batch=64, shape=(2, 4), **kwargs):
     """The plan without a budget of a model on an AbstractMesh, and the plan under ``budget_of(free)``."""
     import jax

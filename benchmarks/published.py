@@ -404,6 +404,28 @@ def _local_param_bytes(plan, mesh_sizes) -> float:
     return total
 
 
+def _gathered_weights_seconds(plan, mesh_sizes, inner: int, hw) -> float:
+    """Seconds to bring the updated bf16 weights from fp32 masters split over the stage's ``inner`` devices into
+    the plan's layouts: each parameter a device holds more of than its share (``1 / inner``) is all-gathered
+    over the devices that share its slice, the others need nothing; the gathers are combined (one latency).
+    A layout that keeps the embedding whole gathers the embedding, not every parameter."""
+    from autoshard.perf import group_link
+    from autoshard.perf.comm import moved_bytes
+
+    seconds, latency = 0.0, 0.0
+    for path, (shape, _), spec in zip(plan.in_paths, plan.in_avals, plan.in_specs, strict=True):
+        if not path.startswith("[0]"):
+            continue
+        local = math.prod(n // math.prod(mesh_sizes[a] for a in axes) if axes else n
+                          for n, axes in zip(shape, spec.dims, strict=True))
+        group = round(local * inner / max(math.prod(shape), 1))
+        if group >= 2:
+            link = group_link(hw, group, inner)
+            seconds += moved_bytes("all-gather", 2 * local, group) / link.bandwidth
+            latency = max(latency, link.latency)
+    return latency + seconds
+
+
 def residual_bytes(fun, args, devices: int) -> float:
     """Bytes one device keeps from a microbatch's forward for its backward: the values of ``fun`` (a
     forward-and-backward) that forward ops make and backward ops read, split over the ``devices`` of the
@@ -585,9 +607,7 @@ def predict(rec: Reconstruction, *, time_limit: float = 2.0, own_layouts: bool =
     else:
         dp_reduce = collective_seconds_on(hw, "all-reduce", grad_bytes, group=rec.dp, span=rec.dp * inner)
     if own_layouts:  # the updated bf16 weights gathered from the split masters into the stages' layouts
-        spread = local / share
-        if spread > 1.01:
-            dp_reduce += collective_seconds_on(hw, "all-gather", local, group=max(round(spread), 2), span=inner)
+        dp_reduce += _gathered_weights_seconds(biggest.backward_plan, sizes, inner, hw) * rec.virtual
     # the update: planned on the device that holds the most parameters
     stage = dict(kinds)["first" if chunks > 1 else "only"]
     update_s = _update_seconds(rec, cfg, stage, mesh, cluster, time_limit, own_layouts) * rec.virtual / (

@@ -24,7 +24,8 @@ The search, in two steps:
    weights, optimizer state, kept activations and logits). Those that fit are ranked by it. The best of
    each kind (with or without a pipeline, FSDP or replicated parameters, context split or not, tensor
    parallel or not) is planned and predicted in full (:func:`benchmarks.published.predict` with
-   ``own_layouts=True``); a kind whose best is refused or over the device's memory, its next ones
+   ``own_layouts=True``); a kind whose best is refused, over the device's memory or recomputed more than the
+   screen assumed, its next ones
    (:data:`KIND_RETRIES`); then the neighbours of the fastest that fits, in the screen's order, moving
    whenever one is faster, up to :data:`MAX_EVALUATE` plans. A plan over the memory or refused says the screen
    undercounted: the next of its kind, and while nothing fits the next of any kind, is one the screen puts below
@@ -49,10 +50,12 @@ MAX_EVALUATE = 20
 parallelism became a kind of its own (:func:`_kind`)."""
 
 KIND_RETRIES = 2
-"""A kind whose best by the screen is refused or over the device's memory when planned gets up to this many of its
-next candidates planned: the screen's memory count is coarse both ways (MaxText-scale16 on 8,192 v5e chips: the
-best without a pipeline or tensor parallelism, one microbatch, is refused; its next, two microbatches, plans 1.47x
-faster than anything else the search planned)."""
+"""A kind whose best by the screen is refused or over the device's memory when planned, or planned with each layer
+recomputed where the screen counted the matmuls' results kept, gets up to this many of its next candidates planned:
+the screen's memory count is coarse both ways (MaxText-scale16 on 8,192 v5e chips: the best without a pipeline or
+tensor parallelism, one microbatch, is refused; its next, two microbatches, plans 1.47x faster than anything else
+the search planned. MaxText-scale32 on 64 v5p: one microbatch over FSDP 64 fits only recomputing every layer, 10.55
+s; two microbatches keep the matmuls' results, 8.99 s)."""
 
 SCREEN_MEMORY_SHARE = 1.25
 """A candidate may be planned when the screen's memory count is under this share of the device's memory
@@ -165,6 +168,37 @@ def _interleaving(layers: int, pp: int, least: int) -> int:
     return best
 
 
+def kept_width(cfg) -> int:
+    """The values one layer keeps per token for its backward under the candidates' "minimal" recomputation (jax's
+    ``checkpoint_dots_with_no_batch_dims``, :func:`benchmarks.models.llm._layers`), counted in elements: its input
+    and the outputs of the weight matmuls the backward reads (q, k, v, the attention's output projection, the
+    MLP's up projections). The attention's output and the MLP's activation are not outputs of dots without
+    batch dimensions, and the MLP's down projection's output is not read by the backward: recomputed or not
+    kept. ``tests/test_published.py`` checks it against ``jax.ad_checkpoint.saved_residuals`` of the layer."""
+    q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    return cfg.hidden * 2 + q + 2 * kv + cfg.ffn * (2 if cfg.mlp == "swiglu" else 1)
+
+
+def screen_memory(rec, hw) -> tuple[str, float]:
+    """``(recompute, bytes)``: the busiest device's memory by arithmetic (weights and gradients, optimizer state,
+    kept activations, logits) with the matmuls' results kept (``"minimal"``), or with each layer recomputed
+    (``"full"``) when that does not fit the device."""
+    c = rec.cfg
+    stage_params = c.num_params() / rec.pp
+    shards = rec.fsdp * rec.tp
+    weights = 4 * stage_params / shards  # bf16 weights and gradients
+    optimizer = 12 * stage_params / shards / (rec.dp if rec.dp > 1 else 1)
+    tokens = rec.microbatch * c.seq / (rec.fsdp * rec.cp)  # one device's tokens of a microbatch
+    layers = math.ceil(c.layers / rec.pp)
+    held = in_flight(rec) / rec.virtual  # whole stages' worth of microbatches held at once
+    width = kept_width(c)
+    kept = {"minimal": 2 * tokens * width / rec.tp * layers * held,
+            "full": (2 * tokens * c.hidden * layers * held + 2 * tokens * width) / rec.tp}
+    logits = 4 * tokens * c.vocab / rec.tp * 2
+    recompute = "minimal" if weights + optimizer + kept["minimal"] + logits <= hw.memory else "full"
+    return recompute, weights + optimizer + kept[recompute] + logits
+
+
 def screen(rec, hw) -> tuple[float, float]:
     """``(seconds, bytes)``: a candidate's step and its busiest device's memory by arithmetic (module
     docstring), to order candidates before they are planned. Recomputes the forward when the activations of
@@ -174,19 +208,10 @@ def screen(rec, hw) -> tuple[float, float]:
     c = rec.cfg
     inner = rec.fsdp * rec.cp * rec.tp
     stage_params = c.num_params() / rec.pp
-    shards = rec.fsdp * rec.tp
-    weights = 4 * stage_params / shards  # bf16 weights and gradients
-    optimizer = 12 * stage_params / shards / (rec.dp if rec.dp > 1 else 1)
     tokens = rec.microbatch * c.seq / (rec.fsdp * rec.cp)  # one device's tokens of a microbatch
-    q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
-    width = c.hidden * 3 + q * 2 + 2 * kv + c.ffn * (3 if c.mlp == "swiglu" else 2)  # matmul results kept
+    kv = c.kv_heads * c.head_dim
     layers = math.ceil(c.layers / rec.pp)
-    held = in_flight(rec) / rec.virtual  # whole stages' worth of microbatches held at once
-    kept = {"minimal": 2 * tokens * width / rec.tp * layers * held,
-            "full": (2 * tokens * c.hidden * layers * held + 2 * tokens * width) / rec.tp}
-    logits = 4 * tokens * c.vocab / rec.tp * 2
-    recompute = "minimal" if weights + optimizer + kept["minimal"] + logits <= hw.memory else "full"
-    memory = weights + optimizer + kept[recompute] + logits
+    recompute, memory = screen_memory(rec, hw)
 
     flops = step_flops(dataclasses.replace(rec, convention="maxtext"))  # 6·N·tokens and causal attention
     if recompute == "full":
@@ -212,7 +237,7 @@ def screen(rec, hw) -> tuple[float, float]:
             hw, "all-gather", gathered, group=rec.fsdp, span=inner) - compute)
     data = 0.0
     if rec.dp > 1:
-        data = collective_seconds_on(hw, "all-reduce", 2 * stage_params / shards, group=rec.dp, span=rec.n // rec.pp)
+        data = collective_seconds_on(hw, "all-reduce", 2 * stage_params / (rec.fsdp * rec.tp), group=rec.dp, span=rec.n // rec.pp)
     return compute + bubble + tensor + context + fsdp + data, memory
 
 
@@ -262,10 +287,12 @@ def search(rec, *, time_limit: float = 2.0, log=None) -> Choice:
     firsts = _diverse(fitting)[:EVALUATE]
     for cand in firsts:
         evaluate(cand)
-    for cand in firsts:  # a kind whose best is refused or over the memory: its next ones, in the screen's order
-        for _ in range(KIND_RETRIES):
+    for cand in firsts:  # a kind whose best is refused, over the memory or recomputed more than the screen
+        for _ in range(KIND_RETRIES):  # assumed: its next ones, in the screen's order
             pred = done.get(id(cand))
-            if (pred is not None and pred.peak_bytes <= hw.memory) or len(done) >= MAX_EVALUATE:
+            undercounted = pred is None or pred.peak_bytes > hw.memory or (
+                pred.recompute == "full" and screen_memory(cand, hw)[0] != "full")
+            if not undercounted or len(done) >= MAX_EVALUATE:
                 break
             # the screen undercounted this one's memory: the next of its kind needs less by the screen
             cand = next((c for c in fitting if _kind(c) == _kind(cand) and id(c) not in done

@@ -200,3 +200,28 @@ def test_own_layouts_reduce_each_devices_share_of_the_gradients_over_the_data_re
     P.predict(rec, time_limit=1.0, own_layouts=True)
     share = 2 * P.stage_param_count(rec.cfg, Stage(rec.cfg.layers, True, True)) / (rec.fsdp * rec.cp * rec.tp)
     assert [b for kind, b, group in calls if kind == "all-reduce" and group == rec.dp] == [pytest.approx(share)]
+
+
+@pytest.mark.parametrize("mlp", ["relu", "gelu", "swiglu"])
+def test_the_screens_kept_activations_are_what_jax_saves_under_minimal_recomputation(mlp):
+    """The screen's count of what a layer keeps per token (``kept_width``) is what jax keeps for the backward of
+    the model's own layers under the candidates' "minimal" recomputation: the residuals ``jax.vjp`` holds (the
+    leaves of its ``Partial``) that are stacked over the layers and have the microbatch's token dimensions."""
+    import math
+
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.models import llm
+    from benchmarks.published_search import kept_width
+
+    cfg = llm.LMConfig(vocab=64, seq=16, hidden=32, layers=3, heads=4, kv_heads=2, head_dim=8, ffn=96, mlp=mlp,
+                       norm="rmsnorm", positions="rope", remat="minimal")
+    stage = llm.Stage(3, first=False, last=False)
+    forward, _, _ = llm.stage_programs(cfg, stage)
+    params = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.bfloat16), llm.stage_params(cfg, stage))
+    inputs = {k: jnp.zeros(v.shape, v.dtype) for k, v in llm.stage_inputs(cfg, stage, 2).items()}
+    x = inputs.pop("x")
+    _, vjp = jax.vjp(lambda p, h: forward(p, {**inputs, "x": h}), params, x)
+    per_token = sum(math.prod(r.shape[3:]) for r in jax.tree.leaves(vjp) if r.shape[:3] == (3, 2, cfg.seq))
+    assert per_token == kept_width(cfg)

@@ -616,8 +616,8 @@ class RematSearch:
         Peaks fall with the bytes freed, not the count: Llama-3.1-70B's segments alternate between freeing
         29 and 17 TB and its last two (the final norm, the logits) free a few, so a line over the count misplaces
         steps. On (2, 16, 8) the bisection plans 55, 49, 50 (over the count: 55, 51, 50, 49). It halves where the
-        fitting end's estimate is over ``limit`` (a plan the row admits where the row is not calibrated to the
-        estimate; where it is, such a plan is refused: :func:`autoshard.driver.solve_under_budget`)."""
+        fitting end's estimate is over ``limit`` (a plan the row admits, where XLA's compile is the check; where the
+        estimate is the check, such a plan is refused: :func:`autoshard.driver.remat_candidate`)."""
         lo, hi = 0, most
         if self.attempt(hi, limit) is None:
             return None

@@ -390,18 +390,18 @@ def plan_stage(rec: Reconstruction, cfg, stage, mesh, cluster, time_limit: float
     return StagePlans(t_f, max(pb.cost.total_seconds - t_f, 0.0), pf, pb, residuals)
 
 
+def _param_elements(plan, mesh_sizes):
+    """``(elements, elements on one device)`` of each leaf of the plan's first argument (the parameters)."""
+    for path, (shape, _), spec in zip(plan.in_paths, plan.in_avals, plan.in_specs, strict=True):
+        if path.startswith("[0]"):
+            yield math.prod(shape), math.prod(n // math.prod(mesh_sizes[a] for a in axes) if axes else n
+                                              for n, axes in zip(shape, spec.dims, strict=True))
+
+
 def _local_param_bytes(plan, mesh_sizes) -> float:
     """Bytes of the plan's first argument (the parameters) held on one device, at 2 bytes an element (the
     bf16 gradients the data replicas all-reduce)."""
-    total = 0.0
-    for path, (shape, _), spec in zip(plan.in_paths, plan.in_avals, plan.in_specs, strict=True):
-        if not path.startswith("[0]"):
-            continue
-        local = 1
-        for n, axes in zip(shape, spec.dims, strict=True):
-            local *= n // math.prod(mesh_sizes[a] for a in axes) if axes else n
-        total += local * 2
-    return total
+    return float(sum(2 * local for _, local in _param_elements(plan, mesh_sizes)))
 
 
 def _gathered_weights_seconds(plan, mesh_sizes, inner: int, hw) -> float:
@@ -413,12 +413,8 @@ def _gathered_weights_seconds(plan, mesh_sizes, inner: int, hw) -> float:
     from autoshard.perf.comm import moved_bytes
 
     seconds, latency = 0.0, 0.0
-    for path, (shape, _), spec in zip(plan.in_paths, plan.in_avals, plan.in_specs, strict=True):
-        if not path.startswith("[0]"):
-            continue
-        local = math.prod(n // math.prod(mesh_sizes[a] for a in axes) if axes else n
-                          for n, axes in zip(shape, spec.dims, strict=True))
-        group = round(local * inner / max(math.prod(shape), 1))
+    for elements, local in _param_elements(plan, mesh_sizes):
+        group = round(local * inner / max(elements, 1))
         if group >= 2:
             link = group_link(hw, group, inner)
             seconds += moved_bytes("all-gather", 2 * local, group) / link.bandwidth

@@ -174,7 +174,7 @@ def kept_width(cfg) -> int:
     and the outputs of the weight matmuls the backward reads (q, k, v, the attention's output projection, the
     MLP's up projections). The attention's output and the MLP's activation are not outputs of dots without
     batch dimensions, and the MLP's down projection's output is not read by the backward: recomputed or not
-    kept. ``tests/test_published.py`` checks it against ``jax.ad_checkpoint.saved_residuals`` of the layer."""
+    kept. ``tests/test_published.py`` checks it against the residuals ``jax.vjp`` keeps for the model's layers."""
     q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     return cfg.hidden * 2 + q + 2 * kv + cfg.ffn * (2 if cfg.mlp == "swiglu" else 1)
 

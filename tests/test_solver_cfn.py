@@ -127,6 +127,30 @@ def test_solve_without_toulbar2_runs_the_other_searches(monkeypatch):
     assert sol.feasible and "bp_rounds" in sol.stats and "cfn_attempts" not in sol.stats
 
 
+def test_a_toulbar2_that_answers_nothing_in_time_leaves_a_descended_answer(monkeypatch):
+    """toulbar2 can take all of a short limit and more without a choice (Llama-3.1-70B's remat candidates, 8.9M
+    cells: asked for 1 s, 1.5 s and nothing); the answer is then still a descent from the per-node argmins,
+    not the argmins themselves (on this Potts-like grid they pay a mismatch on nearly every edge)."""
+    rng = np.random.default_rng(3)
+    rows, cols, s = 12, 12, 48
+    at = {(r, c): r * cols + c for r in range(rows) for c in range(cols)}
+    edges = [(at[r, c], at[r + dr, c + dc]) for (r, c) in at for dr, dc in ((0, 1), (1, 0))
+             if (r + dr, c + dc) in at]
+    mismatch = 100.0 * (1.0 - np.eye(s))
+    p = ShardingProblem(node_costs=[rng.random(s) for _ in at], edges=np.array(edges),
+                        edge_costs=[mismatch for _ in edges])
+    argmins = np.array([int(np.argmin(c)) for c in p.node_costs])
+
+    def nothing(red, deadline, *, seed=0):
+        time.sleep(max(deadline - time.perf_counter(), 0.0) + 0.5)  # past its deadline, as it was seen to
+        return cfn.CfnAnswer(None, -np.inf, False)
+
+    monkeypatch.setattr(cfn, "minimise", nothing)
+    sol = solve(p, time_limit=2.0, workers=1)
+    assert sol.stats["quick_rounds"] >= 1
+    assert sol.cost < 0.5 * p.cost(argmins)
+
+
 def _memory_problem(seed: int, n: int = 14) -> ShardingProblem:
     """A ladder with memory: cheap strategies use more, the limit binds."""
     rng = np.random.default_rng(seed)

@@ -16,8 +16,9 @@ The search, in two steps:
    degrees are the powers of two and the divisors of the layers, up to 64 and half the layers (with a
    power of two that does not divide them, the last stage takes fewer). The data ranks all shard the parameters
    (FSDP / ZeRO-3), all replicate them (with the optimizer state over them when needed, ZeRO-1), or shard
-   them within groups replicated 2, 4 or 8 times or within one group of a link tier (hybrid). A pipeline runs one sequence per data rank per
-   microbatch, 1F1B, flat or interleaved; without one, any power-of-two count of microbatches.
+   them within groups replicated 2, 4 or 8 times or within one group of a link tier (hybrid). A pipeline runs one or
+   two sequences per data rank per microbatch (:data:`PIPELINE_SEQUENCES`), 1F1B, flat or interleaved; without
+   one, any power-of-two count of microbatches.
 2. **Screen, then plan** (:func:`screen`, :func:`search`): every candidate gets a roofline from arithmetic
    alone (compute at the chip's sustained matmul rate, the 1F1B bubble, the tensor, context, FSDP and
    data-parallel collectives of :func:`autoshard.perf.collective_seconds_on`, and a memory count of
@@ -56,6 +57,11 @@ the screen's memory count is coarse both ways (MaxText-scale16 on 8,192 v5e chip
 tensor parallelism, one microbatch, is refused; its next, two microbatches, plans 1.47x faster than anything else
 the search planned. MaxText-scale32 on 64 v5p: one microbatch over FSDP 64 fits only recomputing every layer, 10.55
 s; two microbatches keep the matmuls' results, 8.99 s)."""
+
+PIPELINE_SEQUENCES = (1, 2)
+"""Sequences a data rank puts in one pipeline microbatch (Megatron-LM's ``--micro-batch-size``; its published
+GPT-3 175B runs use 1 and 2): two halve the microbatches, their per-microbatch sends and the stage programs' launches
+for a longer bubble and more activations in flight."""
 
 SCREEN_MEMORY_SHARE = 1.25
 """A candidate may be planned when the screen's memory count is under this share of the device's memory
@@ -141,7 +147,8 @@ def candidates(rec, hw) -> list:
 
 
 def _microbatchings(rec, hw, shape: dict) -> list:
-    """The candidate's microbatchings: one sequence per data rank with a pipeline (flat and interleaved);
+    """The candidate's microbatchings: one or two sequences per data rank with a pipeline (flat and interleaved;
+    two only where that leaves at least a microbatch per stage);
     without one, every power-of-two count of microbatches (gradient accumulation) that divides the
     sequences of a data rank."""
     replicas = rec.batch // shape["dp"]
@@ -151,9 +158,15 @@ def _microbatchings(rec, hw, shape: dict) -> list:
     base = dataclasses.replace(rec, cfg=dataclasses.replace(rec.cfg, remat="minimal"), virtual=1, schedule="1f1b",
                                recompute="auto", zero1="auto", **shape)
     if shape["pp"] > 1:
-        flat = dataclasses.replace(base, microbatches=per_rank, microbatch=ranks)
+        out = []
         vs = {_interleaving(rec.cfg.layers, shape["pp"], least) for least in MIN_CHUNK_LAYERS} - {1}
-        return [flat] + [dataclasses.replace(flat, virtual=v) for v in sorted(vs) if per_rank % shape["pp"] == 0]
+        for seqs in PIPELINE_SEQUENCES:
+            m = per_rank // seqs
+            if per_rank % seqs or (seqs > 1 and m < shape["pp"]):
+                continue
+            flat = dataclasses.replace(base, microbatches=m, microbatch=ranks * seqs)
+            out += [flat] + [dataclasses.replace(flat, virtual=v) for v in sorted(vs) if m % shape["pp"] == 0]
+        return out
     return [dataclasses.replace(base, microbatches=m, microbatch=replicas // m)
             for m in _powers_of_two(per_rank) if per_rank % m == 0]
 

@@ -101,6 +101,26 @@ def test_autoshard_candidates_use_only_the_model_batch_hardware_and_devices(rows
     assert (4, 2, 1, 2, 4, 5) in shapes  # the practitioner's 4-D layout with an interleaved pipeline
 
 
+def test_pipeline_candidates_put_one_or_two_sequences_of_a_data_rank_in_a_microbatch(rows):
+    """Megatron's micro-batch sizes 1 and 2 (its GPT-3 175B runs use both): a pipeline candidate exists with each,
+    two only where every stage still gets a microbatch, and the interleaved ones need whole rounds of stages."""
+    from autoshard.perf import hardware_preset
+    from benchmarks import published_search as S
+
+    nemo = P.reconstruct(rows[2])  # 128 sequences on 64 H100s
+    got = S.candidates(nemo, hardware_preset(nemo.hardware))
+    piped = [c for c in got if c.pp > 1]
+    seqs = {c.microbatch // c.fsdp for c in piped}
+    assert seqs == set(S.PIPELINE_SEQUENCES) == {1, 2}
+    for c in piped:
+        assert c.microbatch * c.microbatches * c.dp == nemo.batch
+        assert c.microbatch // c.fsdp == 1 or c.microbatches >= c.pp
+        assert c.virtual == 1 or c.microbatches % c.pp == 0
+    # the 4-D layout above, with one and with two sequences a microbatch
+    assert {(c.microbatches, c.microbatch) for c in piped
+            if (c.pp, c.dp, c.fsdp, c.cp, c.tp, c.virtual) == (4, 2, 1, 2, 4, 5)} == {(64, 1), (32, 2)}
+
+
 def test_microbatches_in_flight_follow_the_schedules(rows):
     from benchmarks import published_search as S
 

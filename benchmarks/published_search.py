@@ -48,7 +48,8 @@ EVALUATE = 6
 
 MAX_EVALUATE = 20
 """At most this many full plans per row (the kinds' best, then neighbours of the fastest): 16 before tensor
-parallelism became a kind of its own (:func:`_kind`)."""
+parallelism became a kind of its own (:func:`_kind`). A fastest with a pipeline gets one plan more, its variant with
+two sequences a microbatch (:data:`PIPELINE_SEQUENCES`)."""
 
 KIND_RETRIES = 2
 """A kind whose best by the screen is refused or over the device's memory when planned, or planned with each layer

@@ -192,7 +192,8 @@ def test_when_the_screen_undercounts_memory_the_search_moves_below_what_was_over
     monkeypatch.setattr(P, "predict", predict)
     choice = S.search(rec)
     assert choice.prediction.peak_bytes <= hw.memory
-    assert len(planned) <= S.MAX_EVALUATE  # (before: none of the 20 planned fitted)
+    # (before: none of the 20 planned fitted); a pipeline's two-sequence variant may refine the fastest
+    assert len(planned) <= S.MAX_EVALUATE + 1
 
 
 def test_own_layouts_reduce_each_devices_share_of_the_gradients_over_the_data_replicas(tmp_path, monkeypatch):

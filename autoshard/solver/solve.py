@@ -30,7 +30,7 @@ import numpy as np
 import autoshard.solver.cfn as cfn
 from autoshard.errors import InfeasibleError
 from autoshard.solver.bp import MinSumBP, trivial_bound
-from autoshard.solver.forest import ForestSearch, forest_ils
+from autoshard.solver.forest import ForestSearch, forest_ils, min_cost_choice
 from autoshard.solver.lns import WindowSearch
 from autoshard.solver.local import CoreState, greedy, min_memory_choice
 from autoshard.solver.memory import MemoryRows, memory_rows
@@ -359,7 +359,7 @@ def _answer_core(red: Reduction, rows: MemoryRows | None, deadline: float, *, se
         # the workers' answer, or at worst the least-memory choice cleared of forbidden pairs (found
         # here first: the workers take seconds to start, and this is the first feasible answer)
         if rows is None:
-            fallback = CoreState(red, None, np.array([int(np.argmin(c)) for c in red.node_costs]))
+            fallback = CoreState(red, None, min_cost_choice(red))
         else:
             fallback = _cleared_start(soften(red), rows, deadline, seed, log)
         return CoreAnswer(**search_in_workers(red, rows, deadline, seed=seed, count=count, stats=stats,
@@ -568,7 +568,7 @@ def _quick_start(red: Reduction, s: Search) -> CoreState:
     """The per-node argmins of the memory-free core ``red``, descended by forest rounds to a stall, for at most
     ``_QUICK_SHARE`` of the time left (or ``_QUICK_MIN_S``, within half of it): an answer that does not wait on
     toulbar2."""
-    state = CoreState(red, None, np.array([int(np.argmin(c)) for c in red.node_costs], dtype=np.int64))
+    state = CoreState(red, None, min_cost_choice(red))
     descent = ForestSearch(state, s.seed)
     rest = max(s.deadline - time.perf_counter(), 0.0)
     descent.run(time.perf_counter() + max(_QUICK_SHARE * rest, min(_QUICK_MIN_S, rest / 2)), patience=_FREE_PATIENCE)

@@ -79,6 +79,9 @@ class PlanRequest:
         None: the platform of the mesh's devices (:func:`autoshard.backends.profile_for_mesh`).
       axis_names: the two axis names of 2-D candidate meshes when ``mesh`` is None (the names of the
         Explicit mesh a model was written for, so its annotations apply: :mod:`autoshard.explicit`).
+      memo: what the attempts of one planning share (the priced strategies of each cost model's op signatures:
+        ``cache`` of :func:`autoshard.planner.enumerate_strategies`); a request made by ``dataclasses.replace``
+        shares it, and it goes when the request does.
     """
 
     program: CapturedProgram
@@ -96,6 +99,7 @@ class PlanRequest:
     timings: Mapping[str, float] = dataclasses.field(default_factory=dict)
     profile: Any = None
     axis_names: tuple[str, str] = ("data", "model")
+    memo: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def meshes(self) -> list:
         """The candidate meshes: the request's, or :func:`autoshard.cluster.candidate_meshes` of all devices
@@ -534,7 +538,7 @@ def attempt_sharding(request: PlanRequest, on: MeshTarget, limit, *, program=Non
     run = _Passes(dict(request.timings), on)
     sgraph = run("strategies", enumerate_strategies, program, cost, pinned=on.pinned, donated=request.donated,
                  tie_outputs=request.ties, host_bandwidth=getattr(on.cluster, "host_bandwidth", None),
-                 offloaded=offloaded)
+                 offloaded=offloaded, cache=_strategy_cache(request, cost, profile))
     merged = run("merge", merge_followers, sgraph, cost, program.avals, shrink=MERGE_SHRINK if remat_split else None)
     ties = run("tie", _layer_ties, merged, program, request.tie_layers, remat_split)
     built = run("problem", build_problem, merged, program, cost, memory_limit=row, ties=ties,
@@ -566,6 +570,24 @@ def attempt_sharding(request: PlanRequest, on: MeshTarget, limit, *, program=Non
                        # in the budget's units, as fit_compiled compares it
                        "solver_peak": float(sol.peak_memory) / (calibration * on.row_scale)})
     return Attempt(plan_, None, budget_bound, free_objective)
+
+
+STRATEGY_CACHES = 2
+"""How many cost models' strategy caches (one per mesh planned) a planning keeps (the most recently used): the
+remat search's candidates on one mesh share one; the screening of many candidate meshes does not hold them all."""
+
+
+def _strategy_cache(request: PlanRequest, cost, profile) -> dict:
+    """The strategy cache of ``request``'s planning for ``cost`` under ``profile`` (see ``PlanRequest.memo``)."""
+    caches = request.memo.setdefault("strategies", {})
+    key = (cost, profile)
+    cache = caches.pop(key, None)
+    if cache is None:
+        cache = {}
+        while len(caches) >= STRATEGY_CACHES:
+            caches.pop(next(iter(caches)))  # the least recently used
+    caches[key] = cache
+    return cache
 
 
 class _Passes:

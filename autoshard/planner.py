@@ -159,7 +159,8 @@ def warn_indivisible_batch(program: CapturedProgram, tie_outputs, mesh) -> None:
 
 
 def enumerate_strategies(program: CapturedProgram, cost: CostModel, *, pinned=None, donated=(),
-                         tie_outputs=None, host_bandwidth: float | None = None, offloaded=()) -> StrategyGraph:
+                         tie_outputs=None, host_bandwidth: float | None = None, offloaded=(),
+                         cache: dict | None = None) -> StrategyGraph:
     """Pass 1: nodes, strategies and edges for every input, op and scan body.
 
     Args:
@@ -169,9 +170,13 @@ def enumerate_strategies(program: CapturedProgram, cost: CostModel, *, pinned=No
         carried over from the previous step (the batch). None: feeding is free.
       offloaded: flat input indices kept in host memory (see :mod:`autoshard.offload`): each step
         moves the device's shard in and its replacement out, priced at ``host_bandwidth``.
+      cache: the priced strategies of ops by signature (shapes, dtypes, params, traffic) and of layouts by
+        shape, filled here; pass one dict to the calls of programs planned with the same ``cost`` (a remat
+        search's candidates repeat the program's ops) so that each signature is enumerated once. None: this
+        call's own.
     """
     pinned = pinned or {}
-    b = _GraphBuilder(program, cost)
+    b = _GraphBuilder(program, cost, cache)
     input_nodes = b.add_inputs(pinned, set((tie_outputs or {}).values()), host_bandwidth, offloaded)
     b.visit(program.graph.ops)
     ties = b.tie_outputs(tie_outputs or {}, input_nodes)
@@ -189,14 +194,14 @@ def enumerate_strategies(program: CapturedProgram, cost: CostModel, *, pinned=No
 class _GraphBuilder:
     """The state of :func:`enumerate_strategies`: nodes, edges and who produces each value."""
 
-    def __init__(self, program: CapturedProgram, cost: CostModel):
+    def __init__(self, program: CapturedProgram, cost: CostModel, cache: dict | None = None):
         self.program, self.cost, self.mesh, self.avals = program, cost, cost.mesh, program.avals
         self.nodes: list[_Node] = []
         self.edges: list[_Edge] = []
         self.producer: dict[int, tuple[int, int]] = {}
         self.unsupported: dict[str, str] = {}
         self.follows: dict[int, bool] = {}
-        self.cache: dict = {}
+        self.cache: dict = {} if cache is None else cache
         self.terminal = _terminal_ops(program)
         self.quiet = cost.without_latency()
         self.traffic = None
@@ -215,8 +220,13 @@ class _GraphBuilder:
         return n
 
     def spec_strategies(self, shape, specs=None):
-        specs = candidate_specs(shape, self.mesh) if specs is None else specs
-        return [Strategy(str(s), (), (s,)) for s in specs]
+        if specs is not None:
+            return [Strategy(str(s), (), (s,)) for s in specs]
+        key = ("layouts", shape)  # the candidate layouts of an unpinned value of this shape
+        hit = self.cache.get(key)
+        if hit is None:
+            hit = self.cache[key] = [Strategy(str(s), (), (s,)) for s in candidate_specs(shape, self.mesh)]
+        return hit
 
     def use(self, value, dst, pos, scale):
         if isinstance(value, Const) or value not in self.producer:

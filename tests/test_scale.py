@@ -134,3 +134,31 @@ def test_verify_needs_devices_and_a_bool():
         _plan(AbstractMesh((2, 4), ("data", "model")), verify=True)
     with pytest.raises(InputError, match="verify='yes'"):
         autoshard.Options(verify="yes")
+
+
+def test_a_remat_candidate_enumerated_from_a_shared_cache_has_the_strategies_of_its_own_enumeration():
+    # The remat search plans its candidates with one strategy cache (PlanRequest.memo): a candidate repeats the
+    # program's op signatures, so enumerating it after the program adds only the recompute's new ones, and the
+    # strategies must be exactly what a call of its own prices.
+    from autoshard.capture import capture_graph
+    from autoshard.cost import CostModel
+    from autoshard.planner import enumerate_strategies
+    from autoshard.remat import find_remat_units, rematerialize
+    from autoshard.spec import MeshInfo
+
+    spec = get_model("gpt", "tiny", 8)
+    program = capture_graph(spec.train_step, (spec.abstract_state(), spec.abstract_batch()))
+    candidate = rematerialize(program, find_remat_units(program)[:2])[0]
+    cost = CostModel.create(MeshInfo((2, 4), ("data", "model")), autoshard.cluster_preset("h100"))
+    cache = {}
+    enumerate_strategies(program, cost, cache=cache)
+    filled = len(cache)
+    shared = enumerate_strategies(candidate, cost, cache=cache)
+    own = enumerate_strategies(candidate, cost)
+    assert len(cache) < 1.2 * filled  # the candidate's signatures were nearly all the program's
+
+    def priced(graph):
+        return [(n.kind, [(s.name, s.compute, s.comm, s.in_specs, s.out_specs) for s in n.strategies])
+                for n in graph.nodes]
+
+    assert priced(shared) == priced(own) and shared.edges == own.edges

@@ -362,3 +362,32 @@ def test_the_memory_row_counts_a_scan_bodys_values_as_one_iteration_keeps_them()
     ws = jax.random.normal(jax.random.key(1), w.shape) / 16
     for got, want in zip(jax.tree.leaves(sharded(xs, ws)), jax.tree.leaves(jax.jit(step)(xs, ws)), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_screened_probe_that_fits_is_the_answer_unless_far_from_its_bound(monkeypatch):
+    """``screen`` (a remat candidate): a probe whose plan fits and whose gap is at most SCREEN_GAP is the answer,
+    with no second free solve (7-8 s a candidate of Llama-3.1-70B on (2, 16, 8), which answered the same or worse);
+    a probe far from its bound (the argmins of a search cut short) gets the second solve as without ``screen``.
+    Stand-in solves."""
+    import types
+
+    import autoshard.solver
+    from autoshard.driver import SCREEN_GAP, solve_under_budget
+
+    calls, gap = [], {"probe": 0.0}
+
+    def fake_solve(problem, *, time_limit, seed=0):
+        calls.append(seed)
+        cost = 20.0 if seed == 0 else 19.0
+        return types.SimpleNamespace(cost=cost, peak_memory=50.0, optimal=False, feasible=True,
+                                     stats={"gap": gap["probe"] if seed == 0 else 0.01})
+
+    monkeypatch.setattr(autoshard.solver, "solve", fake_solve)
+    built = types.SimpleNamespace(problem=dataclasses.make_dataclass("Problem", [("memory_limit", float)])(100.0))
+    request = types.SimpleNamespace(time_limit=10.0)
+    for probe_gap, screen, solves, cost in ((0.9 * SCREEN_GAP, True, [0], 20.0), (0.9 * SCREEN_GAP, False, [0, 1], 19.0),
+                                            (0.999, True, [0, 1], 19.0)):
+        calls.clear()
+        gap["probe"] = probe_gap
+        sol, free, bound, error, _ = solve_under_budget(request, None, built, 100.0, None, screen=screen)
+        assert error is None and not bound and calls == solves and sol.cost == cost and free == cost

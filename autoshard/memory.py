@@ -189,8 +189,9 @@ def _centrings(graph: OpGraph, avals, producer, mat: set, library_reductions) ->
             stack.extend(y for y in p.inputs if isinstance(y, int))
 
 
-def _graph_peak(graph: OpGraph, program, value_specs, mesh, *, profile: BackendProfile) -> float:
-    """Peak of a scan body's own buffers, evaluated once per iteration."""
+def _graph_peak(graph: OpGraph, program, value_specs, mesh, *, profile: BackendProfile, on_chip=frozenset()) -> float:
+    """Peak of a scan body's own buffers, evaluated once per iteration; ``on_chip`` values (:func:`on_chip_values`:
+    the attention scores of a fused attention, in a scanned layer as at the top level) take none."""
     last: dict[int, int] = {}
     for t, op in enumerate(graph.ops):
         for x in op.inputs:
@@ -203,9 +204,9 @@ def _graph_peak(graph: OpGraph, program, value_specs, mesh, *, profile: BackendP
     for t, op in enumerate(graph.ops):
         extra = 0.0
         if op.body is not None:
-            extra = _graph_peak(op.body, program, value_specs, mesh, profile=profile)
+            extra = _graph_peak(op.body, program, value_specs, mesh, profile=profile, on_chip=on_chip)
         for v in op.outputs:
-            if v in mat:
+            if v in mat and v not in on_chip:
                 b = value_bytes(program.avals[v], value_specs.get(v), mesh)
                 live += b
                 ends.setdefault(last.get(v, len(graph.ops)), []).append(b)
@@ -672,8 +673,9 @@ def _liveness(program: CapturedProgram, value_specs, mesh, entry: _Entry, *, ope
                 if not program.held:   # a microbatched stage's update is a program of its own (below)
                     kept.add(v)
     inplace = {t: _loop_fused(ops[t]) for t in nodes}
-    transient = {t: _graph_peak(ops[t].body, program, value_specs, mesh, profile=profile) for t in nodes
-                 if ops[t].body is not None}
+    scores = on_chip_values(program, profile)
+    transient = {t: _graph_peak(ops[t].body, program, value_specs, mesh, profile=profile, on_chip=scores)
+                 for t in nodes if ops[t].body is not None}
     extras, lowering, covered = _lowering_buffers(graph, materialised, _ShardBytes(program, value_specs, mesh),
                                                   profile)
     if covered:
@@ -681,7 +683,6 @@ def _liveness(program: CapturedProgram, value_specs, mesh, entry: _Entry, *, ope
         for t, v in covered:
             dropped.setdefault(t, set()).add(v)
         reads = [tuple(v for v in r if v not in dropped[t]) if t in dropped else r for t, r in enumerate(reads)]
-    scores = on_chip_values(program, profile)
     for v in scores & size.keys():
         size[v] = 0.0
     extras += _resharded_buffers(program, value_specs, operand_specs, mesh, skip=scores,

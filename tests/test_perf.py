@@ -305,3 +305,29 @@ def test_a_backend_that_fuses_attention_keeps_the_scores_out_of_memory():
         return max(float(m.min()) for m in built.problem.node_memory if m.size)
 
     assert row_peak(unfused) >= scores_bytes > row_peak(GPU)
+
+
+def test_fused_attention_scores_in_a_scanned_layer_take_no_memory_either():
+    """The scores of an attention inside ``lax.scan`` (layers stacked, as MaxText runs them) are kept on chip where
+    the backend fuses attention, as at the top level: a scan body's peak counted them (MaxText-52B on 192 TPU v4,
+    10 sequences of 2,048 a device, 64 heads: 10.7 GB of fp32 scores in its recomputed layer)."""
+    from autoshard.backends import GPU
+    from autoshard.capture import capture_graph
+    from autoshard.memory import estimate_memory
+    from autoshard.spec import MeshInfo, ShardingSpec
+
+    def layers(q, k, v):
+        def layer(h, _):
+            s = jnp.einsum("bqhd,bkhd->bhqk", h, k) / 8.0
+            return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v), None
+
+        return jax.lax.scan(jax.checkpoint(layer), q, None, length=2)[0].sum()
+
+    qkv = [jax.ShapeDtypeStruct((2, 1024, 4, 64), jnp.float32)] * 3
+    program = capture_graph(jax.grad(layers, argnums=(0, 1, 2)), qkv)
+    info = MeshInfo((1,), ("data",))
+    specs = {v: ShardingSpec(((),) * len(a.shape)) for v, a in enumerate(program.avals) if hasattr(a, "shape")}
+    scores_bytes = 2 * 4 * 1024 * 1024 * 4
+    fused = estimate_memory(program, specs, info, profile=GPU).peak_bytes
+    unfused = estimate_memory(program, specs, info, profile=dataclasses.replace(GPU, fused_attention=False)).peak_bytes
+    assert unfused - fused >= scores_bytes and fused < scores_bytes

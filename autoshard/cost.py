@@ -151,12 +151,18 @@ _MAX_MEMOS = 256
 def _shared_memo(fields: tuple) -> dict:
     """The reshard memo of every cost model with these fields: a reshard's price depends on nothing else,
     so the plans of many programs on one mesh (a pipeline's layers on each sub-mesh) price each once."""
-    memo = _MEMOS.pop(fields, None)
+    return recent_dict(_MEMOS, fields, _MAX_MEMOS)
+
+
+def recent_dict(table: dict, key, most: int) -> dict:
+    """The dict ``table`` keeps under ``key`` (a new one when absent), ``table`` holding the ``most`` most
+    recently asked for (in insertion order: the least recently used goes first)."""
+    memo = table.pop(key, None)
     if memo is None:
         memo = {}
-        if len(_MEMOS) >= _MAX_MEMOS:
-            _MEMOS.pop(next(iter(_MEMOS)))  # the least recently used
-    _MEMOS[fields] = memo
+        while len(table) >= most:
+            table.pop(next(iter(table)))  # the least recently used
+    table[key] = memo
     return memo
 
 

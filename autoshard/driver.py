@@ -582,15 +582,9 @@ remat search's candidates on one mesh share one; the screening of many candidate
 
 def _strategy_cache(request: PlanRequest, cost, profile) -> dict:
     """The strategy cache of ``request``'s planning for ``cost`` under ``profile`` (see ``PlanRequest.memo``)."""
-    caches = request.memo.setdefault("strategies", {})
-    key = (cost, profile)
-    cache = caches.pop(key, None)
-    if cache is None:
-        cache = {}
-        while len(caches) >= STRATEGY_CACHES:
-            caches.pop(next(iter(caches)))  # the least recently used
-    caches[key] = cache
-    return cache
+    from autoshard.cost import recent_dict
+
+    return recent_dict(request.memo.setdefault("strategies", {}), (cost, profile), STRATEGY_CACHES)
 
 
 class _Passes:
@@ -654,10 +648,7 @@ def solve_under_budget(request: PlanRequest, on: MeshTarget, built, budget, limi
     ``refuse_early``: a budget out of the row's reach (:func:`_out_of_reach`) is refused before the probe.
 
     ``screen``: a probe whose answer fits is the answer, with no second unconstrained solve, unless it is far from
-    its bound (``SCREEN_GAP``). The remat search's candidates (:func:`remat_candidate`) are compared so, at the
-    probe's effort: on Llama-3.1-70B's cores on (2, 16, 8) (300-500 nodes, millions of cost cells) the probe's
-    descent answered within 0.6% of the bound the second solve then proved, and that solve (7-8 s a candidate)
-    answered the same or worse in five of five.
+    its bound (``SCREEN_GAP``): the remat search's candidates (:func:`remat_candidate`) are compared so.
 
     Returns ``(solution, unconstrained objective, whether the budget bound, error, calibration)``; the
     error (and no solution) when the memory row admits no plan; ``calibration`` is the factor the row's
@@ -721,7 +712,10 @@ def solve_under_budget(request: PlanRequest, on: MeshTarget, built, budget, limi
 
 SCREEN_GAP = 0.5
 """A screened probe's answer (``screen`` of :func:`solve_under_budget`) stands when its relative gap to the solve's
-lower bound is at most this; a larger one gets the second solve. Llama-3.1-70B's remat candidates on (2, 16, 8)
+lower bound is at most this; a larger one gets the second solve. The remat candidates are compared at the probe's
+effort: on Llama-3.1-70B's cores on (2, 16, 8) (300-500 nodes, millions of cost cells) the probe's descent answered
+within 0.6% of the bound the second solve then proved, and that solve (7-8 s a candidate) answered the same or worse
+in five of five. Llama-3.1-70B's remat candidates on (2, 16, 8)
 probed at 0.16-0.19 against toulbar2's early bound (their answers were within 0.6% of the optimum); a probe cut
 short before any search answers the per-node argmins, at 0.999 (objective 1,747 against 19.3 on (32, 2, 4))."""
 

@@ -638,21 +638,18 @@ def solve_under_budget(request: PlanRequest, on: MeshTarget, built, budget, limi
     estimate in the order its list schedule finds, so the row says more: 1.1x to 1.3x on the benchmark
     models, 1.24x for GPT-1.3B on one device. A probe over the row but within the budget by its estimate
     fits; one over both calibrates the row: the budgeted solve holds the row to ``budget`` times the
-    probe's row over its estimate (see ``ROW_CALIBRATION``).
+    probe's row over its estimate (see ``ROW_CALIBRATION``; an uncalibrated row that refuses: :func:`_rescued`).
 
     The budget binds when the probe is over it, and also when a longer free solve finds a cheaper plan over it
     (then the budgeted search runs with the probe's time again; the probe's plan stays when it finds nothing
     cheaper that fits: Llama-3.1-70B on (32, 4, 2) with 52 of 55 segments recomputed, a probe at objective 1,747
     under the budget, the longer solve's 19.3 over it, the budgeted search's 19.2 under it).
-
     ``refuse_early``: a budget out of the row's reach (:func:`_out_of_reach`) is refused before the probe.
-
     ``screen``: a probe whose answer fits is the answer, with no second unconstrained solve, unless it is far from
     its bound (``SCREEN_GAP``): the remat search's candidates (:func:`remat_candidate`) are compared so.
 
-    Returns ``(solution, unconstrained objective, whether the budget bound, error, calibration)``; the
-    error (and no solution) when the memory row admits no plan; ``calibration`` is the factor the row's
-    limit was multiplied by (1 when none)."""
+    Returns ``(solution, unconstrained objective, whether the budget bound, error, calibration)``; the error (and
+    no solution) when the memory row admits no plan; ``calibration``: the row limit's factor (1 when none)."""
     from autoshard.solver import solve
 
     t = time.perf_counter()
@@ -667,10 +664,9 @@ def solve_under_budget(request: PlanRequest, on: MeshTarget, built, budget, limi
     def fits(s):
         return s.peak_memory <= budget or (peak_of is not None and peak_of(s) <= budget)
 
-    # A probe without the row tells whether the budget binds (the free answers' peaks barely move with
-    # more time), so a binding budget leaves the search under it most of the time: memory-priced searches
-    # are slow to fit (GPT-1.3B on (2, 4) under 1.5x its least-memory peak: 1.76x the best at 5 s, 1.01x
-    # at 30 s), and a free solve that took the whole limit left them 1 s.
+    # A probe without the row tells whether the budget binds (the free answers' peaks barely move with more time), so
+    # a binding budget leaves the search under it most of the time: memory-priced searches are slow to fit (GPT-1.3B
+    # on (2, 4) under 1.5x its least-memory peak: 1.76x the best at 5 s, 1.01x at 30 s).
     sol = solve(free, time_limit=min(request.time_limit, max(PROBE_SHARE * request.time_limit, PROBE_MIN_S)))
     # the probe's estimate, wanted only where its row is over the budget
     estimate = peak_of(sol) if peak_of is not None and sol.peak_memory > budget else None
@@ -700,6 +696,10 @@ def solve_under_budget(request: PlanRequest, on: MeshTarget, built, budget, limi
     except InfeasibleError as e:
         if e.smallest_memory is None:
             raise
+        rescued = None if calibration > 1.0 else _rescued(built.problem, e.smallest_memory, budget, peak_of,
+                                                          max(left, 1.0))
+        if rescued is not None:
+            return rescued, free_objective, budget_bound, None, calibration
         return None, free_objective, budget_bound, _refused(on, budget, limit, e.smallest_memory / calibration), \
             calibration
     if not sol.feasible:
@@ -724,6 +724,31 @@ def _credible(sol) -> bool:
     """Whether a probe's answer is close enough to its bound to stand without a second solve (``SCREEN_GAP``)."""
     gap = getattr(sol, "stats", {}).get("gap")
     return gap is not None and gap <= SCREEN_GAP
+
+
+def _rescued(problem, smallest: float, budget: float, peak_of, time_limit: float):
+    """Where the estimate is the one trusted (``peak_of`` given), the probe did not calibrate the row (its row was
+    under its estimate) and the row refuses ``budget`` (its least peak ``smallest`` over the limit): a plan solved under
+    a raised row limit whose estimate is within ``budget``, else None. The limits tried, in turn: ``ROW_CALIBRATION`` times the budget (the most a calibration raises it to), then
+    halfway down to ``smallest``; not tried when ``smallest`` is over the first.
+
+    The calibration comes from the unconstrained probe, whose row can be under its estimate (gathered copies are not
+    in the row) while a low-memory plan's is over it: MaxText-52B's stage on 192 TPU v4 with FSDP 192, its row 38.7 GB
+    and its estimate 24.9 GB for the published layout, the probe's 104 and 153 GB, so a 31.1 GB budget was refused
+    (least row peak 35.5 GB) though the published layout fits it by the estimate."""
+    from autoshard.solver import solve
+
+    ceiling = ROW_CALIBRATION * budget
+    if peak_of is None or smallest > ceiling:
+        return None
+    for row in (ceiling, (smallest + ceiling) / 2):
+        try:
+            sol = solve(dataclasses.replace(problem, memory_limit=row), time_limit=time_limit / 2)
+        except InfeasibleError:
+            continue
+        if sol.feasible and peak_of(sol) <= budget:
+            return sol
+    return None
 
 
 def _out_of_reach(problem, budget: float, *, calibrated: bool) -> float | None:

@@ -391,3 +391,40 @@ def test_a_screened_probe_that_fits_is_the_answer_unless_far_from_its_bound(monk
         gap["probe"] = probe_gap
         sol, free, bound, error, _ = solve_under_budget(request, None, built, 100.0, None, screen=screen)
         assert error is None and not bound and calls == solves and sol.cost == cost and free == cost
+
+
+def test_a_row_the_probe_did_not_calibrate_is_raised_for_a_plan_that_fits_by_the_estimate(monkeypatch):
+    """The probe's row under its estimate (gathered copies are not in the row) leaves the row uncalibrated, and a
+    low-memory plan's row can be over its estimate (MaxText-52B's stage on 192 v4: 38.7 GB against 24.9 GB for the
+    published layout): when the budgeted row refuses, a solve under a raised row limit is kept if its estimate fits
+    the budget; refused as before when none does, or when the probe calibrated the row. Stand-in solves."""
+    import types
+
+    import autoshard.solver
+    from autoshard.driver import ROW_CALIBRATION, solve_under_budget
+    from autoshard.errors import InfeasibleError
+
+    calls, estimate = [], {"low": 90.0}
+
+    def fake_solve(problem, *, time_limit, seed=0):
+        calls.append(problem.memory_limit)
+        if problem.memory_limit is None:   # the probe: row 150 under its estimate 300, both over the budget
+            return types.SimpleNamespace(cost=10.0, peak_memory=150.0, optimal=True, feasible=True, est=300.0)
+        if problem.memory_limit < 120.0:   # the row's least peak is 120
+            raise InfeasibleError("refused", smallest_memory=120.0)
+        return types.SimpleNamespace(cost=12.0, peak_memory=125.0, optimal=False, feasible=True, est=estimate["low"])
+
+    monkeypatch.setattr(autoshard.solver, "solve", fake_solve)
+    built = types.SimpleNamespace(problem=dataclasses.make_dataclass("Problem", [("memory_limit", float)])(100.0))
+    request = types.SimpleNamespace(time_limit=10.0)
+    on = types.SimpleNamespace(cluster=types.SimpleNamespace(name="h100"), shape={"data": 8})
+
+    def run():
+        calls.clear()
+        return solve_under_budget(request, on, built, 100.0, None, peak_of=lambda s: s.est)
+
+    sol, _, bound, error, _ = run()
+    assert error is None and bound and sol.cost == 12.0 and calls == [None, 100.0, ROW_CALIBRATION * 100.0]
+    estimate["low"] = 110.0   # no raised limit gives a plan within the budget by the estimate
+    sol, _, _, error, _ = run()
+    assert sol is None and error.smallest_memory == 120.0 and len(calls) == 4

@@ -712,25 +712,25 @@ def solve_under_budget(request: PlanRequest, on: MeshTarget, built, budget, limi
 
 SCREEN_GAP = 0.5
 """A screened probe's answer (``screen`` of :func:`solve_under_budget`) stands when its relative gap to the solve's
-lower bound is at most this; a larger one gets the second solve. The remat candidates are compared at the probe's
-effort: on Llama-3.1-70B's cores on (2, 16, 8) (300-500 nodes, millions of cost cells) the probe's descent answered
-within 0.6% of the bound the second solve then proved, and that solve (7-8 s a candidate) answered the same or worse
-in five of five. Llama-3.1-70B's remat candidates on (2, 16, 8)
-probed at 0.16-0.19 against toulbar2's early bound (their answers were within 0.6% of the optimum); a probe cut
-short before any search answers the per-node argmins, at 0.999 (objective 1,747 against 19.3 on (32, 2, 4))."""
+lower bound is at most this; a larger one gets the second solve. Llama-3.1-70B's remat candidates on (2, 16, 8)
+(cores of 300-500 nodes, millions of cost cells) probed at 0.16-0.19 against toulbar2's early bound, yet within 0.6%
+of the bound the second solve then proved, and that solve (7-8 s a candidate) answered the same or worse in five of
+five. A probe cut short before any search answers the per-node argmins, at 0.999 (objective 1,747 against 19.3 on
+(32, 2, 4))."""
 
 
 def _credible(sol) -> bool:
     """Whether a probe's answer is close enough to its bound to stand without a second solve (``SCREEN_GAP``)."""
-    gap = getattr(sol, "stats", {}).get("gap")
+    gap = sol.stats.get("gap")
     return gap is not None and gap <= SCREEN_GAP
 
 
 def _rescued(problem, smallest: float, budget: float, peak_of, time_limit: float):
     """Where the estimate is the one trusted (``peak_of`` given), the probe did not calibrate the row (its row was
     under its estimate) and the row refuses ``budget`` (its least peak ``smallest`` over the limit): a plan solved under
-    a raised row limit whose estimate is within ``budget``, else None. The limits tried, in turn: ``ROW_CALIBRATION`` times the budget (the most a calibration raises it to), then
-    halfway down to ``smallest``; not tried when ``smallest`` is over the first.
+    a raised row limit whose estimate is within ``budget``, else None. The limits tried, in turn: ``ROW_CALIBRATION``
+    times the budget (the most a calibration raises it to), then halfway down to ``smallest``; none when ``smallest``
+    is over the first.
 
     The calibration comes from the unconstrained probe, whose row can be under its estimate (gathered copies are not
     in the row) while a low-memory plan's is over it: MaxText-52B's stage on 192 TPU v4 with FSDP 192, its row 38.7 GB

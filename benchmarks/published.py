@@ -22,7 +22,8 @@ with the performance model (:mod:`autoshard.perf`), in the row's own unit:
    ``fsdp``, the microbatch split over ``fsdp`` and its sequence over ``context``. The planner lays out
    everything else. Three programs per stage: the forward, the forward and backward of one microbatch,
    and the optimizer update; each plan's predicted step is the list-scheduled roofline of
-   :mod:`autoshard.perf`.
+   :mod:`autoshard.perf`. As autoshard's own pipeline plans a stage, the stage's inputs (its parameters, fp8
+   weight copies and the neighbouring stage's activations) are on the device: none is priced as a host feed.
 4. **The step.** The stages' forward and backward times make a pipeline schedule
    (:func:`autoshard.perf.pipeline_seconds`: 1F1B, interleaved, or GPipe as the row says, with the
    activations crossing each stage boundary at the link between the stages' devices), plus the gradient
@@ -383,9 +384,12 @@ def plan_stage(rec: Reconstruction, cfg, stage, mesh, cluster, time_limit: float
 
             raise InfeasibleError(f"the residuals of {in_flight(rec)} microbatches in flight ({residuals:.3g} bytes "
                                   "each) leave no memory for the stage")
-    pf = _plan(fwd, (params, fwd_inputs), mesh, cluster, {k: v for k, v in hint.items() if "cotangent" not in k},
+    # as autoshard's own pipeline plans a stage (autoshard.pipeline.search.cluster_for): its inputs are its
+    # parameters (resident) and the neighbouring stage's activations (device to device), none fed from the host
+    resident = dataclasses.replace(cluster, host_bandwidth=1e30)
+    pf = _plan(fwd, (params, fwd_inputs), mesh, resident, {k: v for k, v in hint.items() if "cotangent" not in k},
                time_limit, limit)
-    pb = _plan(fb, (params, inputs), mesh, cluster, hint, time_limit, limit)
+    pb = _plan(fb, (params, inputs), mesh, resident, hint, time_limit, limit)
     t_f = pf.cost.total_seconds
     return StagePlans(t_f, max(pb.cost.total_seconds - t_f, 0.0), pf, pb, residuals)
 
@@ -394,8 +398,32 @@ def _param_elements(plan, mesh_sizes):
     """``(elements, elements on one device)`` of each leaf of the plan's first argument (the parameters)."""
     for path, (shape, _), spec in zip(plan.in_paths, plan.in_avals, plan.in_specs, strict=True):
         if path.startswith("[0]"):
-            yield math.prod(shape), math.prod(n // math.prod(mesh_sizes[a] for a in axes) if axes else n
-                                              for n, axes in zip(shape, spec.dims, strict=True))
+            yield math.prod(shape), _local_elements(shape, spec, mesh_sizes)
+
+
+_FP8_PATH = "[1]['fp8']"  # the fp8 copies of the matmul weights, in a stage program's inputs
+
+
+def _local_elements(shape, spec, mesh_sizes) -> int:
+    return math.prod(n // math.prod(mesh_sizes[a] for a in axes) if axes else n
+                     for n, axes in zip(shape, spec.dims, strict=True))
+
+
+def _local_fp8_bytes(plan, mesh_sizes) -> float:
+    """Bytes of the fp8 weight copies (one byte an element) a stage program's plan holds on one device."""
+    return float(sum(_local_elements(shape, spec, mesh_sizes)
+                     for path, (shape, _), spec in zip(plan.in_paths, plan.in_avals, plan.in_specs, strict=True)
+                     if path.startswith(_FP8_PATH)))
+
+
+def _weight_leaves(plan, mesh_sizes):
+    """``(elements, elements on one device, bytes an element)`` of every weight a stage program reads: its bf16
+    parameters and the fp8 copies of its matmul weights."""
+    for elements, local in _param_elements(plan, mesh_sizes):
+        yield elements, local, 2
+    for path, (shape, _), spec in zip(plan.in_paths, plan.in_avals, plan.in_specs, strict=True):
+        if path.startswith(_FP8_PATH):
+            yield math.prod(shape), _local_elements(shape, spec, mesh_sizes), 1
 
 
 def _local_param_bytes(plan, mesh_sizes) -> float:
@@ -404,20 +432,21 @@ def _local_param_bytes(plan, mesh_sizes) -> float:
     return float(sum(2 * local for _, local in _param_elements(plan, mesh_sizes)))
 
 
-def _gathered_weights_seconds(plan, mesh_sizes, inner: int, hw) -> float:
-    """Seconds to bring the updated bf16 weights from fp32 masters split over the stage's ``inner`` devices into
-    the plan's layouts: each parameter a device holds more of than its share (``1 / inner``) is all-gathered
-    over the devices that share its slice, the others need nothing; the gathers are combined (one latency).
-    A layout that keeps the embedding whole gathers the embedding, not every parameter."""
+def gathered_weights_seconds(plan, mesh_sizes, inner: int, hw) -> float:
+    """Seconds to bring the updated bf16 weights (and fp8 copies) from fp32 masters split over the stage's
+    ``inner`` devices into the plan's layouts: each weight a device holds more of than its share
+    (``1 / inner``) is all-gathered over the devices that share its slice, the others need nothing; the gathers
+    are combined (one latency). A layout that keeps the embedding whole gathers the embedding, not every
+    parameter; one that keeps the fp8 copies whole gathers them once a step, not each microbatch."""
     from autoshard.perf import group_link
     from autoshard.perf.comm import moved_bytes
 
     seconds, latency = 0.0, 0.0
-    for elements, local in _param_elements(plan, mesh_sizes):
+    for elements, local, itemsize in _weight_leaves(plan, mesh_sizes):
         group = round(local * inner / max(elements, 1))
         if group >= 2:
             link = group_link(hw, group, inner)
-            seconds += moved_bytes("all-gather", 2 * local, group) / link.bandwidth
+            seconds += moved_bytes("all-gather", itemsize * local, group) / link.bandwidth
             latency = max(latency, link.latency)
     return latency + seconds
 
@@ -470,7 +499,8 @@ def pipeline_peak(rec: Reconstruction, plans: dict, zero1: bool = False, own: bo
 
     Device ``s`` holds, for each of its model chunks: the bf16 parameters and their gradients, the fp32
     master weights and AdamW moments (12 bytes a parameter, split over the data replicas with ZeRO-1); the
-    residuals each microbatch in flight keeps for its backward (:func:`residual_bytes`); and, once, one chunk
+    residuals each microbatch in flight keeps for its backward (:func:`residual_bytes`); the fp8 copies of its
+    matmul weights (fp8 rows), in the plan's layout; and, once, one chunk
     program's own peak beyond its parameters and gradients (its transients). In flight on device ``s``:
     :func:`in_flight`.
 
@@ -488,12 +518,14 @@ def pipeline_peak(rec: Reconstruction, plans: dict, zero1: bool = False, own: bo
         for name in names:
             sp = plans[name]
             params = _local_param_bytes(sp.backward_plan, sizes)  # bf16
+            fp8 = _local_fp8_bytes(sp.backward_plan, sizes)  # kept across the microbatches, as the parameters
+            static += fp8
             if own:  # fp32 masters and moments split over all the stage's devices (and the data replicas)
                 static += 2 * params + 12 * _param_count(sp.backward_plan) / (
                     rec.fsdp * rec.cp * rec.tp * (rec.dp if zero1 else 1))
             else:
                 static += 2 * params + 6 * params / (rec.dp if zero1 else 1)
-            transient = max(transient, sp.backward_plan.memory.peak_bytes - 2 * params)
+            transient = max(transient, sp.backward_plan.memory.peak_bytes - 2 * params - fp8)
             resid += sp.residuals / len(names)
         # the transient peak holds one microbatch's residuals already
         worst = max(worst, static + max(in_flight(rec, s) - 1, 0) * resid + max(transient, 0.0))
@@ -603,7 +635,7 @@ def predict(rec: Reconstruction, *, time_limit: float = 2.0, own_layouts: bool =
     else:
         dp_reduce = collective_seconds_on(hw, "all-reduce", grad_bytes, group=rec.dp, span=rec.dp * inner)
     if own_layouts:  # the updated bf16 weights gathered from the split masters into the stages' layouts
-        dp_reduce += _gathered_weights_seconds(biggest.backward_plan, sizes, inner, hw) * rec.virtual
+        dp_reduce += gathered_weights_seconds(biggest.backward_plan, sizes, inner, hw) * rec.virtual
     # the update: planned on the device that holds the most parameters
     stage = dict(kinds)["first" if chunks > 1 else "only"]
     update_s = _update_seconds(rec, cfg, stage, mesh, cluster, time_limit, own_layouts) * rec.virtual / (

@@ -46,7 +46,8 @@ class BackendProfile:
       widen_half_precision_collectives: the backend moves 2-byte floats (bf16, f16) through
         collectives as f32 (:class:`autoshard.cost.CostModel` prices their bytes so).
       mixed_precision_dots: the backend runs an unfused bf16 x bf16 -> f32 dot (XLA:CPU does not:
-        :func:`autoshard.precision.widen_operands`).
+        :func:`autoshard.precision.widen_operands`; it computes a bf16 dot on f32 copies of its operands, which the
+        memory estimate counts, ``memory._widened_operands``).
       async_collectives: collectives run asynchronously (start/done pairs), overlapping compute.
       latency_hiding_scheduler: XLA schedules with the latency-hiding scheduler (which starts from a
         memory-minimising schedule and may keep more alive to overlap collectives).

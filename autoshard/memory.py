@@ -20,10 +20,13 @@ the live temporaries over XLA's sequential schedule:
 - what the backend adds when lowering: layout copies of convolution operands and the index
   buffers of expanded max-pool gradients (:func:`_lowering_buffers`), and buffer alignment.
   A convolution that reads a copy, and a pooling gradient that scatters by the saved winners'
-  indices, no longer read the original value, so it is not kept alive for them.
+  indices, no longer read the original value, so it is not kept alive for them. On a backend
+  without mixed-precision dots (XLA:CPU) a bf16 dot reads f32 copies of its operands, one per
+  operand and layout for every dot that reads it, and writes an f32 result before converting it
+  (:func:`_widened_operands`).
 
 What is platform behaviour (alignment, library reductions, convolution copies, max-pool index
-buffers) comes from a :class:`~autoshard.backends.BackendProfile`; what is primitive behaviour
+buffers, widened dot operands) comes from a :class:`~autoshard.backends.BackendProfile`; what is primitive behaviour
 (fusion, reductions, expensive ops, bitcasts) from the primitive's
 :class:`~autoshard.strategies.OpInfo`.
 """
@@ -191,7 +194,8 @@ def _centrings(graph: OpGraph, avals, producer, mat: set, library_reductions) ->
 
 def _graph_peak(graph: OpGraph, program, value_specs, mesh, *, profile: BackendProfile, on_chip=frozenset()) -> float:
     """Peak of a scan body's own buffers, evaluated once per iteration; ``on_chip`` values (:func:`on_chip_values`:
-    the attention scores of a fused attention, in a scanned layer as at the top level) take none."""
+    the attention scores of a fused attention, in a scanned layer as at the top level) take none. The widened
+    operands and results of its 2-byte dots (:func:`_widened_operands`) count as at the top level."""
     last: dict[int, int] = {}
     for t, op in enumerate(graph.ops):
         for x in op.inputs:
@@ -201,10 +205,17 @@ def _graph_peak(graph: OpGraph, program, value_specs, mesh, *, profile: BackendP
     live = 0.0
     peak = 0.0
     ends: dict[int, list[float]] = {}
+    widened, results, _ = _widened_operands(graph, program.avals, value_specs, {}, mesh, profile=profile)
+    made_at: dict[int, list[tuple[float, int]]] = {}
+    for b, lo, hi in widened:
+        made_at.setdefault(lo, []).append((b, hi))
     for t, op in enumerate(graph.ops):
-        extra = 0.0
+        extra = results.get(t, 0.0)
+        for b, hi in made_at.pop(t, ()):
+            live += b
+            ends.setdefault(hi, []).append(b)
         if op.body is not None:
-            extra = _graph_peak(op.body, program, value_specs, mesh, profile=profile, on_chip=on_chip)
+            extra += _graph_peak(op.body, program, value_specs, mesh, profile=profile, on_chip=on_chip)
         for v in op.outputs:
             if v in mat and v not in on_chip:
                 b = value_bytes(program.avals[v], value_specs.get(v), mesh)
@@ -460,8 +471,48 @@ def on_chip_values(program: CapturedProgram, profile: BackendProfile | None) -> 
     return attention_scores(program)
 
 
+def _widened_operands(graph: OpGraph, avals, value_specs: dict, operand_specs: dict, mesh, *,
+                      profile: BackendProfile) -> tuple[list, dict, set]:
+    """The f32 copies of 2-byte float dot operands on a backend without mixed-precision dots
+    (``BackendProfile.mixed_precision_dots`` False: XLA:CPU upcasts a bf16 dot's operands and computes it in f32).
+
+    XLA converts each operand once (CSE) for every dot that reads it in one layout, so the f32 copy of a weight or of
+    a softmax lives from its first dot in the forward to its last in the backward, where the 2-byte value itself no
+    longer needs to. Returns ``(extras, transient, covered)`` as :func:`_lowering_buffers`: the copies (made at
+    their first reader), the f32 result a 2-byte dot writes before its conversion (op position -> bytes), and the
+    reads (op position, operand position) the copies serve instead of the 2-byte value."""
+    if profile.mixed_precision_dots:
+        return [], {}, set()
+    spans: dict = {}
+    transient: dict[int, float] = {}
+    for t, op in enumerate(graph.ops):
+        if op.name != "dot_general":
+            continue
+        for pos, x in enumerate(op.inputs[:2]):
+            if isinstance(x, int) and _half_float(getattr(avals[x], "dtype", None)):
+                spec = operand_specs.get((op.index, pos), value_specs.get(x))
+                lo, _, reads = spans.get((x, spec), (t, t, []))
+                spans[(x, spec)] = (lo, t, reads + [(t, pos)])
+        y = op.outputs[0]
+        if _half_float(getattr(avals[y], "dtype", None)):
+            transient[t] = 2 * value_bytes(avals[y], value_specs.get(y), mesh)
+    extras, covered = [], set()
+    for (x, spec), (lo, hi, reads) in spans.items():
+        extras.append((2 * value_bytes(avals[x], spec, mesh), lo, hi))
+        covered.update(reads[1:])
+    return extras, transient, covered
+
+
+def _half_float(dtype) -> bool:
+    """Whether ``dtype`` is a 2-byte float (bfloat16, whose numpy kind is "V", or float16)."""
+    if dtype is None:
+        return False
+    dtype = np.dtype(dtype)
+    return dtype.itemsize == 2 and (dtype.kind == "f" or dtype.name == "bfloat16")
+
+
 def _resharded_buffers(program: CapturedProgram, value_specs: dict, operand_specs: dict, mesh,
-                       skip=frozenset(), *, at_start: bool = True) -> list:
+                       skip=frozenset(), *, at_start: bool = True, served=frozenset()) -> list:
     """Buffers the plan's resharding collectives write: ``(bytes, op made at or None, op last read at)``.
 
     An operand a reader needs in a larger layout (an all-gather) is a new buffer, shared by
@@ -470,7 +521,8 @@ def _resharded_buffers(program: CapturedProgram, value_specs: dict, operand_spec
     program input is gathered at the step's start, as XLA:CPU schedules it. A remat fence (an
     ``optimization_barrier``) reads its operand as stored and is resharded behind the barrier
     (:meth:`autoshard.lower.Evaluator.fence`), so its gather is its own, made there. Smaller layouts are
-    slices that fuse into the reader."""
+    slices that fuse into the reader. ``served``: (op position, operand position) reads that another buffer serves
+    (:func:`_widened_operands`), which do not keep the gathered copy."""
     position = {op.index: t for t, op in enumerate(program.graph.ops)}
     invars = set(program.graph.invars)
     spans: dict = {}
@@ -480,7 +532,7 @@ def _resharded_buffers(program: CapturedProgram, value_specs: dict, operand_spec
             continue
         op = program.graph.ops[t]
         x = op.inputs[pos]
-        if not isinstance(x, int) or x in skip:
+        if not isinstance(x, int) or x in skip or (t, pos) in served:
             continue
         b = value_bytes(program.avals[x], spec, mesh)
         if b <= value_bytes(program.avals[x], value_specs.get(x), mesh):
@@ -678,6 +730,11 @@ def _liveness(program: CapturedProgram, value_specs, mesh, entry: _Entry, *, ope
                  for t in nodes if ops[t].body is not None}
     extras, lowering, covered = _lowering_buffers(graph, materialised, _ShardBytes(program, value_specs, mesh),
                                                   profile)
+    widened, results, served = _widened_operands(graph, program.avals, value_specs, operand_specs, mesh, profile=profile)
+    extras += widened
+    for t, b in results.items():
+        lowering[t] = lowering.get(t, 0.0) + b
+    covered |= {(t, ops[t].inputs[pos]) for t, pos in served}
     if covered:
         dropped: dict[int, set] = {}
         for t, v in covered:
@@ -686,7 +743,7 @@ def _liveness(program: CapturedProgram, value_specs, mesh, entry: _Entry, *, ope
     for v in scores & size.keys():
         size[v] = 0.0
     extras += _resharded_buffers(program, value_specs, operand_specs, mesh, skip=scores,
-                                 at_start=profile.inputs_gathered_at_start)
+                                 at_start=profile.inputs_gathered_at_start, served=served)
 
     def scheduled(t):  # a fused op runs inside the next op that is not fused
         return nodes[min(bisect.bisect_left(nodes, t), len(nodes) - 1)]

@@ -638,7 +638,7 @@ def solve_under_budget(request: PlanRequest, on: MeshTarget, built, budget, limi
     estimate in the order its list schedule finds, so the row says more: 1.1x to 1.3x on the benchmark
     models, 1.24x for GPT-1.3B on one device. A probe over the row but within the budget by its estimate
     fits; one over both calibrates the row: the budgeted solve holds the row to ``budget`` times the
-    probe's row over its estimate (see ``ROW_CALIBRATION``; an uncalibrated row that refuses: :func:`_rescued`).
+    probe's row over its estimate (see ``ROW_CALIBRATION``; a row that refuses short of that ceiling: :func:`_rescued`).
 
     The budget binds when the probe is over it, and also when a longer free solve finds a cheaper plan over it
     (then the budgeted search runs with the probe's time again; the probe's plan stays when it finds nothing
@@ -696,8 +696,8 @@ def solve_under_budget(request: PlanRequest, on: MeshTarget, built, budget, limi
     except InfeasibleError as e:
         if e.smallest_memory is None:
             raise
-        rescued = None if calibration > 1.0 else _rescued(built.problem, e.smallest_memory, budget, peak_of,
-                                                          max(left, 1.0))
+        rescued = None if calibration >= ROW_CALIBRATION else _rescued(built.problem, e.smallest_memory, budget,
+                                                                       peak_of, max(left, 1.0))
         if rescued is not None:
             return rescued, free_objective, budget_bound, None, calibration
         return None, free_objective, budget_bound, _refused(on, budget, limit, e.smallest_memory / calibration), \
@@ -726,24 +726,28 @@ def _credible(sol) -> bool:
 
 
 def _rescued(problem, smallest: float, budget: float, peak_of, time_limit: float):
-    """Where the estimate is the one trusted (``peak_of`` given), the probe did not calibrate the row (its row was
-    under its estimate) and the row refuses ``budget`` (its least peak ``smallest`` over the limit): a plan solved under
-    a raised row limit whose estimate is within ``budget``, else None. The limits tried, in turn: ``ROW_CALIBRATION``
-    times the budget (the most a calibration raises it to), then halfway down to ``smallest``; none when ``smallest``
-    is over the first.
+    """Where the estimate is the one trusted (``peak_of`` given), the probe calibrated the row less than it can be
+    (``ROW_CALIBRATION``) and the row refuses ``budget`` (its least peak ``smallest`` over the limit): a plan solved
+    under a raised row limit whose estimate is within ``budget``, else None. The limits tried, in turn:
+    ``ROW_CALIBRATION`` times the budget (the most a calibration raises it to), then halfway down to ``smallest``, then
+    an eighth of the way; none when ``smallest`` is over the first. A solve fills its row to its limit, so the lower
+    rungs find the plans whose row is over their estimate by more than the probe's.
 
-    The calibration comes from the unconstrained probe, whose row can be under its estimate (gathered copies are not
-    in the row) while a low-memory plan's is over it: MaxText-52B's stage on 192 TPU v4 with FSDP 192, its row 38.7 GB
-    and its estimate 24.9 GB for the published layout, the probe's 104 and 153 GB, so a 31.1 GB budget was refused
-    (least row peak 35.5 GB) though the published layout fits it by the estimate."""
+    The calibration comes from the unconstrained probe, whose row over its estimate can be less than a low-memory
+    plan's, or under it (gathered copies are not in the row): MaxText-52B's stage on 192 TPU v4 with FSDP 192, its row
+    38.7 GB and its estimate 24.9 GB for the published layout, the probe's 104 and 153 GB, so a 31.1 GB budget was
+    refused (least row peak 35.5 GB) though the published layout fits it by the estimate; MaxText-scale32's on 64 v5p
+    with (16, 1, 4), the published layout's row 98.5 GB over its estimate 88.6 (1.11x), the probe's less, so 95.9 GB
+    was refused (least row peak 97.3 GB)."""
     from autoshard.solver import solve
 
     ceiling = ROW_CALIBRATION * budget
     if peak_of is None or smallest > ceiling:
         return None
-    for row in (ceiling, (smallest + ceiling) / 2):
+    rungs = (ceiling, (smallest + ceiling) / 2, smallest + (ceiling - smallest) / 8)
+    for row in rungs:
         try:
-            sol = solve(dataclasses.replace(problem, memory_limit=row), time_limit=time_limit / 2)
+            sol = solve(dataclasses.replace(problem, memory_limit=row), time_limit=time_limit / len(rungs))
         except InfeasibleError:
             continue
         if sol.feasible and peak_of(sol) <= budget:

@@ -6,7 +6,9 @@ Each row runs in a process of its own with that many simulated CPU devices (``XL
 set before jax starts). Nothing runs; everything is compiled from ``ShapeDtypeStruct``s:
 
 - ``single`` rows plan a GPT train step (AdamW, fp32) on a concrete ``(data, model)`` mesh under the
-  ``h100-nvlink`` preset and compile the plan (``step.lower(...).compile()``);
+  ``h100-nvlink`` preset and compile the plan (``step.lower(...).compile()``); the Llama rows (issue 45) plan
+  EasyLM's step (bf16 compute) the same way on ``(dp, fsdp, mp)``: Llama-3-8B, and one stage of Llama-3.1-70B
+  (``layers``: 4 of its 80, with the embedding and the head);
 - the ``stage`` row plans GPT-39B on an ``AbstractMesh`` (8, 8) with ``num_stages="auto"`` (the
   planning-at-scale row of ``benchmarks.scale``, with the CPU backend profile, since XLA:CPU compiles
   it here), then compiles its first stage on a concrete sub-mesh of that stage's shape: its one
@@ -50,6 +52,7 @@ class Row:
     family: str = "gpt"  # benchmarks.models family
     axes: tuple[str, ...] = ("data", "model")  # a single row's mesh axis names
     seq: int | None = None  # the sequence length, when not the config's
+    layers: int | None = None  # the layers, when not the config's (one stage of a deeper model)
 
     @property
     def devices(self) -> int:
@@ -64,6 +67,10 @@ ROWS = (
     Row("39B-stage", "39B", 64, (8, 8), kind="stage", microbatches=8),
     # issue 45: Llama-3-8B as EasyLM writes it (bf16 compute), batch 8 x 4,096, on EasyLM's (1, 8, 1) mesh
     Row("llama3-8B-8", "llama3-8b", 8, (1, 8, 1), family="llama", axes=("dp", "fsdp", "mp"), seq=4096),
+    # issue 45: one stage of Llama-3.1-70B (4 of its 80 layers, as in a 20-stage pipeline, with the embedding and
+    # the head of its first and last stages), batch 8 x 4,096, on (1, 8, 1)
+    Row("llama3-70B-stage-8", "llama3-70b", 8, (1, 8, 1), family="llama", axes=("dp", "fsdp", "mp"), seq=4096,
+        layers=4),
 )
 
 
@@ -107,10 +114,13 @@ def _model(row: Row):
     """The row's :class:`~benchmarks.models.ModelSpec` (its config, with the row's sequence length if it has one)."""
     from benchmarks.models import get_model, gpt, llama
 
-    if row.seq is None:
+    if row.seq is None and row.layers is None:
         return get_model(row.family, row.config, row.batch)
     module = {"gpt": gpt, "llama": llama}[row.family]
-    return module.build(dataclasses.replace(module.CONFIGS[row.config], seq_len=row.seq), row.batch)
+    config = module.CONFIGS[row.config]
+    config = dataclasses.replace(config, seq_len=row.seq or config.seq_len,
+                                 num_layers=row.layers or config.num_layers)
+    return module.build(config, row.batch)
 
 
 def _step_times(plan, compiled, mesh, cluster: str) -> dict:

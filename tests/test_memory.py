@@ -427,7 +427,7 @@ def test_a_row_the_probe_did_not_calibrate_is_raised_for_a_plan_that_fits_by_the
     assert error is None and bound and sol.cost == 12.0 and calls == [None, 100.0, ROW_CALIBRATION * 100.0]
     estimate["low"] = 110.0   # no raised limit gives a plan within the budget by the estimate
     sol, _, _, error, _ = run()
-    assert sol is None and error.smallest_memory == 120.0 and len(calls) == 4
+    assert sol is None and error.smallest_memory == 120.0 and len(calls) == 5   # the probe, the budget, three rungs
 
 
 def test_a_bf16_llama_on_cpu_counts_the_f32_copies_its_dots_read():
@@ -447,3 +447,37 @@ def test_a_bf16_llama_on_cpu_counts_the_f32_copies_its_dots_read():
     plan = step.plan(state, b)
     xla_peak = memory_stats(step.lower(state, b).compile())["peak"]
     assert plan.cost.peak_memory_bytes == pytest.approx(xla_peak, rel=0.1), plan.memory.breakdown
+
+
+def test_a_row_the_probe_calibrated_short_of_its_ceiling_is_raised_for_a_plan_that_fits_by_the_estimate(
+        monkeypatch):
+    """The probe's row over its estimate (1.25 here) can be less than a low-memory plan's (MaxText-scale32's stage on
+    64 v5p: the published layout's row 1.11x its estimate, the probe's less, and 95.9 GB refused though that layout
+    fits by the estimate): when the calibrated row refuses, raised limits are tried up to ``ROW_CALIBRATION`` times
+    the budget, down towards the row's least peak (a solve fills its row to its limit), and the first plan whose
+    estimate fits is kept. Stand-in solves: each answers a row at its limit and an estimate 0.72 of it."""
+    import types
+
+    import autoshard.solver
+    from autoshard.driver import ROW_CALIBRATION, solve_under_budget
+    from autoshard.errors import InfeasibleError
+
+    calls = []
+
+    def fake_solve(problem, *, time_limit, seed=0):
+        calls.append(problem.memory_limit)
+        if problem.memory_limit is None:   # the probe: row 150 over its estimate 120, both over the budget
+            return types.SimpleNamespace(cost=10.0, peak_memory=150.0, optimal=True, feasible=True, est=120.0)
+        if problem.memory_limit < 130.0:   # the row's least peak is 130
+            raise InfeasibleError("refused", smallest_memory=130.0)
+        return types.SimpleNamespace(cost=12.0, peak_memory=problem.memory_limit, optimal=False, feasible=True,
+                                     est=0.72 * problem.memory_limit)
+
+    monkeypatch.setattr(autoshard.solver, "solve", fake_solve)
+    built = types.SimpleNamespace(problem=dataclasses.make_dataclass("Problem", [("memory_limit", float)])(100.0))
+    request = types.SimpleNamespace(time_limit=10.0)
+    on = types.SimpleNamespace(cluster=types.SimpleNamespace(name="h100"), shape={"data": 8})
+    sol, _, bound, error, calibration = solve_under_budget(request, on, built, 100.0, None, peak_of=lambda s: s.est)
+    ceiling = ROW_CALIBRATION * 100.0
+    assert error is None and bound and calibration == 1.25 and sol.est <= 100.0
+    assert calls[:3] == [None, 125.0, ceiling] and calls[-1] == pytest.approx(130.0 + (ceiling - 130.0) / 8)

@@ -402,18 +402,10 @@ def test_a_row_the_probe_did_not_calibrate_is_raised_for_a_plan_that_fits_by_the
 
     import autoshard.solver
     from autoshard.driver import ROW_CALIBRATION, solve_under_budget
-    from autoshard.errors import InfeasibleError
 
     calls, estimate = [], {"low": 90.0}
-
-    def fake_solve(problem, *, time_limit, seed=0):
-        calls.append(problem.memory_limit)
-        if problem.memory_limit is None:   # the probe: row 150 under its estimate 300, both over the budget
-            return types.SimpleNamespace(cost=10.0, peak_memory=150.0, optimal=True, feasible=True, est=300.0)
-        if problem.memory_limit < 120.0:   # the row's least peak is 120
-            raise InfeasibleError("refused", smallest_memory=120.0)
-        return types.SimpleNamespace(cost=12.0, peak_memory=125.0, optimal=False, feasible=True, est=estimate["low"])
-
+    # the probe: row 150 under its estimate 300, both over the budget; the row's least peak is 120
+    fake_solve = _stand_in_solve(calls, (150.0, 300.0), 120.0, lambda limit: (125.0, estimate["low"]))
     monkeypatch.setattr(autoshard.solver, "solve", fake_solve)
     built = types.SimpleNamespace(problem=dataclasses.make_dataclass("Problem", [("memory_limit", float)])(100.0))
     request = types.SimpleNamespace(time_limit=10.0)
@@ -460,19 +452,10 @@ def test_a_row_the_probe_calibrated_short_of_its_ceiling_is_raised_for_a_plan_th
 
     import autoshard.solver
     from autoshard.driver import ROW_CALIBRATION, solve_under_budget
-    from autoshard.errors import InfeasibleError
 
     calls = []
-
-    def fake_solve(problem, *, time_limit, seed=0):
-        calls.append(problem.memory_limit)
-        if problem.memory_limit is None:   # the probe: row 150 over its estimate 120, both over the budget
-            return types.SimpleNamespace(cost=10.0, peak_memory=150.0, optimal=True, feasible=True, est=120.0)
-        if problem.memory_limit < 130.0:   # the row's least peak is 130
-            raise InfeasibleError("refused", smallest_memory=130.0)
-        return types.SimpleNamespace(cost=12.0, peak_memory=problem.memory_limit, optimal=False, feasible=True,
-                                     est=0.72 * problem.memory_limit)
-
+    # the probe: row 150 over its estimate 120, both over the budget; the row's least peak is 130
+    fake_solve = _stand_in_solve(calls, (150.0, 120.0), 130.0, lambda limit: (limit, 0.72 * limit))
     monkeypatch.setattr(autoshard.solver, "solve", fake_solve)
     built = types.SimpleNamespace(problem=dataclasses.make_dataclass("Problem", [("memory_limit", float)])(100.0))
     request = types.SimpleNamespace(time_limit=10.0)
@@ -481,3 +464,23 @@ def test_a_row_the_probe_calibrated_short_of_its_ceiling_is_raised_for_a_plan_th
     ceiling = ROW_CALIBRATION * 100.0
     assert error is None and bound and calibration == 1.25 and sol.est <= 100.0
     assert calls[:3] == [None, 125.0, ceiling] and calls[-1] == pytest.approx(130.0 + (ceiling - 130.0) / 8)
+
+
+def _stand_in_solve(calls: list, probe: tuple, least: float, answer):
+    """A stand-in for ``autoshard.solver.solve`` that records each memory limit in ``calls``: the probe (no limit)
+    answers ``probe`` (its row, its estimate), a limit under the row's ``least`` peak is refused, and any other
+    answers ``answer(limit)`` (a row and an estimate)."""
+    import types
+
+    from autoshard.errors import InfeasibleError
+
+    def solve(problem, *, time_limit, seed=0):
+        calls.append(problem.memory_limit)
+        if problem.memory_limit is None:
+            return types.SimpleNamespace(cost=10.0, peak_memory=probe[0], optimal=True, feasible=True, est=probe[1])
+        if problem.memory_limit < least:
+            raise InfeasibleError("refused", smallest_memory=least)
+        row, est = answer(problem.memory_limit)
+        return types.SimpleNamespace(cost=12.0, peak_memory=row, optimal=False, feasible=True, est=est)
+
+    return solve

@@ -696,8 +696,8 @@ def solve_under_budget(request: PlanRequest, on: MeshTarget, built, budget, limi
     except InfeasibleError as e:
         if e.smallest_memory is None:
             raise
-        rescued = None if calibration >= ROW_CALIBRATION else _rescued(built.problem, e.smallest_memory, budget,
-                                                                       peak_of, max(left, 1.0))
+        rescued = _rescued(built.problem, e.smallest_memory, budget, peak_of, max(left, 1.0)) if _rescuable(
+            calibration, screen) else None
         if rescued is not None:
             return rescued, free_objective, budget_bound, None, calibration
         return None, free_objective, budget_bound, _refused(on, budget, limit, e.smallest_memory / calibration), \
@@ -723,6 +723,14 @@ def _credible(sol) -> bool:
     """Whether a probe's answer is close enough to its bound to stand without a second solve (``SCREEN_GAP``)."""
     gap = sol.stats.get("gap")
     return gap is not None and gap <= SCREEN_GAP
+
+
+def _rescuable(calibration: float, screen: bool) -> bool:
+    """Whether a budget the calibrated row refuses is tried again under raised row limits (:func:`_rescued`): where the
+    probe calibrated the row short of ``ROW_CALIBRATION``, but not for a remat candidate whose probe calibrated it at
+    all (``screen``): the remat search answers its refusal with more recomputation, and rescuing each candidate would
+    spend its solve's time again."""
+    return calibration < ROW_CALIBRATION and not (screen and calibration > 1.0)
 
 
 def _rescued(problem, smallest: float, budget: float, peak_of, time_limit: float):

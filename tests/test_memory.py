@@ -447,7 +447,7 @@ def test_a_row_the_probe_calibrated_short_of_its_ceiling_is_raised_for_a_plan_th
     64 v5p: the published layout's row 1.11x its estimate, the probe's less, and 95.9 GB refused though that layout
     fits by the estimate): when the calibrated row refuses, raised limits are tried up to ``ROW_CALIBRATION`` times
     the budget, down towards the row's least peak (a solve fills its row to its limit), and the first plan whose
-    estimate fits is kept. Stand-in solves: each answers a row at its limit and an estimate 0.72 of it."""
+    estimate fits is kept; not for a remat candidate (``screen``). Stand-in solves: each answers a row at its limit and an estimate 0.72 of it."""
     import types
 
     import autoshard.solver
@@ -464,6 +464,9 @@ def test_a_row_the_probe_calibrated_short_of_its_ceiling_is_raised_for_a_plan_th
     ceiling = ROW_CALIBRATION * 100.0
     assert error is None and bound and calibration == 1.25 and sol.est <= 100.0
     assert calls[:3] == [None, 125.0, ceiling] and calls[-1] == pytest.approx(130.0 + (ceiling - 130.0) / 8)
+    calls.clear()   # a remat candidate's refusal is the remat search's to answer (more recomputation)
+    sol, _, _, error, _ = solve_under_budget(request, on, built, 100.0, None, peak_of=lambda s: s.est, screen=True)
+    assert sol is None and error is not None and calls == [None, 125.0]
 
 
 def _stand_in_solve(calls: list, probe: tuple, least: float, answer):

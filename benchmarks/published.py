@@ -394,36 +394,29 @@ def plan_stage(rec: Reconstruction, cfg, stage, mesh, cluster, time_limit: float
     return StagePlans(t_f, max(pb.cost.total_seconds - t_f, 0.0), pf, pb, residuals)
 
 
-def _param_elements(plan, mesh_sizes):
-    """``(elements, elements on one device)`` of each leaf of the plan's first argument (the parameters)."""
-    for path, (shape, _), spec in zip(plan.in_paths, plan.in_avals, plan.in_specs, strict=True):
-        if path.startswith("[0]"):
-            yield math.prod(shape), _local_elements(shape, spec, mesh_sizes)
-
-
 _FP8_PATH = "[1]['fp8']"  # the fp8 copies of the matmul weights, in a stage program's inputs
 
 
-def _local_elements(shape, spec, mesh_sizes) -> int:
-    return math.prod(n // math.prod(mesh_sizes[a] for a in axes) if axes else n
-                     for n, axes in zip(shape, spec.dims, strict=True))
+def _param_elements(plan, mesh_sizes, prefix: str = "[0]"):
+    """``(elements, elements on one device)`` of each leaf of the plan's arguments under ``prefix``: by default
+    the first argument (the parameters); ``_FP8_PATH``: the fp8 copies of the matmul weights."""
+    for path, (shape, _), spec in zip(plan.in_paths, plan.in_avals, plan.in_specs, strict=True):
+        if path.startswith(prefix):
+            yield math.prod(shape), math.prod(n // math.prod(mesh_sizes[a] for a in axes) if axes else n
+                                              for n, axes in zip(shape, spec.dims, strict=True))
 
 
 def _local_fp8_bytes(plan, mesh_sizes) -> float:
     """Bytes of the fp8 weight copies (one byte an element) a stage program's plan holds on one device."""
-    return float(sum(_local_elements(shape, spec, mesh_sizes)
-                     for path, (shape, _), spec in zip(plan.in_paths, plan.in_avals, plan.in_specs, strict=True)
-                     if path.startswith(_FP8_PATH)))
+    return float(sum(local for _, local in _param_elements(plan, mesh_sizes, _FP8_PATH)))
 
 
 def _weight_leaves(plan, mesh_sizes):
     """``(elements, elements on one device, bytes an element)`` of every weight a stage program reads: its bf16
     parameters and the fp8 copies of its matmul weights."""
-    for elements, local in _param_elements(plan, mesh_sizes):
-        yield elements, local, 2
-    for path, (shape, _), spec in zip(plan.in_paths, plan.in_avals, plan.in_specs, strict=True):
-        if path.startswith(_FP8_PATH):
-            yield math.prod(shape), _local_elements(shape, spec, mesh_sizes), 1
+    for prefix, itemsize in (("[0]", 2), (_FP8_PATH, 1)):
+        for elements, local in _param_elements(plan, mesh_sizes, prefix):
+            yield elements, local, itemsize
 
 
 def _local_param_bytes(plan, mesh_sizes) -> float:
